@@ -1,0 +1,69 @@
+# Two commands on a fresh machine: `make test` and `make bench`; both build .venv when missing.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The pinned torch is installed first; pyproject's range then installs nothing more.
+# On a GPU machine: make setup TORCH_SPEC='torch==2.13.0' picks the CUDA wheel from the index.
+TORCH_SPEC ?= torch==2.13.0
+
+GPUS ?= 1
+SIZES ?=
+STRATEGIES ?=
+PRECISION ?=
+SCALING ?=
+LR_RULE ?=
+STEPS ?=
+WARMUP ?=
+BATCH ?=
+OUT ?=
+PROFILE ?=
+CELL ?=
+BASE ?=
+CAND ?=
+ARGS ?=
+
+bench_args = --gpus $(GPUS) \
+	$(if $(SIZES),--sizes $(SIZES)) $(if $(STRATEGIES),--strategies $(STRATEGIES)) \
+	$(if $(PRECISION),--precision $(PRECISION)) $(if $(SCALING),--scaling $(SCALING)) \
+	$(if $(LR_RULE),--lr-rule $(LR_RULE)) $(if $(STEPS),--steps $(STEPS)) \
+	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) \
+	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
+
+.PHONY: setup test bench plan trace compare report bench-ci workloads clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: setup
+	$(BIN)/harness bench $(bench_args)
+
+plan: setup
+	$(BIN)/harness plan $(bench_args)
+
+trace: setup
+	$(BIN)/harness trace --gpus $(GPUS) $(if $(CELL),--cell $(CELL)) $(if $(OUT),--out $(OUT)) $(ARGS)
+
+report: setup
+	$(BIN)/harness report $(OUT)
+
+compare: setup
+	$(BIN)/harness compare $(BASE) $(CAND) $(ARGS)
+
+bench-ci: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/bench --benchmark-only \
+		--benchmark-json=$(or $(OUT),results/bench-ci.json)
+
+workloads: setup
+	$(BIN)/harness workloads
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks

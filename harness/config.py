@@ -1,0 +1,111 @@
+"""Typed configuration of one cell: the unit the harness plans, launches and records.
+
+Precedence: CLI flags > sweep file > these defaults. A cell is immutable once planned; it
+travels to the ranks as JSON (never pickle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from harness.errors import UsageError
+from harness.parallel.presets import PP_SCHEDULES, STRATEGIES
+from harness.precision import PRECISIONS
+from harness.scaling import LR_RULES, SCALINGS
+
+
+@dataclass(frozen=True)
+class CellConfig:
+    size: str
+    """Workload size name (``harness workloads`` lists them)."""
+    strategy: str
+    """Parallel strategy preset (``single``, ``ddp``, ``fsdp``, ...)."""
+    precision: str
+    """``fp32``, ``tf32``, ``bf16`` or ``fp16``: required, never inferred."""
+    world_size: int
+    """Devices (ranks) this cell runs on, over all nodes."""
+    global_batch: int
+    """Sequences per optimizer step over all data-parallel ranks (equal work across strategies)."""
+    seq_len: int
+    steps: int
+    """Measured steps (stored as raw samples)."""
+    warmup: int
+    """Steps run first and never counted."""
+    device_kind: str
+    """``cuda`` (NCCL, CUDA events) or ``cpu`` (gloo, perf_counter)."""
+    nnodes: int = 1
+    grad_accum: int = 1
+    """Gradient-accumulation micro-steps per optimizer step (non-pipeline strategies)."""
+    microbatches: int = 1
+    """Pipeline microbatches per step (pipeline strategies)."""
+    pp_schedule: str = "1f1b"
+    scaling: str = "strong"
+    lr_rule: str = "none"
+    base_lr: float = 1e-3
+    base_batch: int = 8
+    """Global batch at which ``base_lr`` holds; the LR rules scale from it."""
+    lr: float = 1e-3
+    """Effective peak LR after the rule (derived by the planner, recorded)."""
+    lr_warmup_steps: int = 0
+    seed: int = 0
+    target_loss: float | None = None
+    """Loss for steps-to-target; None = entropy floor + the default margin."""
+    nvtx: bool = True
+    profile: bool = False
+    profile_ranks: tuple[int, ...] = (0, 1)
+    monitor_hz: float = 10.0
+    degrees: dict | None = None
+    """Explicit degrees overriding the preset, e.g. ``{"pp": 2, "tp": 2}`` (unnamed ones are 1)."""
+    mem_cap_gib: float | None = None
+    """CPU only: cap each rank's address-space growth; exceeding it makes the cell ``oom``."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.strategy, STRATEGIES, "strategy"),
+            (self.precision, PRECISIONS, "precision"),
+            (self.pp_schedule, PP_SCHEDULES, "pipeline schedule"),
+            (self.scaling, SCALINGS, "scaling"),
+            (self.lr_rule, LR_RULES, "LR rule"),
+            (self.device_kind, ("cpu", "cuda"), "device kind"),
+        )
+        for value, valid, what in checks:
+            if value not in valid:
+                raise UsageError(f"unknown {what} {value!r}; choose from {', '.join(valid)}")
+        for name in ("world_size", "global_batch", "seq_len", "steps", "grad_accum", "microbatches", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.warmup < 0:
+            raise UsageError(f"warmup must be >= 0, got {self.warmup}")
+
+    @property
+    def cell_id(self) -> str:
+        """Readable and unique within a sweep: every field that varies in a matrix appears."""
+        parts = [self.size, self.strategy, self.precision, f"w{self.world_size}", f"gb{self.global_batch}", self.scaling]
+        if self.lr_rule != "none":
+            parts.append(f"lr-{self.lr_rule}")
+        if self.strategy.startswith("pp"):
+            parts.append(f"{self.pp_schedule}-m{self.microbatches}")
+        if self.grad_accum > 1:
+            parts.append(f"ga{self.grad_accum}")
+        return "-".join(parts)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["profile_ranks"] = list(self.profile_ranks)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CellConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise UsageError(f"unknown cell config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        d = dict(d)
+        if "profile_ranks" in d:
+            d["profile_ranks"] = tuple(d["profile_ranks"])
+        return cls(**d)

@@ -1,0 +1,1 @@
+"""Measurement: timers, statistics, memory, communication, instrumentation."""

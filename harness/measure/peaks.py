@@ -1,0 +1,32 @@
+"""Datasheet peak TFLOP/s per device and compute dtype (dense, no sparsity).
+
+Sources: NVIDIA H200 / H100 / A100 datasheets. Sparse figures are halved to dense. An unknown
+device or dtype gives ``None`` plus the reason, never another chip's peak.
+"""
+
+from __future__ import annotations
+
+# (name substring, peaks by compute dtype); first match wins, so specific names come first.
+_TABLE: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.5, "fp16": 989.5}),
+    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
+    ("H100", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.5, "fp16": 989.5}),  # SXM5 (HBM3)
+    ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
+]
+
+
+def datasheet_peak_tflops(device_name: str | None, dtype: str, device_kind: str) -> tuple[float | None, str | None]:
+    """``(peak, None)`` or ``(None, reason)``."""
+    if device_kind != "cuda":
+        return None, f"n/a: no datasheet peak for CPU ({device_name or 'unknown model'}); see mfu_calibrated_pct"
+    for key, peaks in _TABLE:
+        if device_name and key in device_name:
+            if dtype in peaks:
+                return peaks[dtype], None
+            return None, f"n/a: no datasheet peak for {dtype} on {device_name}"
+    return None, f"n/a: device {device_name!r} is not in the datasheet table (harness/measure/peaks.py)"
+
+
+def mfu_pct(tflops_per_device: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation in percent: achieved model TFLOP/s over the peak."""
+    return None if peak is None or peak <= 0 else 100.0 * tflops_per_device / peak

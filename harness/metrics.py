@@ -1,0 +1,79 @@
+"""Turn per-rank raw measurements into a cell's metrics (pure: unit-tested on numbers).
+
+Conventions (written into every record under ``metrics.conventions``):
+
+* a step's time is the slowest rank's time for that step;
+* ``tokens_per_s = global tokens per step / median step time``;
+* ``tflops_per_device = flops_per_token x tokens_per_s / devices / 1e12`` (PaLM FLOPs/token);
+* ``mfu_pct = 100 x tflops_per_device / peak`` (datasheet, or measured matmul peak when calibrated).
+"""
+
+from __future__ import annotations
+
+import math
+
+from harness.measure.peaks import datasheet_peak_tflops, mfu_pct
+from harness.measure.stats import Stats
+
+CONVENTIONS = {
+    "step_time": "slowest rank per step; warmup excluded",
+    "tokens_per_s": "global_batch x seq_len / median step time",
+    "flops_per_token": "PaLM: 6*N_nonembed + 12*L*d*S (fwd+bwd, recompute not counted)",
+    "tflops_per_device": "flops_per_token x tokens_per_s / devices / 1e12",
+    "mfu_pct": "100 x tflops_per_device / datasheet peak (device, compute dtype)",
+    "mfu_calibrated_pct": "100 x tflops_per_device / measured matmul peak (harness calibrate)",
+    "comm_bytes": "nccl-tests sizes per call on one rank: all_gather output, reduce_scatter input, else tensor size",
+}
+
+
+def slowest_per_step(per_rank: list[list[float]]) -> list[float]:
+    lengths = {len(r) for r in per_rank}
+    if len(lengths) != 1:
+        raise ValueError(f"ranks measured different step counts: {sorted(lengths)}")
+    return [max(col) for col in zip(*per_rank)]
+
+
+def global_loss(per_rank_losses: list[list[float] | None]) -> list[float]:
+    """Mean over the ranks that computed a loss (dp replicas, all tp ranks, last pp stages)."""
+    have = [l for l in per_rank_losses if l is not None]
+    if not have:
+        return []
+    return [sum(col) / len(col) for col in zip(*have)]
+
+
+def steps_to_target(losses: list[float], step_times: list[float], target: float) -> tuple[int | None, float | None]:
+    """First step (1-based) whose loss <= target, and the training time up to and including it."""
+    elapsed = 0.0
+    for i, (loss, t) in enumerate(zip(losses, step_times), start=1):
+        elapsed += t
+        if loss <= target:
+            return i, elapsed
+    return None, None
+
+
+def throughput(stats: Stats, tokens_per_step: int, world: int, flops_per_token: int) -> dict:
+    tps = tokens_per_step / stats.median
+    tflops = flops_per_token * tps / world / 1e12
+    return {"tokens_per_s": tps, "tokens_per_s_per_device": tps / world, "tflops_per_device": tflops}
+
+
+def mfu_fields(tflops_per_device: float, device_kind: str, device_name: str, dtype: str,
+               calibrated_tflops: float | None) -> dict:
+    peak, reason = datasheet_peak_tflops(device_name, dtype, device_kind)
+    out = {"peak_tflops": peak, "mfu_pct": mfu_pct(tflops_per_device, peak), "mfu_reason": reason,
+           "calibrated_tflops": calibrated_tflops}
+    if calibrated_tflops:
+        out["mfu_calibrated_pct"] = mfu_pct(tflops_per_device, calibrated_tflops)
+        out["mfu_calibrated_reason"] = None
+    else:
+        out["mfu_calibrated_pct"] = None
+        out["mfu_calibrated_reason"] = f"n/a: no calibration for {device_name} {dtype}; run `harness calibrate`"
+    return out
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float | None:
+    """max_i |a_i - b_i| / |b_i| over the common prefix (b is the reference)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return None
+    return max(abs(x - y) / abs(y) if y else math.inf for x, y in zip(a[:n], b[:n]))

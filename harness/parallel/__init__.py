@@ -1,0 +1,1 @@
+"""Parallel strategies: degrees, one apply_<strategy> per strategy, parallelize()."""

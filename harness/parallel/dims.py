@@ -1,0 +1,85 @@
+"""One validated object for the parallel degrees (torchtitan ``parallel_dims.py`` style)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from harness.errors import UsageError
+
+# Mesh dimension order, outermost first: pipeline stages talk least often, tensor parallel most,
+# so tp is innermost (adjacent ranks, NVLink on a node) and pp outermost.
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    """Replicas with full gradients all-reduced (DDP, or HSDP's outer dimension)."""
+    dp_shard: int = 1
+    """FSDP2 shards (``fully_shard``), or HSDP's inner dimension."""
+    tp: int = 1
+    """Tensor-parallel degree (DTensor column/row plans)."""
+    pp: int = 1
+    """Pipeline stages (one per rank; interleaved schedules hold several per rank)."""
+    world_size: int = 1
+    sequence_parallel: bool = False
+    """Shard LayerNorm/residual activations along the sequence under tp (Korthikanti et al. 2022)."""
+    _mesh: object = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name} must be a positive integer, got {v!r}")
+        prod = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if prod != self.world_size:
+            raise UsageError(
+                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) "
+                f"x pp ({self.pp}) = {prod} must equal the world size ({self.world_size}); "
+                f"change the degrees or --gpus"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise UsageError("sequence parallel needs tp > 1, got tp=1; use strategy tp-sp with --gpus >= 2")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ways the global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def degrees(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if k in MESH_ORDER}
+
+    def build_mesh(self, device_type: str):
+        """Build the device mesh over all dimensions (size-1 ones included, so names always resolve)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(getattr(self, n) for n in MESH_ORDER)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+        object.__setattr__(self, "_mesh", mesh)
+        return mesh
+
+    def mesh(self, *names: str):
+        """A sub-mesh by name, e.g. ``mesh("tp")`` or ``mesh("dp_replicate", "dp_shard")``."""
+        if self._mesh is None:
+            raise RuntimeError("build_mesh() must be called before mesh()")
+        return self._mesh[names if len(names) > 1 else names[0]]

@@ -1,0 +1,75 @@
+"""Compose the strategies in one fixed order.
+
+Order, and why:
+
+1. **Pipeline split first**: every later step applies per stage module, and stage modules
+   must exist before their parameters are sharded.
+2. **Tensor parallel** next: it replaces parameters by DTensors on the tp mesh; FSDP must see
+   those DTensors to shard the remaining dimension (2-D FSDP x TP).
+3. (Activation checkpointing and ``torch.compile`` would go here, wrapping the TP'd blocks
+   and before FSDP hooks are installed; this harness does not apply them yet.)
+4. **FSDP / HSDP / DDP last**: they wrap what the model has become, and their hooks must see
+   the final forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from harness.parallel.data_parallel import apply_ddp, apply_fsdp
+from harness.parallel.dims import ParallelDims
+from harness.parallel.pipeline import Pipeline, build_pipeline, build_stage_module, stage_ids
+from harness.parallel.presets import OPTIONS, stages_per_rank
+from harness.parallel.tp import apply_tp
+
+
+@dataclass
+class Parallelized:
+    """What a rank trains: the model parts it owns and how to run a step over them."""
+
+    parts: list[nn.Module]
+    """Modules whose parameters this rank updates (one per pipeline stage it holds)."""
+    model: nn.Module | None
+    """Callable model (non-pipeline strategies), possibly DDP-wrapped."""
+    pipeline: Pipeline | None
+    data_parallel: str
+    notes: list[str] = field(default_factory=list)
+
+    def parameters(self):
+        for p in self.parts:
+            yield from p.parameters()
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, strategy: str, device: torch.device, precision,
+                pp_schedule: str = "1f1b", microbatches: int = 1, loss_fn=None, ddp_comm_hook=None,
+                ddp_comm_state=None) -> Parallelized:
+    opts = OPTIONS[strategy]
+    device_kind = device.type
+    # 1. pipeline split
+    if dims.pp_enabled:
+        n_stages = dims.pp * stages_per_rank(pp_schedule)
+        pp_rank = dims.mesh("pp").get_local_rank()
+        parts = {sid: build_stage_module(model, sid, n_stages) for sid in stage_ids(pp_rank, dims.pp, pp_schedule)}
+    else:
+        n_stages = 1
+        parts = {0: model}
+    # 2. tensor parallel
+    if dims.tp_enabled:
+        for part in parts.values():
+            apply_tp(part, dims.mesh("tp"), dims.sequence_parallel)
+    # 4. data parallel
+    dp = opts.data_parallel
+    wrapped: nn.Module | None = None
+    if dp in ("fsdp", "hsdp") and (dims.dp_enabled or strategy in ("fsdp", "zero2", "hsdp")):
+        dp_mesh = dims.mesh("dp_replicate", "dp_shard") if dp == "hsdp" else dims.mesh("dp_shard")
+        for part in parts.values():
+            apply_fsdp(part, dp_mesh, opts.reshard_after_forward, precision.fsdp_policy())
+    elif dp == "ddp":
+        wrapped = apply_ddp(parts[0], dims.mesh("dp_replicate"), device_kind, ddp_comm_hook, ddp_comm_state)
+    if dims.pp_enabled:
+        pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn)
+        return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp)
+    return Parallelized(parts=[parts[0]], model=wrapped or parts[0], pipeline=None, data_parallel=dp)

@@ -1,0 +1,69 @@
+"""Tensor parallel (Megatron-LM, Shoeybi et al. 2019) with DTensor plans, optional sequence parallel.
+
+Per block: q/k/v and MLP fc are column-parallel (each rank holds ``n_heads / tp`` heads and
+``d_ff / tp`` MLP columns), the attention output and MLP proj are row-parallel, so each
+block costs one all-reduce in forward and one in backward per sub-layer (attention, MLP).
+With sequence parallel (Korthikanti et al. 2022), the residual stream and LayerNorms are
+sharded along the sequence: the all-reduces become all-gather + reduce-scatter pairs and
+activation memory outside the matmuls drops by ``tp``.
+
+Embeddings stay replicated (lookups, small at CPU sizes); the LM head is column-parallel with
+replicated logits so the loss needs no vocabulary-parallel cross entropy.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """Shard ``model`` (a :class:`workloads.GPT` or a pipeline stage of one) over ``tp_mesh``."""
+    sp = sequence_parallel
+    residual = Shard(1) if sp else Replicate()
+    top: dict = {}
+    if model.embed is not None and sp:
+        # Replicated embedding output -> sequence shards (a local slice, no communication).
+        top["embed"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        )
+    if model.norm is not None and sp:
+        top["norm"] = SequenceParallel()
+    if model.head is not None:
+        top["head"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if sp and model.embed is None:
+        # A pipeline stage that receives plain sequence-sharded activations from the previous stage.
+        parallelize_module(
+            model,
+            tp_mesh,
+            PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=False),
+        )
+    for block in model.blocks.values():
+        plan = {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.out": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
+        }
+        if sp:
+            plan.update(
+                {
+                    "ln1": SequenceParallel(),
+                    "ln2": SequenceParallel(),
+                    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
+        parallelize_module(block, tp_mesh, plan)

@@ -1,0 +1,1 @@
+"""Results: environment capture, records, atomic store."""

@@ -1,0 +1,67 @@
+"""One record per cell: schema, fingerprint and JSON hygiene (docs/records.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "timeout", "crashed", "invalid")
+
+# What makes two cells comparable: same work, same layout, same machine and software.
+FINGERPRINT_CONFIG = ("size", "strategy", "precision", "world_size", "nnodes", "global_batch", "seq_len",
+                      "grad_accum", "microbatches", "pp_schedule", "scaling", "device_kind")
+FINGERPRINT_ENV = ("device_name", "torch", "cuda", "nccl")
+
+
+def fingerprint_fields(config: dict, env: dict, degrees: dict | None) -> dict:
+    f = {k: config.get(k) for k in FINGERPRINT_CONFIG}
+    f.update({k: env.get(k) for k in FINGERPRINT_ENV})
+    f["degrees"] = degrees
+    return f
+
+
+def fingerprint(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def clean(obj):
+    """JSON-safe: NaN/inf -> None (strict JSON), tuples -> lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    return obj
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + hashlib.sha256(str(time.time_ns()).encode()).hexdigest()[:4]
+
+
+def make_record(*, run_id: str, cell_id: str, status: str, config: dict, env: dict, degrees: dict | None,
+                workload: dict | None, metrics: dict | None = None, samples: dict | None = None,
+                error: str | None = None, kind: str = "cell") -> dict:
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    fields = fingerprint_fields(config, env, degrees)
+    return clean(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "kind": kind,
+            "run_id": run_id,
+            "cell_id": cell_id,
+            "status": status,
+            "error": error,
+            "fingerprint": fingerprint(fields),
+            "fingerprint_fields": fields,
+            "config": {**config, "degrees": degrees},
+            "env": env,
+            "workload": workload,
+            "metrics": metrics or {},
+            "samples": samples or {},
+        }
+    )

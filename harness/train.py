@@ -1,0 +1,84 @@
+"""One optimizer step under any strategy and precision, with NVTX phase ranges."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from harness.parallel.parallelize import Parallelized
+from harness.precision import PrecisionPlan
+from workloads.model import lm_loss
+
+
+@dataclass
+class StepContext:
+    par: Parallelized
+    optimizer: torch.optim.Optimizer
+    precision: PrecisionPlan
+    scaler: torch.amp.GradScaler | None
+    device_kind: str
+    grad_accum: int
+    ranges: object
+    """``harness.measure.nvtx_ranges.Ranges`` (no-op when disabled)."""
+
+
+def _sync_context(par: Parallelized, sync: bool):
+    """Skip the gradient reduction on all but the last accumulation micro-step."""
+    model = par.model
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+
+        @contextlib.contextmanager
+        def _restore():
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return _restore()
+    return contextlib.nullcontext()
+
+
+def _forward_backward(ctx: StepContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    par, r = ctx.par, ctx.ranges
+    if par.pipeline is not None:
+        with r.range("forward"), ctx.precision.autocast(ctx.device_kind):
+            # The schedule interleaves forward and backward of microbatches inside one call.
+            losses = par.pipeline.step(x, y)
+        return torch.stack([l.detach().float() for l in losses]).mean() if losses else None
+    total = torch.zeros((), device=x.device)
+    for i, (xc, yc) in enumerate(zip(x.chunk(ctx.grad_accum), y.chunk(ctx.grad_accum))):
+        with _sync_context(par, i == ctx.grad_accum - 1):
+            with r.range("forward"), ctx.precision.autocast(ctx.device_kind):
+                loss = lm_loss(par.model(xc), yc) / ctx.grad_accum
+            with r.range("backward"):
+                (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
+        total += loss.detach()
+    return total
+
+
+def train_step(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[torch.Tensor | None, bool]:
+    """Zero grads, forward+backward (all microbatches), optimizer step.
+
+    Returns (this rank's mean loss or None on pipeline stages without the loss, skipped),
+    where ``skipped`` is True when fp16 loss scaling found inf/NaN gradients and skipped the update.
+    """
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = lr
+    ctx.optimizer.zero_grad(set_to_none=True)
+    loss = _forward_backward(ctx, x, y)
+    with ctx.ranges.range("optimizer"):
+        if ctx.scaler is None:
+            ctx.optimizer.step()
+            return loss, False
+        before = ctx.scaler.get_scale()
+        ctx.scaler.step(ctx.optimizer)
+        ctx.scaler.update()
+        # GradScaler lowers the scale exactly when it skipped the step for inf/NaN gradients.
+        return loss, ctx.scaler.get_scale() < before

@@ -1,0 +1,351 @@
+"""The per-rank entry point torchrun starts: one cell, measured, gathered, written by rank 0.
+
+``python -m harness.worker --cell CELL.json --out CELL_DIR``. Rank 0 writes
+``CELL_DIR/result.json`` (atomically); a rank that fails writes ``CELL_DIR/error-rank<r>.json``
+with its classified status (``oom`` or ``crashed``) before exiting non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harness import train
+from harness.config import CellConfig
+from harness.measure import calibrate, gns
+from harness.measure.comm import CommCounter
+from harness.measure.memory import model_state_bytes, peak_memory, reset_peak
+from harness.measure.nvtx_ranges import Ranges
+from harness.measure.stats import Stats
+from harness.measure.timer import StepTimer
+from harness.metrics import CONVENTIONS, global_loss, mfu_fields, slowest_per_step, steps_to_target, throughput
+from harness.parallel.parallelize import parallelize
+from harness.parallel.presets import OPTIONS, check_model_fit, resolve_degrees, expected_bubble, stages_per_rank
+from harness.precision import PrecisionPlan
+from harness.results.atomic import write_json_atomic
+from harness.results.record import clean
+from workloads.data import MarkovData
+from workloads.model import GPT, lm_loss
+from workloads.sizes import get_size
+
+PROFILE_STEPS = 4  # after the measured window: 1 profiler warmup + 3 recorded steps
+DEFAULT_TARGET_MARGIN = 0.5
+"""Default loss target: the data's entropy floor plus this many nats."""
+
+
+def _gather_json(obj, device: torch.device) -> list:
+    """All-gather a JSON-serialisable object from every rank (no pickle)."""
+    data = torch.tensor(list(json.dumps(clean(obj)).encode()), dtype=torch.uint8, device=device)
+    n = torch.tensor([data.numel()], device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    bufs = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(bufs, padded)
+    return [json.loads(bytes(b[: int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes)]
+
+
+def _threads_per_rank() -> int:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local_world)
+
+
+def _dp_coordinate(dims) -> int:
+    """This rank's index along the flattened (dp_replicate, dp_shard) dimensions."""
+    rep = dims.mesh("dp_replicate").get_local_rank()
+    shard = dims.mesh("dp_shard").get_local_rank()
+    return rep * dims.dp_shard + shard
+
+
+def _apply_mem_cap(cfg: CellConfig) -> None:
+    """Cap address-space growth so an over-budget CPU cell fails with MemoryError (status oom)."""
+    if cfg.mem_cap_gib is None:
+        return
+    vm = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    cap = vm + int(cfg.mem_cap_gib * 1024**3)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
+    """Run one cell on the initialised process group; rank 0 returns the result payload."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != cfg.world_size:
+        raise RuntimeError(f"cell needs world size {cfg.world_size}, process group has {world}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(_threads_per_rank())
+    threads = torch.get_num_threads()
+
+    size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
+    dims = resolve_degrees(cfg.strategy, cfg.world_size, cfg.degrees)
+    check_model_fit(dims, size.n_heads, size.d_ff, size.n_layers, cfg.pp_schedule, cfg.microbatches)
+    dims.build_mesh(device.type)
+    precision = PrecisionPlan(cfg.precision)
+    precision.configure_backends(cfg.device_kind)
+    opts = OPTIONS[cfg.strategy]
+
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = GPT(size)
+    gns_state = None
+    if opts.data_parallel == "ddp":
+        gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group())
+    par = parallelize(model, dims, cfg.strategy, device, precision, cfg.pp_schedule, cfg.microbatches,
+                      loss_fn=lm_loss, ddp_comm_hook=gns.local_norm_allreduce_hook if gns_state else None,
+                      ddp_comm_state=gns_state)
+    params = [p for p in par.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ranges = Ranges(enabled=cfg.nvtx)
+    ctx = train.StepContext(par=par, optimizer=optimizer, precision=precision,
+                            scaler=precision.grad_scaler(cfg.device_kind), device_kind=cfg.device_kind,
+                            grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges)
+
+    data = MarkovData(size.vocab_size, cfg.seq_len, seed=cfg.seed)
+    target = cfg.target_loss if cfg.target_loss is not None else data.entropy_floor + DEFAULT_TARGET_MARGIN
+    dp_rank = _dp_coordinate(dims)
+    local_batch = cfg.global_batch // dims.dp
+
+    def batch(step: int):
+        with ranges.range("data"):
+            x, y = data.batch(step, cfg.global_batch)
+            sl = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
+            return x[sl].to(device, non_blocking=True), y[sl].to(device, non_blocking=True)
+
+    timer = StepTimer(cfg.device_kind)
+    total = cfg.warmup + cfg.steps
+    times, losses, skipped, g_small, g_big = [], [], 0, [], []
+    monitor = None
+    reset_peak(cfg.device_kind)
+    for step in range(total):
+        if step == cfg.warmup:
+            monitor = _start_monitor(cfg, local_rank, device)
+            ranges.window_start()
+        x, y = batch(step)
+        lr = _lr(cfg, step)
+        with ranges.range("step", payload=step):
+            timer.start()
+            loss, was_skipped = train.train_step(ctx, x, y, lr)
+            times.append(timer.stop())
+        skipped += int(was_skipped)
+        losses.append(float(loss) if loss is not None else None)
+        if gns_state is not None:
+            gns_state.take()
+            g_big.append(gns.grad_sq_norm(params))
+    ranges.window_stop()
+    monitor_result = monitor.stop() if monitor is not None else None
+
+    # Communication: counted on one extra, untimed step (collectives are the same every step,
+    # and a dispatch-mode counter would tax every op of the timed ones).
+    counter = CommCounter()
+    with counter:
+        train.train_step(ctx, *batch(total), _lr(cfg, total))
+    comm = counter.per_step(1)
+    state_bytes = model_state_bytes(par.parts, optimizer)
+    mem = peak_memory(cfg.device_kind)
+
+    trace_paths = _profile(cfg, ctx, batch, total + 1, out_dir, rank) if cfg.profile else {}
+    local = {
+        "rank": rank,
+        "times": times,
+        "losses": None if all(l is None for l in losses) else losses,
+        "g_small": gns_state.history if gns_state else None,
+        "mem": mem,
+        "state_bytes": state_bytes,
+        "comm": comm,
+        "trace": trace_paths,
+    }
+    gathered = _gather_json(local, device if cfg.device_kind == "cuda" else torch.device("cpu"))
+    if rank != 0:
+        return None
+    return _summarise(cfg, size, dims, precision, opts, gathered, g_big, skipped, ctx.scaler, target, data,
+                      local_batch, threads, monitor_result, out_dir)
+
+
+def _lr(cfg: CellConfig, step: int) -> float:
+    from harness.scaling import lr_at
+
+    return lr_at(step, cfg.lr, cfg.lr_warmup_steps)
+
+
+def _start_monitor(cfg: CellConfig, local_rank: int, device: torch.device):
+    """Node-local rank 0 samples NVML (GPU) or the host (CPU) over the measured window."""
+    if local_rank != 0:
+        return None
+    from harness.measure.monitor import make_monitor
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    indices = list(range(local_world)) if cfg.device_kind == "cuda" else []
+    mon = make_monitor(cfg.device_kind, indices, rate_hz=cfg.monitor_hz, pids=_local_pids())
+    mon.start()
+    return mon
+
+
+def _local_pids() -> list[int]:
+    """This node's rank processes: the siblings torchrun started (same parent)."""
+    import psutil
+
+    me = psutil.Process()
+    parent = me.parent()
+    if parent is None:
+        return [me.pid]
+    return [c.pid for c in parent.children() if "harness.worker" in " ".join(c.cmdline())] or [me.pid]
+
+
+def _profile(cfg: CellConfig, ctx, batch, first_step: int, out_dir: Path, rank: int) -> dict:
+    """Extra steps after the measured window under torch.profiler, so profiling never taxes timed steps."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    trace_dir = out_dir / "traces"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    ranks = set(cfg.profile_ranks) if cfg.profile_ranks else set(range(cfg.world_size))
+    active = rank in ranks
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device_kind == "cuda" else [])
+    prof = profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=PROFILE_STEPS - 1),
+                   on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}", use_gzip=True)) \
+        if active else None
+    if prof is not None:
+        prof.start()
+    for i in range(PROFILE_STEPS):
+        train.train_step(ctx, *batch(first_step + i), _lr(cfg, first_step + i))
+        if prof is not None:
+            prof.step()
+    if prof is not None:
+        prof.stop()
+    dist.barrier()
+    return {str(rank): str(p) for p in sorted(trace_dir.glob(f"rank{rank}.*.json.gz"))[-1:]} if active else {}
+
+
+def _summarise(cfg, size, dims, precision, opts, gathered, g_big, skipped, scaler, target, data, local_batch,
+               threads, monitor_result, out_dir) -> dict:
+    per_rank_times = [g["times"] for g in gathered]
+    all_steps = slowest_per_step(per_rank_times)
+    measured = all_steps[cfg.warmup:]
+    stats = Stats.of(measured)
+    losses = global_loss([g["losses"] for g in gathered])
+    from harness.results.env import capture
+
+    env = capture(cfg.device_kind)
+    m: dict = {"conventions": CONVENTIONS, "step_time_s": stats.as_dict(), "unstable": stats.unstable_reason() is not None,
+               "unstable_reason": stats.unstable_reason(), "tokens_per_step": cfg.tokens_per_step}
+    m.update(throughput(stats, cfg.tokens_per_step, cfg.world_size, size.flops_per_token()))
+    cal = calibrate.lookup(cfg.device_kind, precision.compute_dtype, threads)
+    m.update(mfu_fields(m["tflops_per_device"], cfg.device_kind, env["device_name"], precision.compute_dtype,
+                        cal["tflops"] if cal else None))
+    m["threads_per_rank"] = threads if cfg.device_kind == "cpu" else None
+    mems = [g["mem"] for g in gathered]
+    m["peak_mem_gib"] = max(x["peak_mem_gib"] for x in mems)
+    m["peak_mem_gib_per_rank"] = [x["peak_mem_gib"] for x in mems]
+    m["peak_mem_kind"] = mems[0]["peak_mem_kind"]
+    if "peak_mem_reserved_gib" in mems[0]:
+        m["peak_mem_reserved_gib"] = max(x["peak_mem_reserved_gib"] for x in mems)
+        m["mem_capacity_pct"] = 100 * m["peak_mem_gib"] / mems[0]["mem_capacity_gib"]
+    states = [g["state_bytes"]["total"] for g in gathered]
+    m["model_state_bytes_per_rank"] = max(states)
+    m["model_state_bytes_by_rank"] = states
+    m["model_state_breakdown_rank0"] = gathered[0]["state_bytes"]
+    m["comm"] = gathered[0]["comm"]
+    m["comm_by_rank"] = [g["comm"] for g in gathered]
+    m["comm_bytes_per_step"] = sum(v["bytes_per_step"] for v in gathered[0]["comm"].values())
+    m["loss"] = losses
+    m["final_loss"] = losses[-1] if losses else None
+    m["entropy_floor"] = data.entropy_floor
+    m["target_loss"] = target
+    m["target_margin_nats"] = None if cfg.target_loss is not None else DEFAULT_TARGET_MARGIN
+    s2t, t2t = steps_to_target(losses, all_steps, target) if losses else (None, None)
+    m["steps_to_target"], m["time_to_target_s"] = s2t, t2t
+    m["target_reason"] = None if s2t else f"not reached in {len(losses)} steps (target {target:.3f} nats)"
+    m["lr"] = cfg.lr
+    m["precision"] = precision.describe(opts.data_parallel)
+    if scaler is not None:
+        m["fp16_skipped_steps"] = skipped
+        m["fp16_final_scale"] = scaler.get_scale()
+    m["gns"] = _gns(gathered, g_big, local_batch, cfg, dims)
+    if dims.pp_enabled:
+        v = stages_per_rank(cfg.pp_schedule)
+        m["pipeline"] = {"stages": dims.pp * v, "virtual_per_rank": v, "microbatches": cfg.microbatches,
+                         "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches)}
+    if monitor_result is not None:
+        m["monitor"] = {"sampler": monitor_result.sampler, "note": monitor_result.note,
+                        "unsupported": monitor_result.unsupported, **monitor_result.summary}
+        monitor_result.save_csv(out_dir / "monitor.csv")
+        energy = monitor_result.summary.get("energy_j")
+        if energy is not None:
+            m["energy_j_per_token"] = energy / (cfg.tokens_per_step * cfg.steps)
+    traces = {int(k): Path(v) for g in gathered for k, v in g["trace"].items()}
+    if traces:
+        from harness.measure.trace_analysis import analyse_traces
+
+        df, agg = analyse_traces(traces)
+        df.to_csv(out_dir / "trace_ranks.csv", index=False)
+        m["trace"] = agg
+    samples = {"step_time_s": measured, "warmup_step_time_s": all_steps[: cfg.warmup],
+               "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times]}
+    return {"metrics": m, "samples": samples, "env": env, "degrees": dims.degrees(),
+            "workload": {**size.as_dict(), "params": size.params}}
+
+
+def _gns(gathered, g_big, local_batch, cfg, dims) -> dict:
+    smalls = [g["g_small"] for g in gathered if g["g_small"] is not None]
+    if not smalls or dims.dp < 2:
+        return {"b_simple": None, "reason": "n/a: needs data-parallel replicas (ddp) to compare local and global gradients"}
+    g_small = [sum(col) / len(col) for col in zip(*smalls)]
+    return gns.b_simple(g_small, g_big, float(local_batch), float(cfg.global_batch))
+
+
+def _classify(exc: BaseException) -> str:
+    if isinstance(exc, MemoryError) or isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "oom"
+    text = str(exc)
+    if "can't allocate memory" in text or "out of memory" in text.lower():
+        return "oom"
+    return "crashed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="harness.worker")
+    ap.add_argument("--cell", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args(argv)
+    cfg = CellConfig.from_dict(json.loads(args.cell.read_text()))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        _apply_mem_cap(cfg)
+        backend = "nccl" if cfg.device_kind == "cuda" else "gloo"
+        if cfg.device_kind == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        t0 = time.perf_counter()
+        result = run_cell(cfg, args.out)
+        if result is not None:
+            result["metrics"]["worker_wall_s"] = time.perf_counter() - t0
+            write_json_atomic(args.out / "result.json", clean(result))
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except BaseException as exc:  # classify, record for the launcher, and still fail loudly
+        status = _classify(exc)
+        tb = traceback.format_exc()
+        write_json_atomic(args.out / f"error-rank{rank}.json",
+                          {"rank": rank, "status": status, "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-8000:]})
+        print(tb, file=sys.stderr, flush=True)
+        return 3 if status == "oom" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
