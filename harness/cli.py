@@ -254,7 +254,7 @@ def cmd_compare(args) -> int:
     from harness.compare import run_compare
 
     return run_compare(str(args.base), str(args.cand), threshold=args.threshold, alpha=args.alpha,
-                       normalize=args.normalize)
+                       normalize=args.normalize, n_bootstrap=args.bootstrap, seed=args.seed)
 
 
 def cmd_calibrate(args) -> int:
@@ -316,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("cand")
     c.add_argument("--threshold", type=float, default=0.05)
     c.add_argument("--alpha", type=float, default=0.05)
-    c.add_argument("--normalize", choices=("none", "calibration"), default="none")
+    c.add_argument("--normalize", choices=("none", "calibration"), default="none",
+                   help="divide throughput by the calibration workload measured in the same run")
+    c.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the ratio CI")
+    c.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     c.set_defaults(fn=cmd_compare)
     k = sub.add_parser("calibrate", help="measure the matmul peak (TFLOP/s) per dtype and cache it")
     k.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -1,0 +1,318 @@
+"""NVTX ranges for the training loop, one domain ``harness`` with a category per phase.
+
+Phases: ``step`` (payload = step index), ``data``, ``forward``, ``backward``, ``optimizer``,
+``microbatch`` (pipeline microbatches) and ``window`` (the measured window).
+
+Cost model (the reason for the shape of this class):
+
+* Attribute objects (``nvtx.EventAttributes``: registered message, colour, category) are
+  built ONCE per phase at construction; a payload range reuses a second per-phase object
+  whose ``payload`` field is overwritten before the call (``nvtxDomainRangeStartEx``
+  copies the struct, so the next overwrite cannot alter a range already started).
+* ``Ranges(enabled=False)`` never touches ``nvtx``; every method returns after one
+  attribute test (~50-100 ns), the context manager is a shared no-op object.
+* With no NVTX tool attached (no ``nsys``), ``nvtx.get_domain`` returns a dummy domain;
+  the ranges then skip the NVTX calls the same way (``tool_attached`` is False).
+* Without the ``nvtx`` package (a bare torch environment) ranges go through
+  ``torch.cuda.nvtx`` on CUDA builds: default domain, message ``harness:<phase>[ <payload>]``,
+  no categories. ``backend`` and ``reason`` say which path ran, for the record.
+
+Two kinds of range:
+
+* ``push``/``pop``: NVTX push/pop ranges, which are per thread by definition; use them for
+  phases that begin and end on the same (main) thread.
+* ``start``/``end`` and the ``range`` context manager: process-wide start/end ranges, which
+  may end on another thread. Backward must use these: autograd runs backward functions on
+  its own device threads.
+
+``window_start``/``window_stop`` also bracket the measured steps with
+``cudaProfilerStart/Stop`` so ``nsys profile --capture-range=cudaProfilerApi`` records
+only measured steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+import torch
+
+try:
+    import nvtx
+except ImportError as _exc:  # declared dependency; a bare torch env still gets ranges via torch
+    nvtx = None
+    _NVTX_IMPORT_ERROR: str | None = f"{type(_exc).__name__}: {_exc}"
+else:
+    _NVTX_IMPORT_ERROR = None
+
+DOMAIN_NAME = "harness"
+PHASES: tuple[str, ...] = ("step", "data", "forward", "backward", "optimizer", "microbatch", "window")
+PHASE_COLORS: dict[str, int] = {
+    # ARGB; distinct hues so phases read apart on the nsys timeline.
+    "step": 0xFF4C72B0,
+    "data": 0xFF8C8C8C,
+    "forward": 0xFF55A868,
+    "backward": 0xFFC44E52,
+    "optimizer": 0xFF8172B2,
+    "microbatch": 0xFFCCB974,
+    "window": 0xFF64B5CD,
+}
+
+
+def _unknown_phase(phase: str) -> ValueError:
+    return ValueError(f"unknown NVTX phase {phase!r}; choose one of {', '.join(PHASES)}")
+
+
+def _is_dummy_domain(domain: Any) -> bool:
+    """True for the stand-in domain nvtx returns when no tool (nsys) is attached."""
+    if nvtx is None:
+        return False
+    dummy_cls = getattr(getattr(nvtx, "_lib", None), "DummyDomain", None)
+    return dummy_cls is not None and isinstance(domain, dummy_cls)
+
+
+class _TorchAttrs:
+    """Message holder for the torch backend: phase and payload folded into the text."""
+
+    __slots__ = ("_label", "_payload", "text")
+
+    def __init__(self, domain_name: str, phase: str, payload: int | float | None) -> None:
+        self._label = f"{domain_name}:{phase}"
+        self.payload = payload
+
+    @property
+    def payload(self) -> int | float | None:
+        return self._payload
+
+    @payload.setter
+    def payload(self, value: int | float | None) -> None:
+        self._payload = value
+        self.text = self._label if value is None else f"{self._label} {value}"
+
+
+class _TorchNvtxDomain:
+    """The subset of ``nvtx.Domain`` that ``Ranges`` uses, over ``torch.cuda.nvtx``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get_event_attributes(self, message: str, color: int, category: str, payload: Any = None) -> _TorchAttrs:
+        return _TorchAttrs(self.name, message, payload)
+
+    def push_range(self, attrs: _TorchAttrs) -> None:
+        torch.cuda.nvtx.range_push(attrs.text)
+
+    def pop_range(self) -> None:
+        torch.cuda.nvtx.range_pop()
+
+    def start_range(self, attrs: _TorchAttrs) -> int:
+        return int(torch.cuda.nvtx.range_start(attrs.text))
+
+    def end_range(self, handle: int) -> None:
+        torch.cuda.nvtx.range_end(handle)
+
+
+def _open_domain(domain_name: str) -> tuple[Any, str, str | None]:
+    """(domain, backend, reason): the nvtx domain, else torch.cuda.nvtx, else none."""
+    if nvtx is not None:
+        domain = nvtx.get_domain(domain_name)
+        if _is_dummy_domain(domain):
+            return domain, "nvtx", "no NVTX tool attached (run under nsys to record ranges)"
+        return domain, "nvtx", None
+    if torch.cuda.is_available():
+        return _TorchNvtxDomain(domain_name), "torch.cuda.nvtx", f"nvtx package not importable ({_NVTX_IMPORT_ERROR})"
+    return None, "none", f"nvtx package not importable ({_NVTX_IMPORT_ERROR}) and torch has no CUDA"
+
+
+class _NullRange:
+    """Shared context manager for disabled ranges: no state, no calls."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NullRange:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None
+
+
+_NULL_RANGE = _NullRange()
+
+
+class _Range:
+    """Context manager over ``Ranges.start``/``Ranges.end`` (process-wide range)."""
+
+    __slots__ = ("_ranges", "_phase", "_payload", "_handle")
+
+    def __init__(self, ranges: Ranges, phase: str, payload: int | float | None) -> None:
+        self._ranges = ranges
+        self._phase = phase
+        self._payload = payload
+        self._handle = 0
+
+    def __enter__(self) -> _Range:
+        self._handle = self._ranges.start(self._phase, self._payload)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._ranges.end(self._handle)
+
+
+class Ranges:
+    """NVTX ranges of the training loop; a no-op when ``enabled`` is False.
+
+    Args:
+        enabled: emit NVTX ranges and the cudaProfiler window. When False no ``nvtx``
+            function is called at all.
+        domain_name: NVTX domain; the harness uses ``harness``.
+
+    Payload ranges (``payload=...``) share one attribute object per phase, so they must
+    come from one thread at a time per phase (the step loop); payload-free ranges may be
+    used from any thread.
+    """
+
+    def __init__(self, enabled: bool, domain_name: str = DOMAIN_NAME) -> None:
+        self._enabled = bool(enabled)
+        self._live = False
+        self._backend = "none"
+        self._reason: str | None = "disabled"
+        self._domain: Any = None
+        self._attrs: dict[str, Any] = {}
+        self._payload_attrs: dict[str, Any] = {}
+        self._local = threading.local()
+        self._window_handle: int | None = None
+        if not self._enabled:
+            return
+        self._domain, self._backend, self._reason = _open_domain(domain_name)
+        self._live = self._domain is not None and not _is_dummy_domain(self._domain)
+        if self._live:
+            self._attrs = {phase: self._build_attrs(phase, None) for phase in PHASES}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether ranges and the profiler window are emitted."""
+        return self._enabled
+
+    @property
+    def tool_attached(self) -> bool:
+        """Whether NVTX calls are made: an nvtx tool (e.g. nsys) is attached, or the torch
+        backend is in use (it cannot tell, so it always calls)."""
+        return self._live
+
+    @property
+    def backend(self) -> str:
+        """``nvtx`` | ``torch.cuda.nvtx`` | ``none``."""
+        return self._backend
+
+    @property
+    def reason(self) -> str | None:
+        """Why ranges are not recorded (or recorded without domain/categories); None if fully on."""
+        return self._reason
+
+    def _build_attrs(self, phase: str, payload: int | float | None) -> Any:
+        # A string category registers its name with nvtxDomainNameCategory once per domain.
+        return self._domain.get_event_attributes(
+            message=phase, color=PHASE_COLORS[phase], category=phase, payload=payload
+        )
+
+    def _attrs_for(self, phase: str, payload: int | float | None) -> Any:
+        if payload is None:
+            try:
+                return self._attrs[phase]
+            except KeyError:
+                raise _unknown_phase(phase) from None
+        attrs = self._payload_attrs.get(phase)
+        if attrs is None:
+            if phase not in PHASE_COLORS:
+                raise _unknown_phase(phase)
+            attrs = self._build_attrs(phase, payload)
+            self._payload_attrs[phase] = attrs
+        else:
+            attrs.payload = payload
+        return attrs
+
+    def push(self, phase: str, payload: int | float | None = None) -> None:
+        """Push a per-thread range (``nvtxDomainRangePushEx``); close it with ``pop``."""
+        if not self._live:
+            return
+        self._domain.push_range(self._attrs_for(phase, payload))
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(phase)
+
+    def pop(self) -> None:
+        """Pop the innermost range this thread pushed."""
+        if not self._live:
+            return
+        stack = getattr(self._local, "stack", None)
+        if not stack:
+            raise RuntimeError(
+                f"Ranges.pop() on thread {threading.current_thread().name!r} without a "
+                "matching push(); push/pop ranges are per thread, use start/end across threads"
+            )
+        stack.pop()
+        self._domain.pop_range()
+
+    def start(self, phase: str, payload: int | float | None = None) -> int:
+        """Start a process-wide range (``nvtxDomainRangeStartEx``); returns its handle."""
+        if not self._live:
+            return 0
+        return self._domain.start_range(self._attrs_for(phase, payload))  # type: ignore[no-any-return]
+
+    def end(self, handle: int) -> None:
+        """End the range ``handle`` returned by ``start``, from any thread."""
+        if not self._live:
+            return
+        self._domain.end_range(handle)
+
+    def range(self, phase: str, payload: int | float | None = None) -> _Range | _NullRange:
+        """Context manager for a process-wide range: ``with ranges.range("forward"): ...``."""
+        if not self._live:
+            return _NULL_RANGE
+        return _Range(self, phase, payload)
+
+    def window_start(self) -> None:
+        """Open the measured window: cudaProfilerStart (CUDA only), then a ``window`` range."""
+        if not self._enabled:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.profiler.start()
+        self._window_handle = self.start("window")
+
+    def window_stop(self) -> None:
+        """Close the measured window opened by ``window_start``."""
+        if not self._enabled:
+            return
+        if self._window_handle is not None:
+            self.end(self._window_handle)
+            self._window_handle = None
+        if torch.cuda.is_available():
+            torch.cuda.profiler.stop()
+
+
+def range_overhead_ns(enabled: bool, n: int = 100_000) -> float:
+    """Mean cost in ns of one ``start``/``end`` range pair (``forward`` phase), ``n`` pairs.
+
+    Used by the micro-benchmark tier; tests never assert on its value.
+    """
+    if n < 1:
+        raise ValueError(f"n ({n}) must be >= 1; e.g. n=100000")
+    ranges = Ranges(enabled)
+    start, end = ranges.start, ranges.end
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        end(start("forward"))
+    return (time.perf_counter_ns() - t0) / n

@@ -1,0 +1,172 @@
+"""Read measurement records (docs/records.md) and pytest-benchmark JSON into record dicts.
+
+Everything downstream (report, plots, compare) consumes ``list[dict]`` records only;
+this module is the single place that touches the files. Malformed input raises
+:class:`harness.errors.UsageError` with one line naming the file, the line and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from harness.errors import UsageError
+
+RECORDS_FILENAME = "records.jsonl"
+
+
+def resolve_records_path(path: str | Path) -> Path:
+    """Return the records.jsonl for ``path``: the file itself or ``<dir>/records.jsonl``."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / RECORDS_FILENAME
+    if not p.is_file():
+        raise UsageError(
+            f"{p}: no such records file; pass a records.jsonl or a run directory containing one"
+        )
+    return p
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """Load every record of a records.jsonl file or run directory, in file order.
+
+    Blank lines are skipped. A line that is not a JSON object (for example the truncated
+    last line of an interrupted run) raises UsageError naming the file and line number.
+    """
+    p = resolve_records_path(path)
+    records: list[dict[str, Any]] = []
+    with p.open("r", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            records.append(_parse_record_line(p, lineno, line))
+    return records
+
+
+def _parse_record_line(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"{path}: line {lineno} is not valid JSON ({exc.msg} at column {exc.colno}); "
+            "the run was probably interrupted: delete that line or rerun the cell"
+        ) from exc
+    if not isinstance(obj, dict):
+        raise UsageError(
+            f"{path}: line {lineno} is a JSON {type(obj).__name__}, expected one record object "
+            "per line (docs/records.md)"
+        )
+    return obj
+
+
+def is_benchmark_json(path: str | Path) -> bool:
+    """True when ``path`` is a single JSON file (``.json``), i.e. pytest-benchmark output."""
+    p = Path(path)
+    return p.is_file() and p.suffix == ".json"
+
+
+def load_benchmark_json(path: str | Path) -> list[dict[str, Any]]:
+    """Convert a ``pytest --benchmark-json`` file into cell records (one per benchmark).
+
+    Per benchmark: ``cell_id`` = fullname; samples = ``extra_info["step_time_s"]`` when
+    present, else ``stats["data"]`` (seconds per iteration); ``tokens_per_step`` =
+    ``extra_info.get("tokens_per_step", 1)`` so throughput is 1/time unless told otherwise.
+    Fingerprint = sha256 of fullname + machine_info cpu brand + extra_info["fingerprint"].
+    A benchmark named ``calibration`` (or with ``extra_info["kind"] == "calibration"``)
+    becomes the run's calibration record.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{p}: no such file; pass a pytest --benchmark-json output file")
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"{p}: line {exc.lineno} is not valid JSON ({exc.msg}); the file is truncated or "
+            "not pytest-benchmark output: regenerate it with pytest --benchmark-json"
+        ) from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
+        raise UsageError(
+            f"{p}: no 'benchmarks' list; expected pytest --benchmark-json output"
+        )
+    cpu_brand = _cpu_brand(doc.get("machine_info") or {})
+    commit = doc.get("commit_info") or {}
+    return [_benchmark_to_record(b, cpu_brand, commit, p) for b in doc["benchmarks"]]
+
+
+def _cpu_brand(machine_info: dict[str, Any]) -> str:
+    cpu = machine_info.get("cpu") or {}
+    return str(cpu.get("brand_raw") or cpu.get("brand") or "unknown cpu")
+
+
+def _benchmark_to_record(
+    bench: dict[str, Any], cpu_brand: str, commit: dict[str, Any], path: Path
+) -> dict[str, Any]:
+    if not isinstance(bench, dict) or "fullname" not in bench:
+        raise UsageError(f"{path}: a benchmark entry has no 'fullname'; regenerate the file")
+    extra = bench.get("extra_info") or {}
+    stats = bench.get("stats") or {}
+    samples = extra.get("step_time_s")
+    if samples is None:
+        samples = stats.get("data") or []
+    fields = {
+        "fullname": bench["fullname"],
+        "cpu": cpu_brand,
+        "fingerprint": extra.get("fingerprint"),
+    }
+    is_calibration = bench.get("name") == "calibration" or extra.get("kind") == "calibration"
+    return {
+        "schema_version": 1,
+        "kind": "calibration" if is_calibration else "cell",
+        "cell_id": "calibration" if is_calibration else bench["fullname"],
+        "status": "ok",
+        "error": None,
+        "fingerprint": _fingerprint(fields),
+        "fingerprint_fields": fields,
+        "config": {},
+        "env": {"git_sha": commit.get("id"), "cpu_model": cpu_brand},
+        "metrics": {"tokens_per_step": float(extra.get("tokens_per_step", 1.0))},
+        "samples": {"step_time_s": [float(x) for x in samples]},
+    }
+
+
+def _fingerprint(fields: dict[str, Any]) -> str:
+    """16 hex chars of sha256 over the canonical JSON of ``fields``."""
+    blob = json.dumps(fields, sort_keys=True, default=str).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def load_any(path: str | Path) -> list[dict[str, Any]]:
+    """Load records from a records.jsonl, a run directory or a pytest-benchmark JSON file."""
+    if is_benchmark_json(path):
+        return load_benchmark_json(path)
+    return load_records(path)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``,
+    so readers never see a half-written file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    # A unique name opened with "xb" (not mkstemp) keeps the umask's usual permissions.
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with tmp.open("xb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        # Remove the partial temp file, then let the original error propagate.
+        tmp.unlink(missing_ok=True)
+        raise
+    return p
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """UTF-8 text version of :func:`atomic_write_bytes`."""
+    return atomic_write_bytes(path, text.encode("utf-8"))

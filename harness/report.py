@@ -1,0 +1,370 @@
+"""Records -> DataFrames -> summary.md / summary.csv text.
+
+Analysis functions (:func:`cells_frame`, :func:`summary_markdown`) are pure: they return
+DataFrames or strings and never print or plot. :func:`write_report` is the only function
+with side effects (files under the run directory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+from tabulate import tabulate
+
+from harness.records_io import atomic_write_text, load_records
+
+MIB = 2**20
+FAILED_CELL = "-"
+FRAME_COLUMNS = [
+    "cell_id", "size", "strategy", "precision", "world_size", "global_batch", "scaling",
+    "lr_rule", "status", "error", "tokens_per_s", "tokens_per_s_per_device",
+    "step_time_median_s", "step_time_cv", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
+    "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
+    "parity_max_rel_diff", "final_loss", "target_loss", "steps_to_target", "time_to_target_s",
+    "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
+    "mfu_reason",
+]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One numeric column of the summary table: frame column, scale, format, best direction."""
+
+    header: str
+    key: str
+    scale: float
+    fmt: str
+    best: str  # "max" or "min"
+    multi_device_only: bool = False
+    """Rank only world_size > 1 cells: on 1 device efficiency is 1, comm and parity 0 by definition."""
+
+
+SUMMARY_COLUMNS = [
+    Column("tokens/s/dev", "tokens_per_s_per_device", 1.0, ",.0f", "max"),
+    Column("step median (ms)", "step_time_median_s", 1e3, ".2f", "min"),
+    Column("CV %", "step_time_cv", 100.0, ".1f", "min"),
+    Column("TFLOP/s/dev", "tflops_per_device", 1.0, ".3g", "max"),
+    Column("MFU %", "mfu_pct", 1.0, ".1f", "max"),
+    Column("MFU cal. %", "mfu_calibrated_pct", 1.0, ".1f", "max"),
+    Column("peak mem GiB", "peak_mem_gib", 1.0, ".2f", "min"),
+    Column("model state MiB/rank", "model_state_mib_per_rank", 1.0, ".1f", "min"),
+    Column("comm MiB/step", "comm_mib_per_step", 1.0, ".1f", "min", multi_device_only=True),
+    Column("overlap %", "overlap_pct", 1.0, ".1f", "max"),
+    Column("scaling eff.", "scaling_efficiency", 1.0, ".2f", "max", multi_device_only=True),
+    Column("parity rel diff", "parity_max_rel_diff", 1.0, ".1e", "min", multi_device_only=True),
+]
+
+FORMULAS = """**Formulas**
+
+- tokens/s = global tokens per step / median step time, global tokens per step = global batch x seq len
+- tokens/s/dev = tokens/s / devices
+- TFLOP/s per device = flops_per_token x tokens/s / devices / 1e12
+- MFU % = 100 x TFLOP/s per device / datasheet peak TFLOP/s of the device at the cell's precision; MFU cal. % divides by the measured matmul peak instead
+- scaling efficiency = tokens/s at N devices / (N x tokens/s at 1 device), same size, precision, scaling and LR rule
+- CV % = 100 x std / mean of the measured step times
+- B_simple = tr(Sigma) / |G|^2, the simple noise scale (McCandlish et al. 2018), in sequences like the global batch
+- **bold** = best in its column: max for throughput, MFU, overlap and efficiency; min for time, CV, memory, comm and parity (1-device cells are not ranked for efficiency, comm and parity: 1, 0 and 0 by definition)"""
+
+
+# ---------------------------------------------------------------- records -> frame
+
+
+def _get(d: dict[str, Any] | None, *keys: str) -> Any:
+    """Nested lookup that returns None when any level is missing or null."""
+    for key in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(key)
+    return d
+
+
+def _num(value: Any) -> float:
+    """Float of a metric; missing, null or non-numeric -> NaN."""
+    if isinstance(value, bool) or value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
+    """Flatten one cell record into a frame row; absent metrics become NaN."""
+    cfg, m = r.get("config") or {}, r.get("metrics") or {}
+    world_size = _num(cfg.get("world_size"))
+    tokens_per_s = _num(m.get("tokens_per_s"))
+    if math.isnan(tokens_per_s):
+        tokens_per_s = _num(m.get("tokens_per_s_per_device")) * world_size
+    return {
+        "cell_id": r.get("cell_id"), "size": cfg.get("size"), "strategy": cfg.get("strategy"),
+        "precision": cfg.get("precision"), "world_size": world_size,
+        "global_batch": _num(cfg.get("global_batch")), "scaling": cfg.get("scaling"),
+        "lr_rule": cfg.get("lr_rule"), "status": r.get("status"), "error": r.get("error"),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": _num(m.get("tokens_per_s_per_device")),
+        "step_time_median_s": _num(_get(m, "step_time_s", "median")),
+        "step_time_cv": _num(_get(m, "step_time_s", "cv")),
+        "tflops_per_device": _num(m.get("tflops_per_device")),
+        "mfu_pct": _num(m.get("mfu_pct")),
+        "mfu_calibrated_pct": _num(m.get("mfu_calibrated_pct")),
+        "peak_mem_gib": _num(m.get("peak_mem_gib")),
+        "model_state_mib_per_rank": _num(m.get("model_state_bytes_per_rank")) / MIB,
+        "comm_mib_per_step": _num(m.get("comm_bytes_per_step")) / MIB,
+        "overlap_pct": _num(_get(m, "trace", "overlap_pct")),
+        "parity_max_rel_diff": _num(m.get("parity_max_rel_diff")),
+        "final_loss": _num(m.get("final_loss")), "target_loss": _num(m.get("target_loss")),
+        "steps_to_target": _num(m.get("steps_to_target")),
+        "time_to_target_s": _num(m.get("time_to_target_s")),
+        "gns_b_simple": _num(_get(m, "gns", "b_simple")), "scaling_efficiency": math.nan,
+        "device_kind": cfg.get("device_kind"), "device_name": _get(r, "env", "device_name"),
+        "unstable_reason": m.get("unstable_reason"), "mfu_reason": m.get("mfu_reason"),
+    }
+
+
+def _scaling_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["size"], row["precision"], row["scaling"], row["lr_rule"])
+
+
+def _fill_scaling_efficiency(rows: list[dict[str, Any]]) -> None:
+    """scaling efficiency = tokens/s(N) / (N x tokens/s(1)).
+
+    The 1-device reference is an ok world_size 1 cell with the same size, precision,
+    scaling and LR rule: the same strategy if measured, else the fastest such cell.
+    """
+    singles = [r for r in rows if r["status"] == "ok" and r["world_size"] == 1
+               and np.isfinite(r["tokens_per_s"])]
+    for row in rows:
+        if row["status"] != "ok" or not np.isfinite(row["tokens_per_s"]):
+            continue
+        refs = [s for s in singles if _scaling_key(s) == _scaling_key(row)]
+        same = [s for s in refs if s["strategy"] == row["strategy"]]
+        pool = same or refs
+        if pool:
+            ref = max(s["tokens_per_s"] for s in pool)
+            row["scaling_efficiency"] = row["tokens_per_s"] / (row["world_size"] * ref)
+
+
+def cells_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """One row per ``kind == "cell"`` record, columns :data:`FRAME_COLUMNS`."""
+    rows = [_cell_row(r) for r in records if r.get("kind", "cell") == "cell"]
+    _fill_scaling_efficiency(rows)
+    return pd.DataFrame(rows, columns=FRAME_COLUMNS)
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _text(value: Any) -> str:
+    """A string field of the frame; None and NaN (pandas fills both) become ``""``."""
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+def _fmt(value: float, fmt: str) -> str:
+    return "n/a" if not np.isfinite(value) else format(value, fmt)
+
+
+def _label(row: pd.Series) -> str:
+    n = int(row["world_size"]) if np.isfinite(row["world_size"]) else "?"
+    return f"{_text(row['strategy'])}/{_text(row['precision'])} on {n} device(s)"
+
+
+def _short_error(error: Any, limit: int = 60) -> str:
+    """First line of an error message, at most ``limit`` characters."""
+    text = _text(error)
+    return text.splitlines()[0][:limit] if text else "no error message"
+
+
+def _best_values(df: pd.DataFrame) -> dict[str, float]:
+    """Best value per summary column over ok rows; only where the values differ."""
+    ok = df[df["status"] == "ok"]
+    best: dict[str, float] = {}
+    for col in SUMMARY_COLUMNS:
+        rows = ok[ok["world_size"] > 1] if col.multi_device_only else ok
+        values = rows[col.key].dropna()
+        if values.nunique() >= 2:  # a tie across every row singles nothing out
+            best[col.key] = float(values.max() if col.best == "max" else values.min())
+    return best
+
+
+def _key_columns(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """Row keys: strategy, precision, world size, plus scaling / LR rule when they vary."""
+    keys = [("strategy", "strategy"), ("precision", "precision"), ("world size", "world_size")]
+    keys += [(h, k) for h, k in (("scaling", "scaling"), ("LR rule", "lr_rule"))
+             if df[k].nunique() > 1]
+    return keys
+
+
+def _key_cells(row: pd.Series, keys: list[tuple[str, str]]) -> list[str]:
+    return [_fmt(row[k], ".0f") if k == "world_size" else _text(row[k]) for _, k in keys]
+
+
+def _size_table(df: pd.DataFrame) -> str:
+    """Performance table of one workload size: strategy x precision x world size."""
+    best = _best_values(df)
+    keys = _key_columns(df)
+    rows = []
+    for _, row in df.sort_values([k for _, k in keys]).iterrows():
+        if row["status"] != "ok":
+            status = f"{row['status']}: {_short_error(row['error'])}"
+            rows.append(_key_cells(row, keys) + [FAILED_CELL] * len(SUMMARY_COLUMNS) + [status])
+            continue
+        cells = []
+        for col in SUMMARY_COLUMNS:
+            text = _fmt(row[col.key] * col.scale, col.fmt)
+            is_best = best.get(col.key) == row[col.key]
+            if col.multi_device_only and row["world_size"] <= 1:
+                is_best = False
+            cells.append(f"**{text}**" if is_best else text)
+        rows.append(_key_cells(row, keys) + cells + ["ok"])
+    headers = [h for h, _ in keys] + [c.header for c in SUMMARY_COLUMNS] + ["status"]
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def _pick(df: pd.DataFrame, key: str, best: str) -> pd.Series | None:
+    values = df[key].dropna()
+    if values.empty:
+        return None
+    return df.loc[values.idxmax() if best == "max" else values.idxmin()]
+
+
+def what_to_pick(df: pd.DataFrame) -> str:
+    """Generated recommendation for one size: fastest, leanest in memory, best scaling."""
+    ok = df[df["status"] == "ok"]
+    if ok.empty:
+        return "**What to pick:** no cell finished; see the status column."
+    parts = []
+    fastest = _pick(ok, "tokens_per_s_per_device", "max")
+    if fastest is not None:
+        parts.append(f"fastest is {_label(fastest)} at "
+                     f"{fastest['tokens_per_s_per_device']:,.0f} tokens/s/dev")
+    leanest = _pick(ok, "peak_mem_gib", "min")
+    if leanest is not None:
+        parts.append(f"leanest in memory is {_label(leanest)} at "
+                     f"{leanest['peak_mem_gib']:.2f} GiB peak")
+    scaling = _pick(ok[ok["world_size"] > 1], "scaling_efficiency", "max")
+    if scaling is not None:
+        parts.append(f"best scaling is {_label(scaling)} at efficiency "
+                     f"{scaling['scaling_efficiency']:.2f}")
+    text = "; ".join(parts) if parts else "no throughput, memory or scaling data measured"
+    return f"**What to pick:** {text}."
+
+
+def _has_outcomes(df: pd.DataFrame) -> bool:
+    """Loss outcomes exist and vary over more than one LR rule or precision."""
+    ok = df[df["status"] == "ok"]
+    outcome = ok[["final_loss", "steps_to_target", "gns_b_simple"]].notna().any(axis=None)
+    return bool(outcome) and (ok["lr_rule"].nunique() > 1 or ok["precision"].nunique() > 1)
+
+
+def _amp_speedup(ok: pd.DataFrame, row: pd.Series) -> float:
+    """tokens/s/dev of this cell / tokens/s/dev of the fp32 cell with the same other keys."""
+    mask = ok["precision"] == "fp32"
+    for key in ("strategy", "scaling", "lr_rule", "world_size"):
+        # None == None is False in pandas; a key absent on both sides still matches.
+        mask &= ok[key].isna() if pd.isna(row[key]) else ok[key] == row[key]
+    match = ok[mask]
+    if match.empty:
+        return math.nan
+    return float(row["tokens_per_s_per_device"] / match["tokens_per_s_per_device"].iloc[0])
+
+
+def critical_batch_hint(global_batch: float, b_simple: float) -> str:
+    """Compare the global batch with B_simple, the critical batch estimate (McCandlish 2018)."""
+    if not (np.isfinite(global_batch) and np.isfinite(b_simple)):
+        return "n/a"
+    if global_batch < b_simple:
+        return "batch below B_simple: larger batch would still scale"
+    return "batch above B_simple: diminishing returns"
+
+
+def _steps_to_target(row: pd.Series) -> str:
+    if np.isfinite(row["steps_to_target"]):
+        return f"{row['steps_to_target']:.0f}"
+    return "not reached" if np.isfinite(row["target_loss"]) else "n/a"
+
+
+def _outcome_table(df: pd.DataFrame) -> str:
+    """Loss outcomes of one size: precision x scaling x LR rule x world size."""
+    ok = df[df["status"] == "ok"]
+    rows = []
+    order = ["precision", "scaling", "lr_rule", "world_size", "strategy"]
+    for _, row in ok.sort_values(order).iterrows():
+        rows.append([
+            _text(row["precision"]), _text(row["scaling"]), _text(row["lr_rule"]),
+            _fmt(row["world_size"], ".0f"), _text(row["strategy"]), _fmt(row["tokens_per_s_per_device"], ",.0f"),
+            _fmt(_amp_speedup(ok, row), ".2f"), _steps_to_target(row),
+            _fmt(row["time_to_target_s"], ".1f"), _fmt(row["final_loss"], ".4f"),
+            _fmt(row["gns_b_simple"], ".1f"), _fmt(row["global_batch"], ".0f"),
+            critical_batch_hint(row["global_batch"], row["gns_b_simple"]),
+        ])
+    headers = ["precision", "scaling", "LR rule", "world size", "strategy", "tokens/s/dev",
+               "AMP speedup vs fp32", "steps to target", "time to target s", "final loss",
+               "B_simple", "global batch", "critical-batch hint"]
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def device_title(df: pd.DataFrame) -> str:
+    """Device kinds and names that produced the cells, e.g. ``cuda (NVIDIA H200)``."""
+    names = []
+    for kind, name in df[["device_kind", "device_name"]].itertuples(index=False):
+        label = _text(kind) or "unknown"
+        label += f" ({_text(name)})" if _text(name) else ""
+        if label not in names:
+            names.append(label)
+    return ", ".join(names) if names else "unknown"
+
+
+def _flags(df: pd.DataFrame) -> list[str]:
+    """Notes: unstable timing per cell, and MFU that could not be computed honestly."""
+    flags = [f"- `{row['cell_id']}`: {_text(row['unstable_reason'])}"
+             for _, row in df.iterrows() if _text(row["unstable_reason"])]
+    no_mfu = df[(df["status"] == "ok") & df["mfu_pct"].isna()]
+    reasons = no_mfu["mfu_reason"].map(_text)
+    for reason, group in no_mfu.groupby(reasons, sort=False):
+        if reason:
+            reason = reason.removeprefix("n/a: ")  # the flag already says n/a
+            flags.append(f"- MFU n/a for {len(group)} cell(s): {reason}")
+    return flags
+
+
+def summary_markdown(records: Sequence[dict[str, Any]]) -> str:
+    """The run summary: per size a performance table, what to pick, outcome table, notes."""
+    df = cells_frame(records)
+    lines = [f"# Benchmark summary, produced on {device_title(df)}", ""]
+    if df.empty:
+        return "\n".join(lines + ["No cell records.", ""])
+    for size in df["size"].fillna("unknown size").unique():
+        part = df[df["size"].fillna("unknown size") == size]
+        lines += [f"## Size: {size}", "", _size_table(part), "", what_to_pick(part), ""]
+        if _has_outcomes(part):
+            lines += [f"### Loss outcomes: {size}", "", _outcome_table(part), ""]
+    lines += [FORMULAS, ""]
+    flags = _flags(df)
+    if flags:
+        lines += ["**Flags**", "", *flags, ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- files
+
+
+def write_report(run_dir: Path) -> str:
+    """Write summary.md, summary.csv and plots/*.png of ``run_dir`` from its records only.
+
+    Files are written atomically (temp file + os.replace). Returns the markdown.
+    """
+    from harness.plots import write_plots  # matplotlib only when files are written
+
+    run_dir = Path(run_dir)
+    records = load_records(run_dir)
+    markdown = summary_markdown(records)
+    df = cells_frame(records)
+    atomic_write_text(run_dir / "summary.md", markdown)
+    atomic_write_text(run_dir / "summary.csv", df.to_csv(index=False))
+    write_plots(df, run_dir / "plots", records=records)
+    return markdown

@@ -1,0 +1,58 @@
+"""Run cells in-process on a gloo group of N ranks (torch.multiprocessing), no torchrun per cell.
+
+One process group runs many cells in turn, which keeps the distributed tier fast; the cells
+themselves go through the same ``harness.worker.run_cell`` torchrun uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, cells: list[dict], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from harness.config import CellConfig
+    from harness.worker import run_cell
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    results = {}
+    for raw in cells:
+        cfg = CellConfig.from_dict(raw)
+        cell_dir = Path(out) / cfg.cell_id
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        res = run_cell(cfg, cell_dir)
+        if rank == 0:
+            results[cfg.cell_id] = res
+    if rank == 0:
+        Path(out, "results.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cells(cells: list[dict], world: int, out: Path) -> dict:
+    """Run ``cells`` (CellConfig dicts, all with this world size) and return rank 0's results by cell id."""
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank_main, args=(world, _free_port(), cells, str(out)), nprocs=world, start_method="spawn")
+    return json.loads((out / "results.json").read_text())
+
+
+def cell(strategy: str, world: int, **kw) -> dict:
+    base = dict(size="tiny", strategy=strategy, precision="fp32", world_size=world, global_batch=8, seq_len=64,
+                steps=5, warmup=1, device_kind="cpu", nvtx=False, lr=1e-3, base_lr=1e-3, base_batch=8)
+    base.update(kw)
+    return base

@@ -1,0 +1,143 @@
+"""Every strategy computes the same training as one device, and its communication is what theory says.
+
+One gloo group per world size runs every strategy in turn (see _spawn.py); the references run
+on a one-rank group. fp32 tolerance: harness.sweep.PARITY_TOL["fp32"] (its docstring says why).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.metrics import max_rel_diff
+from harness.sweep import PARITY_TOL
+from tests.distributed._spawn import cell, run_cells
+from dataclasses import replace
+
+from workloads.sizes import get_size
+
+pytestmark = pytest.mark.distributed
+TOL = PARITY_TOL["fp32"]
+
+W2 = ["ddp", "fsdp", "zero2", "tp", "tp-sp", "pp"]
+W4 = ["ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp"]
+
+
+def _pp_kw(strategy: str, world: int) -> dict:
+    pp = world if strategy == "pp" else 2
+    return {"microbatches": 2 * pp} if strategy.startswith("pp") else {}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cells = [cell("single", 1), cell("single", 1, global_batch=16)]
+    return run_cells(cells, 1, tmp_path_factory.mktemp("w1"))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    cells = [cell(s, 2, **_pp_kw(s, 2)) for s in W2]
+    cells.append(cell("pp", 2, pp_schedule="interleaved1f1b", microbatches=4))
+    cells.append(cell("pp", 2, pp_schedule="gpipe", microbatches=2))
+    cells.append(cell("ddp", 2, grad_accum=2))
+    return run_cells(cells, 2, tmp_path_factory.mktemp("w2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    cells = [cell(s, 4, global_batch=16, **_pp_kw(s, 4)) for s in W4]
+    cells.append(cell("pp+fsdp+tp", 4, global_batch=16, microbatches=4, degrees={"pp": 2, "tp": 2, "dp_shard": 1}))
+    return run_cells(cells, 4, tmp_path_factory.mktemp("w4"))
+
+
+def _params() -> int:
+    """The cells run at seq_len 64, so the position table (and the parameter count) is the 64-row one."""
+    return replace(get_size("tiny"), seq_len=64).params
+
+
+def _ref(reference, gb):
+    return reference[f"tiny-single-fp32-w1-gb{gb}-strong"]["metrics"]["loss"]
+
+
+def _by_strategy(results, strategy):
+    return [r for cid, r in results.items() if cid.split("-fp32-")[0] == f"tiny-{strategy}"]
+
+
+@pytest.mark.parametrize("strategy", W2 + ["pp-interleaved", "pp-gpipe", "ddp-ga2"])
+def test_parity_world2(world2, reference, strategy):
+    picks = {"pp-interleaved": "interleaved1f1b", "pp-gpipe": "gpipe", "ddp-ga2": "ga2"}
+    if strategy in picks:
+        res = next(r for cid, r in world2.items() if picks[strategy] in cid)
+    else:
+        res = next(r for cid, r in world2.items() if cid == f"tiny-{strategy}-fp32-w2-gb8-strong"
+                   or cid.startswith(f"tiny-{strategy}-fp32-w2-gb8-strong-1f1b"))
+    loss = res["metrics"]["loss"]
+    assert len(loss) == 6
+    diff = max_rel_diff(loss, _ref(reference, 8))
+    assert diff <= TOL, f"{strategy}: max rel loss diff {diff:.2e} > {TOL:.0e}"
+
+
+@pytest.mark.parametrize("strategy", W4 + ["pp+fsdp+tp"])
+def test_parity_world4(world4, reference, strategy):
+    res = next(r for cid, r in world4.items() if cid.startswith(f"tiny-{strategy}-fp32-w4-"))
+    diff = max_rel_diff(res["metrics"]["loss"], _ref(reference, 16))
+    assert diff <= TOL, f"{strategy}: max rel loss diff {diff:.2e} > {TOL:.0e}"
+
+
+def test_loss_is_learning(reference):
+    loss = _ref(reference, 8)
+    assert loss[-1] < loss[0] - 0.1, f"loss did not fall: {loss}"
+
+
+def test_ddp_all_reduces_exactly_4_bytes_per_param(world2):
+    params = _params()
+    comm = world2["tiny-ddp-fp32-w2-gb8-strong"]["metrics"]["comm"]
+    assert set(comm) == {"all_reduce"}
+    assert comm["all_reduce"]["bytes_per_step"] == 4 * params
+
+
+def test_fsdp_gathers_params_twice_and_reduce_scatters_grads(world4):
+    params = _params()
+    fsdp = world4["tiny-fsdp-fp32-w4-gb16-strong"]["metrics"]["comm"]
+    zero2 = world4["tiny-zero2-fp32-w4-gb16-strong"]["metrics"]["comm"]
+    # Gradients: one reduce-scatter of every (fp32) parameter's gradient per step.
+    assert fsdp["reduce_scatter"]["bytes_per_step"] == 4 * params
+    # ZeRO-3-like: parameters gathered in forward and again in backward (the root, which holds the
+    # embeddings and head, stays gathered); ZeRO-2-like: gathered once.
+    assert zero2["all_gather"]["bytes_per_step"] == 4 * params
+    assert 1.5 * 4 * params < fsdp["all_gather"]["bytes_per_step"] < 2 * 4 * params + 1
+    assert "all_reduce" not in fsdp
+
+
+def test_fsdp_model_state_at_most_03_of_ddp(world4):
+    ddp = world4["tiny-ddp-fp32-w4-gb16-strong"]["metrics"]["model_state_bytes_per_rank"]
+    fsdp = world4["tiny-fsdp-fp32-w4-gb16-strong"]["metrics"]["model_state_bytes_per_rank"]
+    assert fsdp <= 0.3 * ddp, f"fsdp {fsdp} vs ddp {ddp}"
+
+
+def test_tp_moves_activations(world2):
+    size = get_size("tiny")
+    comm = world2["tiny-tp-fp32-w2-gb8-strong"]["metrics"]["comm"]
+    # Forward: one all-reduce of the (B, S, d) activation after each row-parallel layer (2 per block).
+    act_bytes = 8 * 64 * size.d_model * 4
+    assert comm["all_reduce"]["calls_per_step"] >= 2 * size.n_layers
+    assert comm["all_reduce"]["bytes_per_step"] >= 2 * size.n_layers * act_bytes
+    sp = world2["tiny-tp-sp-fp32-w2-gb8-strong"]["metrics"]["comm"]
+    assert "all_reduce" not in sp or sp["all_reduce"]["calls_per_step"] < comm["all_reduce"]["calls_per_step"]
+    assert sp["reduce_scatter"]["calls_per_step"] >= 2 * size.n_layers
+
+
+def test_pp_sends_activations_per_microbatch(world2):
+    size = get_size("tiny")
+    res = world2["tiny-pp-fp32-w2-gb8-strong-1f1b-m4"]["metrics"]
+    comm = res["comm"]
+    # Rank 0 (first stage) sends each microbatch's (2, 64, d) activation forward, receives its grad back.
+    mb_bytes = 2 * 64 * size.d_model * 4
+    assert comm["send"] == {"calls_per_step": 4, "bytes_per_step": 4 * mb_bytes}
+    assert comm["recv"] == {"calls_per_step": 4, "bytes_per_step": 4 * mb_bytes}
+    assert res["pipeline"]["expected_bubble"] == pytest.approx(1 / 4)
+
+
+def test_gns_is_estimated_under_ddp(world2):
+    gns = world2["tiny-ddp-fp32-w2-gb8-strong"]["metrics"]["gns"]
+    assert gns["b_small"] == 4 and gns["b_big"] == 8
+    assert gns["b_simple"] is not None and gns["b_simple"] > 0

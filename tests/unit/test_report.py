@@ -1,0 +1,238 @@
+"""Unit tests of the report (harness/report.py), plots and records loading."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from harness import report
+from harness.errors import UsageError
+from harness.plots import LOSS_PNG, PEAK_MEM_PNG, SCALING_PNG, THROUGHPUT_PNG, write_plots
+from harness.records_io import load_records
+
+SEQ_LEN = 128
+OOM_ERROR = ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.35 GiB total capacity; "
+             "77.10 GiB already allocated)\nstderr tail ...")
+
+
+def cell(
+    strategy: str, precision: str, world_size: int, tokens_per_s: float | None,
+    size: str = "tiny", status: str = "ok", error: str | None = None,
+    lr_rule: str = "constant", **metrics: Any,
+) -> dict[str, Any]:
+    """A cell record following docs/records.md; ``metrics`` override or add metric keys."""
+    m: dict[str, Any] = {}
+    if tokens_per_s is not None:
+        step_s = 16 * SEQ_LEN / tokens_per_s
+        m = {"tokens_per_step": 16 * SEQ_LEN, "tokens_per_s": tokens_per_s,
+             "tokens_per_s_per_device": tokens_per_s / world_size,
+             "step_time_s": {"median": step_s, "cv": 0.02, "n": 10},
+             "tflops_per_device": 1e-3 * tokens_per_s / world_size, "mfu_pct": None,
+             "mfu_reason": "no datasheet peak for cpu"}
+    m.update(metrics)
+    return {
+        "schema_version": 1, "kind": "cell", "run_id": "20261129-184500-ab12",
+        "cell_id": f"{size}-{strategy}-{precision}-w{world_size}-gb16-strong-{lr_rule}",
+        "status": status, "error": error, "fingerprint": "0" * 16, "fingerprint_fields": {},
+        "config": {"size": size, "strategy": strategy, "precision": precision,
+                   "world_size": world_size, "global_batch": 16, "seq_len": SEQ_LEN,
+                   "scaling": "strong", "lr_rule": lr_rule, "device_kind": "cpu"},
+        "env": {"device_name": "AMD EPYC"},
+        "metrics": m,
+        "samples": {"step_time_s": []},
+    }
+
+
+@pytest.fixture()
+def records() -> list[dict[str, Any]]:
+    return [
+        cell("ddp", "fp32", 1, 1000.0, peak_mem_gib=2.0, model_state_bytes_per_rank=8 * 2**20),
+        cell("ddp", "fp32", 2, 1800.0, peak_mem_gib=2.1, model_state_bytes_per_rank=8 * 2**20,
+             comm_bytes_per_step=3 * 2**20, trace={"overlap_pct": 40.0},
+             parity_max_rel_diff=2e-6),
+        cell("fsdp", "fp32", 2, 1600.0, peak_mem_gib=1.2, model_state_bytes_per_rank=4 * 2**20,
+             comm_bytes_per_step=4.5 * 2**20, trace={"overlap_pct": 55.0},
+             unstable=True, unstable_reason="unstable: CV 14% > 10%, rerun with more steps"),
+        cell("ddp", "bf16", 2, 2400.0, peak_mem_gib=1.5),
+        cell("fsdp", "bf16", 2, None, status="oom", error=OOM_ERROR),
+    ]
+
+
+def outcome_records() -> list[dict[str, Any]]:
+    """Size 'small': fp32/bf16 x two LR rules with loss outcomes and gradient noise scale."""
+    common = {"target_loss": 3.0}
+    return [
+        cell("ddp", "fp32", 2, 1000.0, size="small", lr_rule="sqrt", final_loss=2.9,
+             steps_to_target=40, time_to_target_s=20.0, gns={"b_simple": 64.0},
+             loss=[5.0, 4.0, 3.5, 2.9], **common),
+        cell("ddp", "bf16", 2, 1500.0, size="small", lr_rule="sqrt", final_loss=2.95,
+             steps_to_target=42, time_to_target_s=14.0, gns={"b_simple": 8.0},
+             loss=[5.0, 4.1, 3.4, 2.95], **common),
+        cell("ddp", "fp32", 2, 1000.0, size="small", lr_rule="linear", final_loss=3.2,
+             steps_to_target=None, gns={"b_simple": None, "reason": "too few steps"},
+             loss=[5.0, 4.5, 3.9, 3.2], **common),
+    ]
+
+
+def table_rows(markdown: str, size: str) -> list[list[str]]:
+    """Cells of the first table after the '## Size: <size>' heading."""
+    lines = markdown.split(f"## Size: {size}\n", 1)[1].splitlines()
+    table = [line for line in lines[: lines.index("", 1)] if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table]
+
+
+# ---------------------------------------------------------------- frame
+
+
+def test_cells_frame_flattens_and_computes_scaling(records: list[dict[str, Any]]) -> None:
+    df = report.cells_frame(records).set_index("cell_id")
+    ddp2 = df.loc["tiny-ddp-fp32-w2-gb16-strong-constant"]
+    assert ddp2["tokens_per_s_per_device"] == 900.0
+    assert ddp2["scaling_efficiency"] == pytest.approx(1800.0 / (2 * 1000.0))  # 0.9
+    assert ddp2["model_state_mib_per_rank"] == 8.0
+    assert ddp2["comm_mib_per_step"] == 3.0
+    assert ddp2["overlap_pct"] == 40.0
+    assert ddp2["step_time_median_s"] == pytest.approx(16 * SEQ_LEN / 1800.0)
+    # fsdp has no world_size 1 cell: the 1-device ddp fp32 cell is the reference.
+    assert df.loc["tiny-fsdp-fp32-w2-gb16-strong-constant", "scaling_efficiency"] == 0.8
+    assert df.loc["tiny-ddp-fp32-w1-gb16-strong-constant", "scaling_efficiency"] == 1.0
+    # No bf16 1-device cell: efficiency is not invented from the fp32 one.
+    assert math.isnan(df.loc["tiny-ddp-bf16-w2-gb16-strong-constant", "scaling_efficiency"])
+    oom = df.loc["tiny-fsdp-bf16-w2-gb16-strong-constant"]
+    assert oom["status"] == "oom" and math.isnan(oom["tokens_per_s_per_device"])
+    assert math.isnan(oom["scaling_efficiency"]) and math.isnan(oom["mfu_pct"])
+
+
+def test_scaling_reference_prefers_same_strategy_else_fastest() -> None:
+    recs = [cell("fsdp", "fp32", 1, 800.0), cell("ddp", "fp32", 1, 1000.0),
+            cell("fsdp", "fp32", 2, 1440.0), cell("tp", "fp32", 2, 1500.0)]
+    eff = report.cells_frame(recs).set_index("strategy")["scaling_efficiency"]
+    assert eff["fsdp"].tolist() == [1.0, pytest.approx(1440.0 / (2 * 800.0))]
+    assert eff["tp"] == pytest.approx(1500.0 / (2 * 1000.0))
+
+
+def test_cells_frame_ignores_calibration_and_tolerates_missing_keys() -> None:
+    bare = {"kind": "cell", "cell_id": "x", "status": "ok"}
+    calibration = {"kind": "calibration", "cell_id": "calibration", "status": "ok"}
+    df = report.cells_frame([bare, calibration])
+    assert list(df["cell_id"]) == ["x"]
+    assert list(df.columns) == report.FRAME_COLUMNS
+    assert df[["tokens_per_s_per_device", "peak_mem_gib", "overlap_pct"]].isna().all(axis=None)
+    assert report.summary_markdown([bare]).startswith("# Benchmark summary, produced on unknown")
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def test_summary_table_marks_best_and_shows_failures(records: list[dict[str, Any]]) -> None:
+    md = report.summary_markdown(records)
+    assert md.startswith("# Benchmark summary, produced on cpu (AMD EPYC)\n")
+    header, _, *rows = table_rows(md, "tiny")
+    assert header[:4] == ["strategy", "precision", "world size", "tokens/s/dev"]
+    assert "peak mem GiB" in header and "comm MiB/step" in header and "scaling eff." in header
+    by_key = {tuple(r[:3]): dict(zip(header, r)) for r in rows}
+    assert by_key[("ddp", "bf16", "2")]["tokens/s/dev"] == "**1,200**"
+    assert by_key[("ddp", "fp32", "2")]["tokens/s/dev"] == "900"
+    assert by_key[("fsdp", "fp32", "2")]["peak mem GiB"] == "**1.20**"
+    # The 1-device reference (1.00 by definition) is not ranked; the best is 0.90 on 2.
+    assert by_key[("ddp", "fp32", "2")]["scaling eff."] == "**0.90**"
+    assert by_key[("ddp", "fp32", "1")]["scaling eff."] == "1.00"
+    assert by_key[("ddp", "bf16", "2")]["CV %"] == "2.0"  # all tied: nothing bold
+    assert by_key[("ddp", "fp32", "2")]["comm MiB/step"] == "**3.0**"
+    assert by_key[("fsdp", "fp32", "2")]["overlap %"] == "**55.0**"
+    assert by_key[("ddp", "bf16", "2")]["MFU %"] == "n/a"
+    oom = by_key[("fsdp", "bf16", "2")]
+    assert oom["status"] == f"oom: {OOM_ERROR[:60]}"
+    assert oom["tokens/s/dev"] == report.FAILED_CELL
+
+
+def test_what_to_pick_names_the_right_cells(records: list[dict[str, Any]]) -> None:
+    md = report.summary_markdown(records)
+    assert ("**What to pick:** fastest is ddp/bf16 on 2 device(s) at 1,200 tokens/s/dev; "
+            "leanest in memory is fsdp/fp32 on 2 device(s) at 1.20 GiB peak; "
+            "best scaling is ddp/fp32 on 2 device(s) at efficiency 0.90.") in md
+
+
+def test_footnotes_and_unstable_flag(records: list[dict[str, Any]]) -> None:
+    md = report.summary_markdown(records)
+    assert "tokens/s = global tokens per step / median step time" in md
+    assert "scaling efficiency = tokens/s at N devices / (N x tokens/s at 1 device)" in md
+    assert ("- `tiny-fsdp-fp32-w2-gb16-strong-constant`: unstable: CV 14% > 10%, "
+            "rerun with more steps") in md
+    assert "- MFU n/a for 4 cell(s): no datasheet peak for cpu" in md
+    assert "nan" not in md
+    assert "### Loss outcomes" not in md  # no loss outcome data in the tiny set
+
+
+def test_outcome_table() -> None:
+    md = report.summary_markdown(outcome_records())
+    header, _, *rows = table_rows(md, "small")
+    assert header[:4] == ["strategy", "precision", "world size", "LR rule"]  # LR rule varies
+    assert [r[3] for r in rows] == ["sqrt", "linear", "sqrt"]
+    section = md.split("### Loss outcomes: small\n", 1)[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("|")][:5]
+    header, _, *body = rows
+    by_key = {(r[0], r[2]): dict(zip(header, r)) for r in body}
+    bf16 = by_key[("bf16", "sqrt")]
+    assert bf16["AMP speedup vs fp32"] == "1.50"
+    assert bf16["steps to target"] == "42"
+    assert bf16["critical-batch hint"] == "batch above B_simple: diminishing returns"
+    fp32 = by_key[("fp32", "sqrt")]
+    assert fp32["AMP speedup vs fp32"] == "1.00"
+    assert fp32["critical-batch hint"] == "batch below B_simple: larger batch would still scale"
+    linear = by_key[("fp32", "linear")]
+    assert linear["steps to target"] == "not reached"
+    assert linear["B_simple"] == "n/a" and linear["critical-batch hint"] == "n/a"
+    assert linear["final loss"] == "3.2000"
+
+
+# ---------------------------------------------------------------- files
+
+
+def write_run(tmp_path: Path, records: list[dict[str, Any]]) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+def test_write_report_files(tmp_path: Path, records: list[dict[str, Any]]) -> None:
+    run_dir = write_run(tmp_path, records + outcome_records())
+    md = report.write_report(run_dir)
+    assert (run_dir / "summary.md").read_text() == md
+    csv = pd.read_csv(run_dir / "summary.csv")
+    assert len(csv) == 8
+    assert csv.set_index("cell_id").loc["tiny-ddp-fp32-w2-gb16-strong-constant",
+                                        "scaling_efficiency"] == pytest.approx(0.9)
+    for name in (THROUGHPUT_PNG, PEAK_MEM_PNG, SCALING_PNG, LOSS_PNG):
+        png = run_dir / "plots" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert not list(run_dir.glob(".*.tmp")) and not list((run_dir / "plots").glob(".*.tmp"))
+
+
+def test_plots_skipped_without_data(tmp_path: Path) -> None:
+    only_failed = [cell("fsdp", "bf16", 2, None, status="oom", error=OOM_ERROR)]
+    df = report.cells_frame(only_failed)
+    assert write_plots(df, tmp_path / "plots", records=only_failed) == []
+    one_size = [cell("ddp", "fp32", 1, 1000.0)]
+    written = write_plots(report.cells_frame(one_size), tmp_path / "p2", records=one_size)
+    assert [p.name for p in written] == [THROUGHPUT_PNG]
+
+
+def test_load_records_truncated_line(tmp_path: Path, records: list[dict[str, Any]]) -> None:
+    run_dir = write_run(tmp_path, records)
+    path = run_dir / "records.jsonl"
+    path.write_text(path.read_text() + '{"kind": "cell", "cell_id": "tr')
+    with pytest.raises(UsageError) as info:
+        load_records(run_dir)
+    message = str(info.value)
+    assert message.startswith(f"{path}: line 6 is not valid JSON")
+    assert "\n" not in message
+    with pytest.raises(UsageError, match="no such records file"):
+        load_records(tmp_path / "missing")
