@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 2-5 in one pass on a single GPU (run on a lent H200; ~5 minutes).
+#   bash scripts/gpu_checks.sh OUTDIR
+# Writes each phase's run directory under OUTDIR/runs and copies what matters to OUTDIR.
+set -uo pipefail
+OUT="${1:?usage: gpu_checks.sh OUTDIR}"
+R="$OUT/runs"
+mkdir -p "$R"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HARNESS_CALIBRATION="$OUT/calibration.json"
+H="python3 -m harness"
+COMMON="--device cuda --gpus 1 --batch 8 --steps 8 --warmup 2 --no-calibrate --cell-timeout 240"
+nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv | tee "$OUT/nvidia-smi.csv"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+command -v nsys || echo "nsys: not on PATH"
+# Issue 2: measured matmul peaks (calibrated MFU) for every compute dtype.
+$H calibrate --device cuda --dtype fp32,tf32,bf16,fp16
+# Issue 2: single cells small..xl in fp32 and bf16 (medium and large come with the precision run).
+$H bench $COMMON --strategies single --sizes small,xl --precision bf16,fp32 --out "$R/sizes"
+cp "$R/sizes/summary.md" "$OUT/summary-sizes.md"
+# Issue 3: the strategies that run on one GPU (world size 1) on NCCL with CUDA events.
+$H bench $COMMON --strategies single,ddp,fsdp --degrees dp_shard=1 --sizes small --precision bf16 --out "$R/strategies"
+cp "$R/strategies/summary.md" "$OUT/summary-strategies.md"
+# Issue 4: every precision mode for medium and large: AMP speedup and MFU per mode.
+$H bench $COMMON --strategies single --sizes medium,large --precision fp32,tf32,bf16,fp16 --out "$R/precision"
+cp "$R/precision/summary.md" "$OUT/summary-precision.md"
+# Issue 5: NVTX cost on `small`: the same cell with ranges off (the sizes run had them on).
+$H bench $COMMON --strategies single --sizes small --precision bf16 --nvtx off --out "$R/nvtx-off"
+tar -C "$OUT" -czf "$OUT/runs.tar.gz" runs && rm -rf "$R"
