@@ -6,12 +6,14 @@ The job runs in a new process session so a timeout or Ctrl-C can kill the whole 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +56,34 @@ def torchrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, rdzv: Ren
     if cfg.nnodes == 1:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={rdzv_id}"]
     else:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv_id}",
-                f"--node-rank={rdzv.node_rank}", "--rdzv-conf=join_timeout=120"]
+        # Static, not c10d: c10d ignores --node-rank and ranks nodes by sorted (hostname, pid), so
+        # global rank 0 (which writes result.json) could land on a node that does not write
+        # records, and any node whose hostname matches the endpoint may host the store. Static
+        # makes the node rank the group rank and has node rank 0 host the store.
+        cmd += ["--rdzv-backend=static", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv_id}",
+                f"--node-rank={rdzv.node_rank}"]
     if worker_prefix:
         cmd += ["--no-python", *worker_prefix, sys.executable, "-m", "harness.worker"]
     else:
         cmd += ["-m", "harness.worker"]
     return cmd + ["--cell", str(cell_json), "--out", str(cell_dir)]
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold Ctrl-C while the job starts, then deliver it: an interrupt inside Popen (after the
+    fork, before ``proc`` is bound) would orphan the job's new session."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread handles signals
+        return
+    pending: list[tuple] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending and callable(previous):
+            previous(*pending[0])  # the default handler raises KeyboardInterrupt here
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -97,23 +120,67 @@ def _stderr_tail(log_dir: Path, rank: int | None, limit: int = 1500) -> str:
     return "\n".join(tails)[-limit * 2:]
 
 
-def _failed_rank(cell_dir: Path, launcher_err: str) -> tuple[int | None, str]:
-    """The root-cause rank and its exit (signal or code), from torchrun's failure summary."""
-    rank = code = None
+def _failures(launcher_err: str) -> list[dict]:
+    """Failed ranks from torchrun's summary: ``[{rank, exitcode, root}]``, the root cause marked."""
+    out: list[dict] = []
+    root = False
     for line in launcher_err.splitlines():
         s = line.strip()
-        if s.startswith("rank") and ":" in s and rank is None:
-            tail = s.split(":", 1)[1].split()[0]
-            rank = int(tail) if tail.isdigit() else None
-        if s.startswith("exitcode") and ":" in s and code is None:
-            code = s.split(":", 1)[1].strip()
-    return rank, code or "unknown"
+        if s.startswith("Root Cause"):
+            root = True
+        key, _, value = s.partition(":")
+        key, value = key.strip(), value.split()
+        if key == "rank" and value and value[0].isdigit():
+            out.append({"rank": int(value[0]), "exitcode": None, "root": root})
+        elif key == "exitcode" and value and out and out[-1]["exitcode"] is None:
+            out[-1]["exitcode"] = int(value[0]) if value[0].lstrip("-").isdigit() else None
+    return out
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}, exit {code}"
+        except ValueError:
+            return f"killed by signal {-code}, exit {code}"
+    return f"exit {code}"
+
+
+def _failed_rank(cell_dir: Path, launcher_err: str) -> tuple[int | None, str]:
+    """The rank that failed first and how it died.
+
+    torchrun lists other failures before its root cause, and its root cause is the first rank
+    observed dead in a poll (ties go to the lowest rank), so a peer that failed *because* of
+    the culprit can be named instead. Preference: a rank killed by a signal other than the
+    launcher's SIGTERM that left no error report (killed from outside or a native crash), then
+    the rank whose error report was written first, then torchrun's root cause.
+    """
+    failures = _failures(launcher_err)
+    reported = {int(p.stem.removeprefix("error-rank")): p.stat().st_mtime_ns
+                for p in cell_dir.glob("error-rank*.json") if p.stem.removeprefix("error-rank").isdigit()}
+    killed = [f for f in failures if f["exitcode"] is not None and f["exitcode"] < 0
+              and f["exitcode"] != -signal.SIGTERM and f["rank"] not in reported]
+    if killed:
+        f = next((k for k in killed if k["root"]), killed[0])
+        return f["rank"], _describe_exit(f["exitcode"])
+    by_rank = {f["rank"]: f for f in failures}
+    if reported:
+        rank = min(reported, key=reported.get)
+        return rank, _describe_exit(by_rank[rank]["exitcode"]) if rank in by_rank else "exit unknown"
+    root = next((f for f in failures if f["root"]), failures[0] if failures else None)
+    if root is None:
+        return None, "exit unknown"
+    return root["rank"], _describe_exit(root["exitcode"])
 
 
 def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, rdzv_id: str,
                  env_extra: dict | None = None, worker_prefix: list[str] | None = None) -> Outcome:
     """Run the cell; classify ok / oom / crashed / timeout. Ctrl-C kills the job, then re-raises."""
     cell_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [cell_dir / "result.json", *cell_dir.glob("error-rank*.json")]:
+        stale.unlink(missing_ok=True)  # left by an interrupted attempt (--resume): never this job's outcome
     cell_json = cell_dir / "cell.json"
     write_json_atomic(cell_json, cfg.to_dict())
     log_dir = cell_dir / "logs"
@@ -124,8 +191,10 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), repo) if p)
     t0 = time.monotonic()
     with open(cell_dir / "launcher.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = None
         try:
+            with _sigint_deferred():
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
@@ -133,13 +202,14 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
                                       f"(raise --cell-timeout if the cell is just slow)", None, None,
                            time.monotonic() - t0)
         except BaseException:
-            _kill_group(proc)
+            if proc is not None:
+                _kill_group(proc)
             raise
         finally:
             # Whatever happened, no rank of this job may outlive it.
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 _kill_group(proc)
-            else:
+            elif proc is not None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -157,12 +227,13 @@ def _classify_failure(cell_dir: Path, log_dir: Path, rc: int, wall: float) -> Ou
     if any(e["status"] == "oom" for e in errors):
         e = next(e for e in errors if e["status"] == "oom")
         return Outcome("oom", f"rank {e['rank']}: {e['error']}", None, rc, wall)
+    if rc == 0 and not errors:
+        return Outcome("crashed", f"every rank exited 0 but no {cell_dir / 'result.json'} was written "
+                                  "(global rank 0 writes it; see the rank logs)", None, rc, wall)
     launcher_err = (cell_dir / "launcher.log").read_text(errors="replace")
-    rank, code = _failed_rank(cell_dir, launcher_err)
-    if errors and rank is None:
-        rank = errors[0]["rank"]
-    first = next((e for e in errors if e["rank"] == rank), errors[0] if errors else None)
-    what = first["error"] if first else f"exit {code}"
+    rank, how = _failed_rank(cell_dir, launcher_err)
+    first = next((e for e in errors if e["rank"] == rank), None)
+    what = first["error"] if first else "no error report from the rank (killed, or a native crash); see its stderr"
     tail = _stderr_tail(log_dir, rank)
-    return Outcome("crashed", f"rank {rank if rank is not None else '?'} died ({code}): {what}\n{tail}".strip(),
+    return Outcome("crashed", f"rank {rank if rank is not None else '?'} died ({how}): {what}\n{tail}".strip(),
                    None, rc, wall)

@@ -7,6 +7,7 @@ single-device reference, which the planner orders first.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from harness.launch import Outcome, Rendezvous, run_cell_job
 from harness.metrics import max_rel_diff
 from harness.plan import PlannedCell
 from harness.progress import Progress
-from harness.results.atomic import append_jsonl
+from harness.results.atomic import append_jsonl, write_json_atomic
 from harness.results.env import capture
 from harness.results.record import make_record, new_run_id
 
@@ -188,6 +189,38 @@ def calibration_record(run_id: str, device_kind: str, samples: int = 15) -> dict
     return make_record(run_id=run_id, cell_id="calibration", status="ok", config=cfg, env=env, degrees=None,
                        workload={"name": cfg["workload"]}, kind="calibration",
                        metrics={"tokens_per_step": 1}, samples={"step_time_s": times})
+
+
+SWEEP_ARGS_FILE = "sweep_args.json"
+"""A run's sweep flags, so that ``harness bench --resume DIR`` alone re-plans the same cells."""
+
+
+def sweep_arg_values(args: argparse.Namespace) -> dict:
+    """The sweep-matrix flags (those of ``harness.cli.add_sweep_args``) that are set in ``args``."""
+    from harness.cli import add_sweep_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_sweep_args(parser)
+    return {a.dest: getattr(args, a.dest) for a in parser._actions if getattr(args, a.dest, None) is not None}
+
+
+def save_sweep_args(out: Path, args: argparse.Namespace) -> None:
+    values = {k: str(Path(v).resolve()) if isinstance(v, Path) else v for k, v in sweep_arg_values(args).items()}
+    write_json_atomic(out / SWEEP_ARGS_FILE, values)
+
+
+def restore_sweep_args(out: Path, args: argparse.Namespace) -> None:
+    """Fill the sweep flags not given on this command line from the run's recorded ones (CLI wins)."""
+    path = out / SWEEP_ARGS_FILE
+    if not path.exists():
+        return  # not a run directory, or one from before flags were recorded: the CLI flags alone
+    try:
+        recorded = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path} is unreadable ({e}); give the sweep flags again with --resume {out}") from None
+    for key, value in recorded.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, Path(value) if key == "sweep" else value)
 
 
 def start_run(out: Path | None, resume: Path | None, node_rank: int) -> tuple[Path, str, bool]:
