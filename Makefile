@@ -59,7 +59,7 @@ compare: setup
 	$(BIN)/harness compare $(BASE) $(CAND) $(ARGS)
 
 bench-ci: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/bench --benchmark-only \
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/bench/test_ci_cells.py --benchmark-only \
 		--benchmark-json=$(or $(OUT),results/bench-ci.json)
 
 workloads: setup

@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(fn=cmd_calibrate)
     w = sub.add_parser("workloads", help="print the workload size table")
     w.set_defaults(fn=cmd_workloads)
+    from harness import trace_cmd
+
+    trace_cmd.register(sub)
     return ap
 
 

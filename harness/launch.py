@@ -1,7 +1,8 @@
 """Launch one cell as its own torchrun job: isolation, timeout, outcome captured.
 
-The job runs in a new process session so a timeout or Ctrl-C can kill the whole group
-(torchrun and every rank): no orphans survive a cell.
+The job runs in a new process session, and every process it starts inherits a tag in its
+environment, so a timeout or Ctrl-C kills all of them (torchrun starts each rank in a session
+of its own, out of reach of a process-group kill): no orphans survive a cell.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from harness.config import CellConfig
 from harness.results.atomic import write_json_atomic
 
 KILL_GRACE_S = 5.0
+JOB_TAG_ENV = "HARNESS_JOB_TAG"
+"""Set in the job's environment, so every process it starts can be found and killed with it."""
 
 
 @dataclass(frozen=True)
@@ -86,25 +92,37 @@ def _sigint_deferred():
             previous(*pending[0])  # the default handler raises KeyboardInterrupt here
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the job's process group, then SIGKILL whatever is left (stopped ranks included)."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    for sig in (signal.SIGCONT, signal.SIGTERM):
+def _job_processes(tag: str) -> list[psutil.Process]:
+    """Every live process started by the job, found by the environment tag they all inherit.
+
+    The job's process group is not enough: torchrun starts each rank in a session of its own,
+    and a rank orphaned by torchrun's death is no longer in torchrun's process tree either.
+    """
+    found = []
+    for p in psutil.process_iter():
         try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-    try:
-        proc.wait(timeout=KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass  # still alive after the grace period: SIGKILL below
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
+            if p.environ().get(JOB_TAG_ENV) == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue  # gone, dead, or not ours: not a live process of this job
+    return found
+
+
+def _kill_job(proc: subprocess.Popen, tag: str) -> None:
+    """SIGCONT + SIGTERM every process of the job (stopped ranks included), SIGKILL what is left."""
+    procs = _job_processes(tag)
+    if proc.poll() is None and proc.pid not in {p.pid for p in procs}:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(proc.pid))  # torchrun itself, however its environment reads
+    for p in procs:
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+    _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S)
+    for p in alive + [p for p in _job_processes(tag) if p not in alive]:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
     proc.wait()
 
 
@@ -185,8 +203,9 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
     write_json_atomic(cell_json, cfg.to_dict())
     log_dir = cell_dir / "logs"
     cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, worker_prefix)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           **(env_extra or {})}
+           **(env_extra or {}), JOB_TAG_ENV: tag}
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), repo) if p)
     t0 = time.monotonic()
@@ -197,24 +216,15 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return Outcome("timeout", f"no result within the cell timeout ({timeout_s:.0f} s); job killed "
-                                      f"(raise --cell-timeout if the cell is just slow)", None, None,
-                           time.monotonic() - t0)
-        except BaseException:
-            if proc is not None:
-                _kill_group(proc)
-            raise
+            rc = None
         finally:
-            # Whatever happened, no rank of this job may outlive it.
-            if proc is not None and proc.poll() is None:
-                _kill_group(proc)
-            elif proc is not None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass  # group already gone: nothing left to reap
+            # Whatever happened (clean exit, crash, timeout, Ctrl-C), no process of this job may outlive it.
+            if proc is not None:
+                _kill_job(proc, tag)
     wall = time.monotonic() - t0
+    if rc is None:
+        return Outcome("timeout", f"no result within the cell timeout ({timeout_s:.0f} s); job killed "
+                                  f"(raise --cell-timeout if the cell is just slow)", None, None, wall)
     result_path = cell_dir / "result.json"
     if rc == 0 and (result_path.exists() or rdzv.node_rank != 0):
         result = json.loads(result_path.read_text()) if result_path.exists() else None

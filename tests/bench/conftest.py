@@ -1,0 +1,55 @@
+"""Shared pieces of the benchmark tier: a one-device training context built like the worker's."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from harness import train
+from harness.measure.nvtx_ranges import Ranges
+from harness.parallel.parallelize import Parallelized
+from harness.precision import PrecisionPlan
+from workloads.data import MarkovData
+from workloads.model import GPT, lm_loss
+from workloads.sizes import get_size
+
+
+def make_context(size_name: str, seq_len: int, batch: int, nvtx: bool, seed: int = 0):
+    size = replace(get_size(size_name), seq_len=seq_len)
+    torch.manual_seed(seed)
+    model = GPT(size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    ctx = train.StepContext(par=Parallelized(parts=[model], model=model, pipeline=None, data_parallel="none"),
+                            optimizer=opt, precision=PrecisionPlan("fp32"), scaler=None, device_kind="cpu",
+                            grad_accum=1, ranges=Ranges(enabled=nvtx))
+    x, y = MarkovData(size.vocab_size, seq_len, seed=seed).batch(0, batch)
+    return ctx, model, opt, x, y
+
+
+def bare_step(model, opt, x, y) -> torch.Tensor:
+    """The plainest correct training step: what the harness's step must not be slower than."""
+    opt.zero_grad(set_to_none=True)
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """Time each function once per round, alternating, so drift hits all of them alike."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[k].append(time.perf_counter() - t0)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_core():
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    yield

@@ -1,0 +1,170 @@
+"""End-to-end tier: ``harness`` run as a subprocess (CPU, gloo), faults injected, processes audited.
+
+Every run gets its own calibration cache and fault-marker directory under the test's tmp dir,
+runs on CPU whatever the machine has (``--device cpu``), and is never left running: a test that
+fails or times out still kills whatever its sweep started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # E2E.planned imports the harness in the test process
+INJECT = Path(__file__).resolve().parent / "inject"
+TINY = ["--device", "cpu", "--sizes", "tiny", "--steps", "3", "--warmup", "1", "--batch", "4", "--no-calibrate"]
+"""The smallest honest cell: 1 warmup + 3 measured steps of the tiny GPT, 4 sequences per step."""
+
+# Python ignores SIGINT when its parent did (e.g. pytest started in the background by a
+# non-interactive shell); the CLI under test must see Ctrl-C as a user would.
+_MAIN = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+         "sys.argv[0] = 'harness'; runpy.run_module('harness', run_name='__main__', alter_sys=True)")
+
+
+@dataclass
+class HarnessCLI:
+    """``python -m harness ...`` with the test environment; ``faults`` go to the inject hook."""
+
+    tmp: Path
+
+    def env(self, faults: list[dict] | None = None) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
+        env.update(PYTHONPATH=os.pathsep.join([str(INJECT), str(REPO)]), OMP_NUM_THREADS="1",
+                   HARNESS_CALIBRATION=str(self.tmp / "calibration.json"), HARNESS_FORCE_CPU="1",
+                   HARNESS_TEST_FAULT_DIR=str(self.fault_dir))
+        if faults:
+            env["HARNESS_TEST_FAULTS"] = json.dumps(faults)
+        return env
+
+    @property
+    def fault_dir(self) -> Path:
+        d = self.tmp / "faults-fired"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def fired(self, cell_id: str, fault: str) -> bool:
+        return (self.fault_dir / f"{cell_id}.{fault}.fired").exists()
+
+    def popen(self, *args: str, faults: list[dict] | None = None, log: str = "harness") -> subprocess.Popen:
+        out = open(self.tmp / f"{log}.stdout", "w")
+        err = open(self.tmp / f"{log}.stderr", "w")
+        return subprocess.Popen([sys.executable, "-c", _MAIN, *args], cwd=REPO, env=self.env(faults),
+                                stdout=out, stderr=err)
+
+    def run(self, *args: str, timeout: float, faults: list[dict] | None = None,
+            log: str = "harness") -> subprocess.CompletedProcess:
+        proc = self.popen(*args, faults=faults, log=log)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"harness {' '.join(args)} still running after {timeout:.0f} s; "
+                                 f"stderr tail:\n{self.stderr(log)[-2000:]}") from None
+        return subprocess.CompletedProcess(args, rc, self.stdout(log), self.stderr(log))
+
+    def stdout(self, log: str = "harness") -> str:
+        return (self.tmp / f"{log}.stdout").read_text(errors="replace")
+
+    def stderr(self, log: str = "harness") -> str:
+        return (self.tmp / f"{log}.stderr").read_text(errors="replace")
+
+
+def read_records(out: Path, kind: str | None = "cell") -> list[dict]:
+    """Complete records in file order (a torn last line is not a record)."""
+    path = out / "records.jsonl"
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+    return [r for r in recs if kind is None or r.get("kind") == kind]
+
+
+def _matching(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and any(marker in a for a in (p.info["cmdline"] or [])):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def survivors(marker: str, grace_s: float = 10.0) -> list[str]:
+    """Live processes whose command line mentions ``marker`` (a run's --out path), after a short grace.
+
+    Zombies are dead (only their exit status is left) and do not count.
+    """
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = []
+        for p in _matching(marker):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"pid {p.pid} [{p.status()}]: {' '.join(p.cmdline())[:300]}")
+            except psutil.NoSuchProcess:
+                continue
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def kill_all(marker: str) -> None:
+    """Test cleanup: SIGCONT + SIGKILL every process that mentions ``marker``."""
+    for p in _matching(marker):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                break
+
+
+class E2E:
+    """The helpers, handed to tests by the ``e2e`` fixture (a conftest is not importable reliably)."""
+
+    TINY = TINY
+    REPO = REPO
+    CLI = HarnessCLI
+    read_records = staticmethod(read_records)
+    survivors = staticmethod(survivors)
+    kill_all = staticmethod(kill_all)
+
+    @staticmethod
+    def planned(*flags: str) -> list:
+        """The cells ``harness plan`` would list for these sweep flags, in run order."""
+        from harness.cli import build_parser, spec_from_args
+        from harness.plan import expand
+
+        args = build_parser().parse_args(["plan", *flags])
+        return expand(spec_from_args(args))
+
+    @staticmethod
+    def free_port() -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def e2e() -> type[E2E]:
+    return E2E
+
+
+@pytest.fixture
+def harness_cli(tmp_path: Path):
+    cli = HarnessCLI(tmp_path)
+    yield cli
+    kill_all(str(tmp_path))
