@@ -238,7 +238,7 @@ def _auto_calibrate(spec) -> None:
         for th in threads:
             if calibrate.lookup(spec.device_kind, dt, th) is None:
                 e = calibrate.calibrate_subprocess(spec.device_kind, dt, th)
-                print(f"calibrated {spec.device_kind} {dt} threads={th}: {e:.2f} TFLOP/s matmul peak", flush=True)
+                print(f"calibrated {spec.device_kind} {dt} threads={th}: {e:.4g} TFLOP/s matmul peak", flush=True)
 
 
 def cmd_report(args) -> int:
@@ -268,7 +268,7 @@ def cmd_calibrate(args) -> int:
             raise UsageError(f"--dtype {dt!r}: choose from fp32,bf16,fp16 (tf32 on GPU only)")
     for dt in _csv(args.dtype):
         e = calibrate.calibrate(device, dt, threads, force=args.force)
-        print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.3f} TFLOP/s "
+        print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s "
               f"(best shape {e['best_shape']}) -> {calibrate.default_cache()}")
     return 0
 

@@ -21,6 +21,8 @@ from harness.results.atomic import write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (1024, 4096, 1024)]
+MAX_REP_S = 0.5
+"""Stop growing the shapes once one product takes this long: bigger ones will not be faster."""
 GPU_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 16384, 4096), (16384, 8192, 4096), (8192, 8192, 16384)]
 
 
@@ -84,6 +86,8 @@ def measure(device_kind: str, dtype: str, shapes: list[tuple[int, int, int]] | N
         t = _time_matmul(a, b, cuda, min_time_s)
         results.append({"m": m, "n": n, "k": k, "tflops": 2 * m * n * k / t / 1e12})
         del a, b
+        if t > MAX_REP_S:
+            break  # a slow dtype on this device (e.g. fp16 on a CPU without native support)
     best = max(results, key=lambda r: r["tflops"])
     return {"tflops": best["tflops"], "best_shape": [best["m"], best["n"], best["k"]], "shapes": results}
 
