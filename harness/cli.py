@@ -33,7 +33,10 @@ def _ints(name: str, s: str, minimum: int = 1) -> tuple[int, ...]:
 
 
 def _int(name: str, v, minimum: int) -> int:
-    return _ints(name, str(v), minimum)[0]
+    s = str(v).strip()
+    if not s.lstrip("-").isdigit() or int(s) < minimum:
+        raise UsageError(f"--{name} {v!r}: must be an integer >= {minimum}")
+    return int(s)
 
 
 def _degrees(s: str | None) -> dict | None:
@@ -178,9 +181,13 @@ def cmd_plan(args) -> int:
 
 
 def _check_valid_any(cells) -> None:
-    if not any(c.valid for c in cells):
-        lines = "; ".join(f"{c.cell_id}: {c.reason}" for c in cells)
-        raise UsageError(f"no valid cell to run: {lines}")
+    """Nothing is launched when no cell the user asked for is valid (the parity reference doesn't count)."""
+    asked = [c for c in cells if not c.reference_only]
+    if not any(c.valid for c in asked):
+        bad = [c for c in asked if not c.valid]
+        if len(bad) == 1:
+            raise UsageError(bad[0].reason)
+        raise UsageError("no valid cell to run: " + "; ".join(f"{c.cell_id}: {c.reason}" for c in bad))
 
 
 def cmd_bench(args) -> int:

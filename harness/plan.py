@@ -66,6 +66,8 @@ class PlannedCell:
     reason: str | None
     est_mem_gib: float | None = None
     capacity_gib: float | None = None
+    reference_only: bool = False
+    """Added by the planner as the parity reference, not asked for by the user."""
 
     @property
     def fits(self) -> bool | None:
@@ -80,14 +82,19 @@ def _order(strategy: str) -> int:
 
 def expand(spec: SweepSpec) -> list[PlannedCell]:
     for name in spec.sizes:
-        get_size(name)  # unknown size: a usage error for the whole sweep, before anything runs
+        try:
+            get_size(name)
+        except ValueError as e:  # unknown size: a usage error for the whole sweep, before anything runs
+            raise UsageError(f"--sizes: {e}") from None
     strategies = list(spec.strategies)
-    if spec.reference and "single" not in strategies and "strong" in spec.scalings:
+    added_reference = spec.reference and "single" not in strategies and "strong" in spec.scalings
+    if added_reference:
         strategies.insert(0, "single")
     cells: dict[str, PlannedCell] = {}
     for size, prec, scaling, rule, gpus, strat in product(spec.sizes, spec.precisions, spec.scalings,
                                                           spec.lr_rules, spec.gpus, strategies):
         cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus)
+        cell.reference_only = added_reference and strat == "single"
         cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
     return sorted(cells.values(), key=lambda c: (c.raw["size"], c.raw["precision"], c.raw["scaling"],
                                                  c.raw["lr_rule"], c.raw["world_size"] > 1,

@@ -1,0 +1,73 @@
+"""The regression gate end to end on CPU: real runs, a really slower candidate, real exit codes.
+
+The slowdown is real extra work in every training step (extra forward passes), injected by this
+test through ``tests/e2e/inject_slow/sitecustomize.py``, not by any flag of the product.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+SLOW = Path(__file__).resolve().parent / "inject_slow"
+CELL = ["--device", "cpu", "--gpus", "1", "--sizes", "tiny", "--strategies", "single", "--batch", "4",
+        "--steps", "12", "--warmup", "2", "--no-calibrate"]
+GATE = ["--normalize", "calibration", "--threshold", "0.15"]
+
+
+def _env(tmp: Path, extra_forwards: int = 0) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(SLOW), str(REPO)]), HARNESS_FORCE_CPU="1",
+               HARNESS_CALIBRATION=str(tmp / "cal.json"), HARNESS_TEST_EXTRA_FORWARDS=str(extra_forwards))
+    return env
+
+
+def _harness(tmp: Path, *args: str, extra_forwards: int = 0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", *args], env=_env(tmp, extra_forwards), cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gate")
+    out = {}
+    for name, args, slow in (("base", CELL, 0), ("same", CELL, 0), ("slow", CELL, 3),
+                             ("bf16", [*CELL[:-5], "--steps", "3", "--warmup", "1", "--no-calibrate",
+                                       "--precision", "bf16"], 0)):
+        r = _harness(tmp, "bench", *args, "--out", str(tmp / name), extra_forwards=slow)
+        assert r.returncode == 0, f"{name}: {r.stderr[-2000:]}"
+        out[name] = tmp / name
+    out["tmp"] = tmp
+    return out
+
+
+def test_unchanged_rerun_passes(runs):
+    r = _harness(runs["tmp"], "compare", str(runs["base"]), str(runs["same"]), *GATE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "REGRESSION" not in r.stdout
+
+
+def test_really_slower_candidate_is_a_regression(runs):
+    r = _harness(runs["tmp"], "compare", str(runs["base"]), str(runs["slow"]), *GATE)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "REGRESSION" in r.stdout
+
+
+def test_precision_mismatch_is_not_comparable(runs):
+    r = _harness(runs["tmp"], "compare", str(runs["base"]), str(runs["bf16"]), *GATE)
+    assert r.returncode == 3, r.stdout + r.stderr
+
+
+def test_truncated_json_is_a_usage_error(runs):
+    broken = runs["tmp"] / "truncated.jsonl"
+    text = (runs["base"] / "records.jsonl").read_text()
+    broken.write_text(text[: len(text) - 200])  # cut inside the last record
+    r = _harness(runs["tmp"], "compare", str(runs["base"]), str(broken), *GATE)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "truncated.jsonl" in r.stderr
