@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
+from harness.results.atomic import write_bytes_atomic, write_text_atomic
 
 RECORDS_FILENAME = "records.jsonl"
 
@@ -147,26 +146,6 @@ def load_any(path: str | Path) -> list[dict[str, Any]]:
     return load_records(path)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``,
-    so readers never see a half-written file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name opened with "xb" (not mkstemp) keeps the umask's usual permissions.
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with tmp.open("xb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        # Remove the partial temp file, then let the original error propagate.
-        tmp.unlink(missing_ok=True)
-        raise
-    return p
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """UTF-8 text version of :func:`atomic_write_bytes`."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
+# Kept as names of this module for its callers; the one implementation lives in results.atomic.
+atomic_write_bytes = write_bytes_atomic
+atomic_write_text = write_text_atomic

@@ -129,7 +129,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
 
     timer = StepTimer(cfg.device_kind)
     total = cfg.warmup + cfg.steps
-    times, losses, skipped, g_small, g_big = [], [], 0, [], []
+    times, losses, skipped, g_big = [], [], 0, []
     monitor = None
     reset_peak(cfg.device_kind)
     for step in range(total):

@@ -27,7 +27,6 @@ import functools
 import math
 import operator
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,18 +74,9 @@ class MonitorResult:
 
     def save_csv(self, path: str | Path) -> Path:
         """Write ``samples`` as CSV atomically (temp file in the same dir + ``os.replace``)."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", newline="") as fh:
-                self.samples.to_csv(fh, index=False)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        from harness.results.atomic import write_text_atomic
+
+        target = write_text_atomic(path, self.samples.to_csv(index=False))
         return target
 
 
