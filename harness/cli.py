@@ -79,7 +79,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mem-cap-gib", help="CPU: cap each rank's memory growth; over it the cell is oom")
     g.add_argument("--no-reference", action="store_true", default=None,
                    help="do not add the single-device reference cell used for parity")
-    g.add_argument("--nnodes", help="machines in the job (c10d rendezvous)")
+    g.add_argument("--nnodes", help="machines in the job (torchrun rendezvous at --rdzv-endpoint, node rank 0 hosts it)")
 
 
 DEFAULTS = {
@@ -193,8 +193,11 @@ def _check_valid_any(cells) -> None:
 def cmd_bench(args) -> int:
     from harness.launch import Rendezvous
     from harness.plan import expand
-    from harness.sweep import SweepOptions, calibration_record, run_sweep, start_run
+    from harness.sweep import (SweepOptions, calibration_record, restore_sweep_args, run_sweep, save_sweep_args,
+                               start_run)
 
+    if args.resume is not None:
+        restore_sweep_args(args.resume, args)  # `--resume DIR` alone re-plans the run's cells; flags given win
     spec = spec_from_args(args)
     if args.node_rank is not None and not 0 <= args.node_rank < spec.nnodes:
         raise UsageError(f"--node-rank {args.node_rank} must be in [0, {spec.nnodes - 1}] for --nnodes {spec.nnodes}")
@@ -207,6 +210,8 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--cell-timeout {args.cell_timeout}: must be > 0 seconds")
     node_rank = args.node_rank or 0
     out, run_id, resume = start_run(args.out, args.resume, node_rank)
+    if node_rank == 0 and not resume:
+        save_sweep_args(out, args)
     print(_device_line(spec), flush=True)
     print(f"run {run_id}: {sum(c.valid for c in cells)} cells to run, {sum(not c.valid for c in cells)} invalid -> {out}",
           flush=True)
@@ -339,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     from harness import trace_cmd
 
     trace_cmd.register(sub)
+    from harness import slurm
+
+    slurm.register(sub)
     return ap
 
 

@@ -96,12 +96,14 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
     references = {_parity_key(r["config"]): r for r in existing
                   if r.get("status") == "ok" and r["config"].get("strategy") == "single"}
     env = capture(device_kind)
-    todo = [c for c in cells if c.cell_id not in done_ok]
+    todo = [c for c in cells if c.cell_id not in done_ok and not _other_node_skips(c, writer)]
     progress = progress or Progress(total=len(todo), stream=sys.stdout)
     written: list[dict] = []
     records_path = opts.out / "records.jsonl"
     for index, cell in enumerate(cells):
         if cell.cell_id in done_ok:
+            continue
+        if _other_node_skips(cell, writer):
             continue
         progress.start(cell.cell_id)
         if not cell.valid:
@@ -122,6 +124,11 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
         progress.finish(cell.cell_id, rec["status"], _short(rec))
     progress.close()
     return written
+
+
+def _other_node_skips(cell: PlannedCell, writer: bool) -> bool:
+    """A one-node cell (the single-device reference) runs on node 0 only."""
+    return not writer and cell.valid and cell.config.nnodes == 1
 
 
 def _rdzv_id(opts: SweepOptions, index: int) -> str:

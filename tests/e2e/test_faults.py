@@ -20,7 +20,7 @@ from harness.cli import main
 GPUS = "2"
 STRATEGIES = "ddp,fsdp,zero2,tp,tp-sp,pp"
 CELL_TIMEOUT_S = 60
-"""Well above a healthy tiny cell here (~12 s idle, ~30 s on a loaded 2-core box), so only the hang times out."""
+"""Well above a healthy tiny cell on a shared 2-core box (12-17 s idle, up to ~40 s loaded): only the hang times out."""
 TIMEOUT_SLACK_S = 30
 """A timed-out cell must be reported within the timeout plus this (kill grace and teardown)."""
 MEM_CAP_GIB = 2

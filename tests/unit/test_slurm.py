@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +19,10 @@ from harness.errors import UsageError
 NODES = ("gpu-a17", "gpu-b02")
 JOB_ID = 4242
 FAKE_SCONTROL = """#!/bin/bash
-# scontrol show hostnames LIST
+# scontrol show hostnames LIST; a long list (a big allocation) outlives `head -n 1`: SIGPIPE.
 [ "$1 $2" = "show hostnames" ] || exit 64
 printf '%s\\n' {nodes}
+seq -f 'gpu-z%g' 1 200000
 """
 FAKE_SRUN = """#!/bin/bash
 # One task per node, like srun --ntasks-per-node=1; each with its own SLURM_NODEID.
