@@ -47,6 +47,26 @@ def runs(tmp_path_factory):
     return out
 
 
+def test_bench_writes_records_and_summary(runs):
+    """`harness bench --gpus 1 --sizes tiny --out DIR`: an ok record with the foundation's metrics."""
+    import json
+
+    records = [json.loads(l) for l in (runs["base"] / "records.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["calibration", "cell"]
+    rec = records[1]
+    assert rec["schema_version"] == 1 and rec["status"] == "ok" and rec["error"] is None
+    for key in ("git_sha", "git_dirty", "python", "torch", "device_name", "cpu_model", "hostname"):
+        assert key in rec["env"]
+    m = rec["metrics"]
+    for key in ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "peak_mem_gib", "loss"):
+        assert m[key] is not None, key
+    assert m["mfu_pct"] is None and m["mfu_reason"].startswith("n/a: no datasheet peak for CPU")
+    assert m["step_time_s"]["n"] == 12 and len(rec["samples"]["step_time_s"]) == 12
+    assert len(m["loss"]) == 14  # warmup + measured
+    assert (runs["base"] / "summary.md").read_text().startswith("# Benchmark summary, produced on cpu")
+    assert (runs["base"] / "summary.csv").exists()
+
+
 def test_unchanged_rerun_passes(runs):
     r = _harness(runs["tmp"], "compare", str(runs["base"]), str(runs["same"]), *GATE)
     assert r.returncode == 0, r.stdout + r.stderr
