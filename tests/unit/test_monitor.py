@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from harness.measure import monitor as monitor_mod
+from harness.measure import nvml_sampler as nvml_sampler_mod
 from harness.measure.monitor import (
     NVML_SCOPE_ALL_LINKS,
     HostSampler,
@@ -135,7 +135,7 @@ def make_fake_pynvml(gpus: list[FakeGpu], *, init_error: int | None = None) -> t
 
 @pytest.fixture
 def no_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(monitor_mod, "_torch_cuda_uuids", lambda indices: None)
+    monkeypatch.setattr(nvml_sampler_mod, "_torch_cuda_uuids", lambda indices: None)
 
 
 def run_window(mon: Monitor, seconds: float = 0.0) -> Any:
@@ -266,7 +266,7 @@ def test_cpu_device_kind_uses_host(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object) -> None:
         raise AssertionError("NVML must not be opened for device_kind='cpu'")
 
-    monkeypatch.setattr(monitor_mod, "open_nvml_sampler", forbidden)
+    monkeypatch.setattr(nvml_sampler_mod, "open_nvml_sampler", forbidden)
     mon = make_monitor("cpu", [])
     assert mon.kind == "host" and "device_kind is 'cpu'" in mon.note
 
