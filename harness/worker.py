@@ -138,6 +138,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
             ranges.window_start()
         x, y = batch(step)
         lr = _lr(cfg, step)
+        scale = ctx.scaler.get_scale() if ctx.scaler is not None else 1.0
         with ranges.range("step", payload=step):
             timer.start()
             loss, was_skipped = train.train_step(ctx, x, y, lr)
@@ -145,8 +146,9 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
         skipped += int(was_skipped)
         losses.append(float(loss) if loss is not None else None)
         if gns_state is not None:
-            gns_state.take()
-            g_big.append(gns.grad_sq_norm(params))
+            # The hook saw the loss-scaled local gradient; the optimizer step unscaled p.grad in place.
+            gns_state.take(scale=scale)
+            g_big.append(gns.grad_sq_norm(params) if not was_skipped else float("nan"))
     ranges.window_stop()
     monitor_result = monitor.stop() if monitor is not None else None
 

@@ -13,6 +13,7 @@ is the small batch and the averaged gradient the big one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,8 +30,13 @@ def two_batch_estimates(g_small_sq: float, g_big_sq: float, b_small: float, b_bi
 
 def b_simple(g_small_sq: list[float], g_big_sq: list[float], b_small: float, b_big: float, ema: float = 0.9) -> dict:
     """EMA-smoothed ``B_simple`` over a series of steps (bias-corrected EMAs)."""
-    if len(g_small_sq) != len(g_big_sq) or not g_small_sq:
-        raise ValueError(f"need equal, non-empty series, got {len(g_small_sq)} and {len(g_big_sq)}")
+    if len(g_small_sq) != len(g_big_sq):
+        raise ValueError(f"need equal series, got {len(g_small_sq)} and {len(g_big_sq)}")
+    # Steps skipped by fp16 loss scaling (inf/NaN gradients) carry no information.
+    pairs = [(s, b) for s, b in zip(g_small_sq, g_big_sq) if math.isfinite(s) and math.isfinite(b)]
+    if not pairs:
+        raise ValueError("need at least one step with finite gradient norms")
+    g_small_sq, g_big_sq = [p[0] for p in pairs], [p[1] for p in pairs]
     e_g2 = e_tr = 0.0
     for i, (s, b) in enumerate(zip(g_small_sq, g_big_sq), start=1):
         g2, tr = two_batch_estimates(s, b, b_small, b_big)
@@ -59,8 +65,9 @@ class LocalGradNorm:
     sq: torch.Tensor | None = None
     history: list[float] = field(default_factory=list)
 
-    def take(self) -> None:
-        self.history.append(float(self.sq) if self.sq is not None else float("nan"))
+    def take(self, scale: float = 1.0) -> None:
+        """Close a step: store the local squared norm, undoing a loss scale (fp16) if any."""
+        self.history.append(float(self.sq) / scale**2 if self.sq is not None else float("nan"))
         self.sq = None
 
 
