@@ -38,10 +38,8 @@ OPTIONS = {
 
 def _need(strategy: str, world: int, minimum: int, multiple: int, shape: str) -> None:
     if world < minimum or world % multiple:
-        raise UsageError(
-            f"strategy {strategy} needs a device count >= {minimum} divisible by {multiple} ({shape}), "
-            f"got --gpus {world}"
-        )
+        div = f" divisible by {multiple}" if multiple > 1 else ""
+        raise UsageError(f"strategy {strategy} needs a device count >= {minimum}{div} ({shape}), got --gpus {world}")
 
 
 def degrees_for(strategy: str, world: int) -> ParallelDims:
