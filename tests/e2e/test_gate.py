@@ -18,7 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 SLOW = Path(__file__).resolve().parent / "inject_slow"
 CELL = ["--device", "cpu", "--gpus", "1", "--sizes", "tiny", "--strategies", "single", "--batch", "4",
         "--steps", "12", "--warmup", "2", "--no-calibrate"]
-GATE = ["--normalize", "calibration", "--threshold", "0.15"]
+# Separate runs on a shared 2-core machine differ by up to ~35% as a whole (measured: an unchanged
+# rerun at 0.66 normalised), so this end-to-end test uses a 40% threshold and a candidate that
+# does ~2.5x the work; the gate's statistical power at 10% / CV 3% is tested in tests/unit.
+GATE = ["--normalize", "calibration", "--threshold", "0.4"]
 
 
 def _env(tmp: Path, extra_forwards: int = 0) -> dict:
@@ -37,7 +40,7 @@ def _harness(tmp: Path, *args: str, extra_forwards: int = 0) -> subprocess.Compl
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gate")
     out = {}
-    for name, args, slow in (("base", CELL, 0), ("same", CELL, 0), ("slow", CELL, 3),
+    for name, args, slow in (("base", CELL, 0), ("same", CELL, 0), ("slow", CELL, 5),
                              ("bf16", [*CELL[:-5], "--steps", "3", "--warmup", "1", "--no-calibrate",
                                        "--precision", "bf16"], 0)):
         r = _harness(tmp, "bench", *args, "--out", str(tmp / name), extra_forwards=slow)
