@@ -1,0 +1,42 @@
+"""Validation before launch: each bad cell is one stderr line, exit 2, and nothing is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.cli import main
+
+CASES = {
+    "degrees": (["--gpus", "4", "--strategies", "fsdp", "--degrees", "dp_shard=3"],
+                "dp_replicate (1) x dp_shard (3) x tp (1) x pp (1) = 3 must equal the world size (4)"),
+    "tp-heads": (["--gpus", "3", "--strategies", "tp"], "tp (3) must divide n_heads (4); choose tp in {1, 2, 4}"),
+    "pp-layers": (["--gpus", "8", "--strategies", "pp"], "pipeline stages (8 = pp 8 x 1 per rank) exceed layers (4)"),
+    "batch": (["--gpus", "2", "--strategies", "ddp", "--batch", "3"],
+              "global batch (3) must be divisible by dp (2) x grad_accum (1) = 2"),
+    "microbatches": (["--gpus", "4", "--strategies", "pp", "--microbatches", "2"],
+                     "schedule 1f1b with pp 4 needs >= 4 microbatches, got 2; raise --microbatches"),
+    "size": (["--sizes", "huge"], "unknown size 'huge'; choose from tiny"),
+    "gpus0": (["--gpus", "0"], "--gpus '0': each value must be an integer >= 1"),
+    "gpusx": (["--gpus", "x"], "--gpus 'x': each value must be an integer >= 1"),
+    "steps0": (["--steps", "0"], "--steps '0': must be an integer >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_cell_exits_2_with_one_line_and_writes_nothing(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
+    args, message = CASES[case]
+    out = tmp_path / "run"
+    rc = main(["bench", "--device", "cpu", "--no-calibrate", "--out", str(out), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists(), "nothing may be written for bad input"
+
+
+def test_unwritable_out_exits_2(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc = main(["bench", "--device", "cpu", "--no-calibrate", "--out", str(blocker / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "is not writable" in err[0] and "choose a writable directory" in err[0]
