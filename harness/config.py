@@ -14,6 +14,21 @@ from harness.precision import PRECISIONS
 from harness.scaling import LR_RULES, SCALINGS
 
 
+def cell_id_of(c: dict) -> str:
+    """Readable and unique within a sweep: every field that varies in a matrix appears.
+
+    Takes the raw fields, so a cell that failed validation gets the id it would have had.
+    """
+    parts = [c["size"], c["strategy"], c["precision"], f"w{c['world_size']}", f"gb{c['global_batch']}", c["scaling"]]
+    if c["lr_rule"] != "none":
+        parts.append(f"lr-{c['lr_rule']}")
+    if str(c["strategy"]).startswith("pp"):
+        parts.append(f"{c['pp_schedule']}-m{c['microbatches']}")
+    if c["grad_accum"] > 1:
+        parts.append(f"ga{c['grad_accum']}")
+    return "-".join(str(p) for p in parts)
+
+
 @dataclass(frozen=True)
 class CellConfig:
     size: str
@@ -80,15 +95,7 @@ class CellConfig:
 
     @property
     def cell_id(self) -> str:
-        """Readable and unique within a sweep: every field that varies in a matrix appears."""
-        parts = [self.size, self.strategy, self.precision, f"w{self.world_size}", f"gb{self.global_batch}", self.scaling]
-        if self.lr_rule != "none":
-            parts.append(f"lr-{self.lr_rule}")
-        if self.strategy.startswith("pp"):
-            parts.append(f"{self.pp_schedule}-m{self.microbatches}")
-        if self.grad_accum > 1:
-            parts.append(f"ga{self.grad_accum}")
-        return "-".join(parts)
+        return cell_id_of(asdict(self))
 
     @property
     def tokens_per_step(self) -> int:

@@ -7,10 +7,10 @@ group's single-device reference runs first (parity is computed against it as rec
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import product
 
-from harness.config import CellConfig
+from harness.config import CellConfig, cell_id_of
 from harness.errors import UsageError
 from harness.parallel.presets import STRATEGIES, check_model_fit, resolve_degrees, world_for
 from harness.precision import PrecisionPlan, check_strategy
@@ -133,22 +133,10 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
             raise UsageError(f"global batch ({gb}) must be divisible by {what} = {split}; "
                              f"use a batch that is a multiple of {split}")
     except UsageError as e:
-        cid = _raw_id(raw)
-        return PlannedCell(cell_id=cid, config=None, raw=raw, valid=False, reason=str(e))
+        return PlannedCell(cell_id=cell_id_of(raw), config=None, raw=raw, valid=False, reason=str(e))
     est = estimate_memory_gib(cfg, dims)
     return PlannedCell(cell_id=cfg.cell_id, config=cfg, raw=raw, valid=True, reason=None, est_mem_gib=est,
                        capacity_gib=device_capacity_gib(spec.device_kind, gpus))
-
-
-def _raw_id(raw: dict) -> str:
-    """An id for a cell that failed validation (same shape as CellConfig.cell_id)."""
-    safe = {k: v for k, v in raw.items()}
-    safe["world_size"] = max(1, int(safe["world_size"])) if isinstance(safe["world_size"], int) else 1
-    try:
-        return replace(CellConfig(**{**safe, "steps": max(1, safe["steps"]), "global_batch": max(1, safe["global_batch"]),
-                                     "degrees": None}), degrees=None).cell_id
-    except UsageError:
-        return f"{raw['size']}-{raw['strategy']}-{raw['precision']}-w{raw['world_size']}"
 
 
 def estimate_memory_gib(cfg: CellConfig, dims) -> float:

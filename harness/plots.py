@@ -20,7 +20,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from harness.records_io import atomic_write_bytes  # noqa: E402
+from harness.results.atomic import write_bytes_atomic  # noqa: E402
 from harness.report import device_title  # noqa: E402
 
 THROUGHPUT_PNG = "throughput_tokens_per_s_per_device.png"
@@ -136,7 +136,7 @@ def loss_figure(df: pd.DataFrame, records: Sequence[dict[str, Any]]) -> Figure |
 def _save(fig: Figure, path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    return atomic_write_bytes(path, buf.getvalue())
+    return write_bytes_atomic(path, buf.getvalue())
 
 
 def write_plots(

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
-from harness.results.atomic import write_bytes_atomic, write_text_atomic
 
 RECORDS_FILENAME = "records.jsonl"
 
@@ -144,8 +143,3 @@ def load_any(path: str | Path) -> list[dict[str, Any]]:
     if is_benchmark_json(path):
         return load_benchmark_json(path)
     return load_records(path)
-
-
-# Kept as names of this module for its callers; the one implementation lives in results.atomic.
-atomic_write_bytes = write_bytes_atomic
-atomic_write_text = write_text_atomic

@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from harness.records_io import atomic_write_text, load_records
+from harness.records_io import load_records
+from harness.results.atomic import write_text_atomic
 
 MIB = 2**20
 FAILED_CELL = "-"
@@ -364,7 +365,7 @@ def write_report(run_dir: Path) -> str:
     records = load_records(run_dir)
     markdown = summary_markdown(records)
     df = cells_frame(records)
-    atomic_write_text(run_dir / "summary.md", markdown)
-    atomic_write_text(run_dir / "summary.csv", df.to_csv(index=False))
+    write_text_atomic(run_dir / "summary.md", markdown)
+    write_text_atomic(run_dir / "summary.csv", df.to_csv(index=False))
     write_plots(df, run_dir / "plots", records=records)
     return markdown

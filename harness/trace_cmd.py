@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -59,8 +60,6 @@ def cmd_trace(args) -> int:
         for report in sorted((cell_dir / "nsys").glob("*.nsys-rep")):
             for cmd in nsys_mod.nsys_stats_commands(nsys, report, cell_dir / "nsys" / report.stem):
                 print("  " + nsys_mod.format_command(cmd))
-                import subprocess
-
                 subprocess.run(cmd, check=False)
         print(f"Nsight Systems reports: {cell_dir / 'nsys'} (open *.nsys-rep in nsys-ui)")
     else:

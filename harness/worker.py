@@ -34,6 +34,7 @@ from harness.parallel.presets import OPTIONS, check_model_fit, resolve_degrees, 
 from harness.precision import PrecisionPlan
 from harness.results.atomic import write_json_atomic
 from harness.results.record import clean
+from harness.scaling import lr_at
 from workloads.data import MarkovData
 from workloads.model import GPT, lm_loss
 from workloads.sizes import get_size
@@ -180,8 +181,6 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
 
 
 def _lr(cfg: CellConfig, step: int) -> float:
-    from harness.scaling import lr_at
-
     return lr_at(step, cfg.lr, cfg.lr_warmup_steps)
 
 
