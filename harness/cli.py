@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tomllib
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 from harness.errors import UsageError
 
 EXIT_USAGE = 2
+RUN_DEVICES = ("auto", "cpu", "cuda")
+"""``--device`` values a sweep can run on; ``harness plan`` also takes hardware presets (what-if)."""
 
 
 def _csv(s: str) -> tuple[str, ...]:
@@ -73,7 +76,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed")
     g.add_argument("--target-loss", help="loss for steps-to-target (default: entropy floor + 0.5 nats)")
     g.add_argument("--degrees", help="explicit degrees overriding the presets, e.g. pp=2,tp=2")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="default auto")
+    g.add_argument("--device", default=None,
+                   help="auto (default), cpu or cuda; harness plan also takes a hardware preset "
+                        "(h100, h100-pcie, h200, a100) for a what-if prediction")
     g.add_argument("--nvtx", choices=("on", "off"), default=None, help="NVTX ranges (default on)")
     g.add_argument("--profile", action="store_true", default=None, help="torch.profiler traces per rank")
     g.add_argument("--mem-cap-gib", help="CPU: cap each rank's memory growth; over it the cell is oom")
@@ -111,6 +116,12 @@ def spec_from_args(args: argparse.Namespace):
 
     v = _merged(args)
     device = v.get("device", "auto")
+    if device not in RUN_DEVICES:
+        from harness.model.hardware import DEVICES
+
+        hint = (f"{device!r} is a hardware preset: harness plan --device {device} predicts from it; "
+                if str(device).lower() in DEVICES else f"{device!r}: ")
+        raise UsageError(f"--device {hint}runs need auto, cpu or cuda")
     if device == "auto":
         device = default_device_kind()
     elif device == "cuda":
@@ -169,10 +180,80 @@ def _device_line(spec) -> str:
     return f"device: cuda ({torch.cuda.get_device_name()}), NCCL"
 
 
+def add_whatif_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what-if (--device h100|h100-pcie|h200|a100: predict, do not run)")
+    g.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                   help="activation recomputation (default none)")
+    g.add_argument("--efficiency", help="compute rate as a fraction of the datasheet peak, in (0, 1] "
+                                        "(default: MAMF x kernel efficiency measured on one H200)")
+    g.add_argument("--error-from", type=Path, default=None,
+                   help="run directory whose records carry predictions, for the model's measured error "
+                        "(default results/reference/model-cpu-w2-w4)")
+
+
+ERROR_FROM = Path("results/reference/model-cpu-w2-w4")
+
+
+def cmd_plan_whatif(args) -> int:
+    """``harness plan --device PRESET``: rank strategies by predicted tokens/s per device."""
+    from harness.model.hardware import get_device
+    from harness.model.whatif import model_error, plan_at_scale, scenario
+    from harness.report_whatif import BANNER, assumptions_lines, error_line, whatif_table
+
+    v = _merged(args)
+    device = get_device(v["device"])
+    if "nnodes" in v:
+        raise UsageError(f"--nnodes {v['nnodes']}: the what-if takes --gpus as the total and fills nodes of "
+                         f"{device.gpus_per_node} ({device.name}); drop --nnodes")
+    if "gpus" not in v:
+        raise UsageError(f"--device {device.name} predicts at a device count: give --gpus N, e.g. --gpus 64")
+    if v.get("scaling", "strong") != "strong":
+        raise UsageError(f"--scaling {v['scaling']}: the what-if takes --batch as the global batch; drop --scaling")
+    efficiency = _fraction("efficiency", v["efficiency"]) if "efficiency" in v else None
+    sizes = _csv(v.get("sizes", "xl"))
+    strategies = _csv(v["strategies"]) if v.get("strategies") else None
+    opts = dict(global_batch=_int("batch", v["batch"], 1) if "batch" in v else None,
+                seq_len=_int("seq-len", v["seq_len"], 1) if "seq_len" in v else None,
+                recompute=v.get("recompute", "none"),
+                microbatches=_int("microbatches", v["microbatches"], 1) if "microbatches" in v else None,
+                efficiency=efficiency, pp_schedule=v.get("pp_schedule", "1f1b"),
+                grad_accum=_int("grad-accum", v.get("grad_accum", 1), 1), degrees=_degrees(v.get("degrees")))
+    sections = [(size, prec, gpus) for size in sizes for prec in _csv(v.get("precision", "bf16"))
+                for gpus in _ints("gpus", v["gpus"])]
+    for size, prec, gpus in sections:  # every value is checked before anything is printed
+        scenario(size, device, gpus, prec, **opts)
+    run_dir = args.error_from or ERROR_FROM
+    print(BANNER)
+    for size, prec, gpus in sections:
+        print()
+        print("\n".join(assumptions_lines(scenario(size, device, gpus, prec, **opts))))
+        print()
+        print(whatif_table(plan_at_scale(size, device, gpus, strategies, prec, **opts)))
+    print()
+    print(error_line(model_error(run_dir), run_dir))
+    return 0
+
+
+def _fraction(name: str, v) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise UsageError(f"--{name} {v!r}: expected a fraction in (0, 1], e.g. 0.4") from None
+    if not 0 < x <= 1:
+        raise UsageError(f"--{name} {v!r}: must be a fraction of the datasheet peak in (0, 1], e.g. 0.4")
+    return x
+
+
 def cmd_plan(args) -> int:
     from harness.plan import expand
     from harness.report_plan import plan_table
 
+    if _merged(args).get("device", "auto") not in RUN_DEVICES:
+        return cmd_plan_whatif(args)
+    for flag in ("recompute", "efficiency", "error_from"):
+        if getattr(args, flag, None) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
+                             f"(or h100-pcie, h200, a100)")
     spec = spec_from_args(args)
     cells = expand(spec)
     print(_device_line(spec))
@@ -251,6 +332,33 @@ def _auto_calibrate(spec) -> None:
             if calibrate.lookup(spec.device_kind, dt, th) is None:
                 e = calibrate.calibrate_subprocess(spec.device_kind, dt, th)
                 print(f"calibrated {spec.device_kind} {dt} threads={th}: {e:.4g} TFLOP/s matmul peak", flush=True)
+    _auto_calibrate_model(spec, dtypes, threads)
+
+
+def _auto_calibrate_model(spec, dtypes: list[str], threads: list[int]) -> None:
+    """What the performance model's predictions need: workload rates per size, comm per rank count."""
+    import subprocess
+    import sys
+
+    from harness.measure.calibrate_comm import lookup_comm
+    from harness.model.compute import lookup_workload
+    from workloads.sizes import get_size
+
+    th_list = threads if spec.device_kind == "cpu" else [0]
+    for name in spec.sizes:
+        seq = spec.seq_len or get_size(name).seq_len
+        for dt in dtypes:
+            for th in th_list:
+                if lookup_workload(spec.device_kind, name, seq, dt, th) is None:
+                    cmd = [sys.executable, "-m", "harness", "calibrate", "--device", spec.device_kind, "--dtype", dt,
+                           "--threads", str(max(1, th)), "--no-comm", "--workloads", name, "--seq-len", str(seq)]
+                    subprocess.run(cmd, check=True, timeout=1800)
+    groups = sorted({g for w in spec.gpus for g in (w, 2) if w >= 2 and g <= w})
+    for n in groups:
+        if lookup_comm(spec.device_kind, n) is None:
+            cmd = [sys.executable, "-m", "harness", "calibrate", "--device", spec.device_kind, "--dtype", "fp32",
+                   "--gpus", str(n), "--threads", str(max(1, (os.cpu_count() or 1) // n))]
+            subprocess.run(cmd, check=True, timeout=1800)
 
 
 def cmd_report(args) -> int:
@@ -269,6 +377,15 @@ def cmd_compare(args) -> int:
                        normalize=args.normalize, n_bootstrap=args.bootstrap, seed=args.seed)
 
 
+def _size(name: str, v: str) -> int:
+    from harness.measure.calibrate_comm import parse_size
+
+    try:
+        return parse_size(v)
+    except ValueError as e:
+        raise UsageError(f"--{name} {e}") from None
+
+
 def cmd_calibrate(args) -> int:
     from harness.measure import calibrate
     from harness.plan import default_device_kind
@@ -278,11 +395,89 @@ def cmd_calibrate(args) -> int:
     for dt in _csv(args.dtype):
         if dt not in calibrate.DTYPES or (dt == "tf32" and device != "cuda"):
             raise UsageError(f"--dtype {dt!r}: choose from fp32,bf16,fp16 (tf32 on GPU only)")
+    comm = None if args.no_comm else _comm_args(args, device)
+    workloads = _workload_args(args)
     for dt in _csv(args.dtype):
         e = calibrate.calibrate(device, dt, threads, force=args.force)
-        print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s "
-              f"(best shape {e['best_shape']}) -> {calibrate.default_cache()}")
+        median = e.get("median_tflops") or statistics.median(s["tflops"] for s in e["shapes"])  # older cache entries
+        print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s max, "
+              f"{median:.4g} median over {len(e['shapes'])} shapes (best shape {e['best_shape']}) "
+              f"-> {calibrate.default_cache()}")
+    for name, seq in workloads:
+        for dt in _csv(args.dtype):
+            _print_workload(calibrate_workload_entry(device, name, seq, dt, threads, args.force), threads)
+    if comm is not None:
+        _calibrate_comm(device, *comm, force=args.force)
+    elif not args.no_comm:
+        print("comm: n/a: bus bandwidth needs >= 2 ranks")
     return 0
+
+
+def _workload_args(args) -> list[tuple[str, int]]:
+    """(size, seq_len) pairs for the workload calibration; checked before anything runs."""
+    from workloads.sizes import get_size
+
+    out = []
+    for name in _csv(args.workloads or ""):
+        try:
+            size = get_size(name)
+        except ValueError as e:
+            raise UsageError(f"--workloads: {e}") from None
+        seq = _int("seq-len", args.seq_len, 1) if args.seq_len is not None else size.seq_len
+        if seq > size.seq_len:
+            raise UsageError(f"--seq-len {seq} exceeds {name}'s position table ({size.seq_len}); use <= {size.seq_len}")
+        out.append((name, seq))
+    return out
+
+
+def calibrate_workload_entry(device: str, size: str, seq: int, dtype: str, threads: int, force: bool = False) -> dict:
+    from harness.model.compute import calibrate_workload
+
+    return calibrate_workload(device, size, seq, dtype, threads if device == "cpu" else 0, force=force)
+
+
+def _print_workload(e: dict, threads: int) -> None:
+    passes = ", ".join(f"{r}: {t * 1e3:.1f} ms" for r, t in zip(e["rows"], e["pass_s"]))
+    print(f"workload {e['size']} seq {e['seq_len']} {e['dtype']} threads={threads}: forward+backward {passes}; "
+          f"fit alpha {e['alpha_s'] * 1e3:.1f} ms + {e['beta_s_per_row'] * 1e3:.1f} ms/sequence; "
+          f"AdamW step {e['optimizer_s'] * 1e3:.1f} ms for {e['params']:,} params")
+
+
+def _comm_args(args, device: str) -> tuple[int, int, int] | None:
+    """(ranks, min_bytes, max_bytes) for the comm calibration, None for one rank; checked before anything runs."""
+    import torch
+
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA GPU is visible; use --device cpu or auto")
+    n = _int("gpus", args.gpus, 1) if args.gpus is not None else torch.cuda.device_count() if cuda else 2
+    if cuda and n > torch.cuda.device_count():
+        raise UsageError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA devices are visible; "
+                         f"choose --gpus <= {torch.cuda.device_count()}")
+    lo = _size("comm-min-bytes", args.comm_min_bytes or "4KiB")
+    hi = _size("comm-max-bytes", args.comm_max_bytes or ("64MiB" if cuda else "4MiB"))
+    if lo > hi:
+        raise UsageError(f"--comm-min-bytes ({lo}) must be <= --comm-max-bytes ({hi}); lower the first or raise the second")
+    return None if n == 1 else (n, lo, hi)
+
+
+def _calibrate_comm(device: str, n: int, lo: int, hi: int, force: bool) -> None:
+    from tabulate import tabulate
+
+    from harness.measure import calibrate
+    from harness.measure.calibrate_comm import COLLECTIVES, bus_factor, calibrate_comm, human_bytes
+
+    e = calibrate_comm(device, n, lo, hi, force=force)
+    fp = e["fingerprint"]
+    threads = f", {fp['threads_per_rank']} threads/rank" if fp["threads_per_rank"] else ""
+    print(f"\ncomm: {n} ranks, {fp['backend']}{threads}, measured {e['measured_at']}")
+    for name in (c for c in COLLECTIVES if c in e["collectives"]):  # the cache file's keys are sorted
+        rows, s = e["collectives"][name], e["summary"][name]
+        print(f"\n{name} (busbw = algbw x {bus_factor(name, n):.3g}): peak busbw {s['peak_busbw_gbps']:.4g} GB/s, "
+              f"latency {s['latency_s'] * 1e6:.1f} us")
+        print(tabulate([[human_bytes(r["bytes"]), r["time_s"] * 1e6, r["algbw_gbps"], r["busbw_gbps"]] for r in rows],
+                       headers=["bytes", "time us", "algbw GB/s", "busbw GB/s"], tablefmt="github", floatfmt=("", ".1f", ".4g", ".4g")))
+    print(f"\ncomm cache: {calibrate.default_cache()}")
 
 
 def cmd_workloads(args) -> int:
@@ -317,8 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
     b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")
     b.set_defaults(fn=cmd_bench)
-    p = sub.add_parser("plan", help="expand and validate a sweep without launching anything")
+    p = sub.add_parser("plan", help="expand and validate a sweep without launching anything, or predict "
+                                    "strategies on a hardware preset (--device h100 --gpus 64)")
     add_sweep_args(p)
+    add_whatif_args(p)
     p.set_defaults(fn=cmd_plan)
     r = sub.add_parser("report", help="rebuild summary.md, summary.csv and plots from a run's records")
     r.add_argument("dir", type=Path)
@@ -333,11 +530,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the ratio CI")
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     c.set_defaults(fn=cmd_compare)
-    k = sub.add_parser("calibrate", help="measure the matmul peak (TFLOP/s) per dtype and cache it")
+    k = sub.add_parser("calibrate", help="measure the matmul peak (TFLOP/s) per dtype and the collective bus "
+                                         "bandwidth, and cache them")
     k.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     k.add_argument("--dtype", default="fp32")
-    k.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    k.add_argument("--threads", type=int, help="CPU threads for the matmul (default: all cores)")
     k.add_argument("--force", action="store_true", help="re-measure even if cached")
+    k.add_argument("--gpus", help="ranks for the bus-bandwidth measurement (default: all GPUs; 2 on CPU; 1 skips it)")
+    k.add_argument("--no-comm", action="store_true", help="matmul peak only")
+    k.add_argument("--comm-min-bytes", help="smallest message, e.g. 4KiB (default 4KiB)")
+    k.add_argument("--comm-max-bytes", help="largest message, e.g. 64MiB (default 64MiB on GPU, 4MiB on CPU)")
+    k.add_argument("--workloads", help="sizes whose forward+backward and optimizer step to time for the "
+                                       "performance model, e.g. tiny,small")
+    k.add_argument("--seq-len", help="sequence length for --workloads (default: the size's)")
     k.set_defaults(fn=cmd_calibrate)
     w = sub.add_parser("workloads", help="print the workload size table")
     w.set_defaults(fn=cmd_workloads)

@@ -134,29 +134,23 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                              f"use a batch that is a multiple of {split}")
     except UsageError as e:
         return PlannedCell(cell_id=cell_id_of(raw), config=None, raw=raw, valid=False, reason=str(e))
-    est = estimate_memory_gib(cfg, dims)
+    est = estimate_memory_gib(cfg)
     return PlannedCell(cell_id=cfg.cell_id, config=cfg, raw=raw, valid=True, reason=None, est_mem_gib=est,
                        capacity_gib=device_capacity_gib(spec.device_kind, gpus))
 
 
-def estimate_memory_gib(cfg: CellConfig, dims) -> float:
-    """Predicted peak per rank: model states + activations + logits (+ CPU process base).
+def estimate_memory_gib(cfg: CellConfig) -> float:
+    """Predicted peak per rank from the analytic model (:func:`harness.model.memory.peak_bytes`).
 
-    Model states: 16 bytes/parameter with AdamW (fp32 param, grad, two moments), divided over
-    the ranks that shard it (dp_shard x tp x pp). Activations per layer (Korthikanti et al. 2022,
-    16-bit): ``S*b*d*(34 + 5*a*S/d)`` bytes, doubled for fp32, divided by tp and by pp's layer split.
+    CPU ranks add the interpreter's base memory (:data:`harness.model.predict.CPU_BASE_GIB`);
+    CUDA's allocator peak does not include the context.
     """
-    size = get_size(cfg.size)
-    states = 16 * size.params / (dims.dp_shard * dims.tp * dims.pp)
-    b = cfg.global_batch / dims.dp / (cfg.microbatches if dims.pp_enabled else cfg.grad_accum)
-    s, d, a = cfg.seq_len, size.d_model, size.n_heads
-    act_bytes = 4 if cfg.precision in ("fp32", "tf32") else 2
-    per_layer = s * b * d * (34 + 5 * a * s / d) * act_bytes / 2
-    inflight = cfg.microbatches if dims.pp_enabled and cfg.pp_schedule == "gpipe" else min(dims.pp, cfg.microbatches)
-    acts = per_layer * size.n_layers / dims.pp / dims.tp * max(1, inflight)
-    logits = 3 * b * s * size.vocab_size * 4 / dims.tp
-    base = 0.5 * GIB if cfg.device_kind == "cpu" else 0.6 * GIB
-    return (states + acts + logits + base) / GIB
+    from harness.model.memory import peak_bytes
+    from harness.model.predict import CPU_BASE_GIB
+    from harness.model.shape import CellShape
+
+    base = CPU_BASE_GIB * GIB if cfg.device_kind == "cpu" else 0.0
+    return peak_bytes(CellShape.of(cfg), base) / GIB
 
 
 def device_capacity_gib(device_kind: str, gpus_per_node: int) -> float | None:

@@ -17,6 +17,7 @@ import pandas as pd
 from tabulate import tabulate
 
 from harness.records_io import load_records
+from harness.report_model import model_frame, model_section
 from harness.results.atomic import write_text_atomic
 
 MIB = 2**20
@@ -344,6 +345,9 @@ def summary_markdown(records: Sequence[dict[str, Any]]) -> str:
         lines += [f"## Size: {size}", "", _size_table(part), "", what_to_pick(part), ""]
         if _has_outcomes(part):
             lines += [f"### Loss outcomes: {size}", "", _outcome_table(part), ""]
+    model = model_section(records)
+    if model:
+        lines += [model, ""]
     lines += [FORMULAS, ""]
     flags = _flags(df)
     if flags:
@@ -367,5 +371,8 @@ def write_report(run_dir: Path) -> str:
     df = cells_frame(records)
     write_text_atomic(run_dir / "summary.md", markdown)
     write_text_atomic(run_dir / "summary.csv", df.to_csv(index=False))
+    model = model_frame(records)
+    if not model.empty:
+        write_text_atomic(run_dir / "model.csv", model.to_csv(index=False))
     write_plots(df, run_dir / "plots", records=records)
     return markdown

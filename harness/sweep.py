@@ -17,6 +17,7 @@ from pathlib import Path
 from harness.errors import UsageError
 from harness.launch import Outcome, Rendezvous, run_cell_job
 from harness.metrics import max_rel_diff
+from harness.model.predict import predict_cell
 from harness.plan import PlannedCell
 from harness.progress import Progress
 from harness.results.atomic import append_jsonl, write_json_atomic
@@ -146,9 +147,10 @@ def _short(rec: dict) -> str:
 
 def _record(cell: PlannedCell, outcome: Outcome, run_id: str, env: dict, references: dict) -> dict:
     cfg = cell.config.to_dict()
+    predicted = predict_cell(cell.config)
     if outcome.status != "ok" or outcome.result is None:
         return make_record(run_id=run_id, cell_id=cell.cell_id, status=outcome.status, config=cfg, env=env,
-                           degrees=None, workload=None, error=outcome.error,
+                           degrees=None, workload=None, error=outcome.error, predicted=predicted,
                            metrics={"wall_s": outcome.wall_s, "est_mem_gib": cell.est_mem_gib})
     res = outcome.result
     metrics = res["metrics"]
@@ -168,7 +170,8 @@ def _record(cell: PlannedCell, outcome: Outcome, run_id: str, env: dict, referen
         metrics["parity"] = {"reference": None, "tolerance": tol, "ok": None,
                              "reason": "n/a: no single-device reference with the same global batch in this run"}
     return make_record(run_id=run_id, cell_id=cell.cell_id, status="ok", config=cfg, env=res["env"],
-                       degrees=res["degrees"], workload=res["workload"], metrics=metrics, samples=res["samples"])
+                       degrees=res["degrees"], workload=res["workload"], metrics=metrics, samples=res["samples"],
+                       predicted=predicted)
 
 
 def calibration_record(run_id: str, device_kind: str, samples: int = 15) -> dict:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor, cuda: bool, min_time_s: float
 
 
 def measure(device_kind: str, dtype: str, shapes: list[tuple[int, int, int]] | None = None, min_time_s: float = 0.05) -> dict:
-    """Sweep GEMM shapes (m, n, k); return the max TFLOP/s and every shape's result."""
+    """Sweep GEMM shapes (m, n, k); return the max and median TFLOP/s and every shape's result."""
     cuda = device_kind == "cuda"
     dev = torch.device("cuda" if cuda else "cpu")
     tdtype = DTYPES[dtype]
@@ -89,15 +90,16 @@ def measure(device_kind: str, dtype: str, shapes: list[tuple[int, int, int]] | N
         if t > MAX_REP_S:
             break  # a slow dtype on this device (e.g. fp16 on a CPU without native support)
     best = max(results, key=lambda r: r["tflops"])
-    return {"tflops": best["tflops"], "best_shape": [best["m"], best["n"], best["k"]], "shapes": results}
+    return {"tflops": best["tflops"], "median_tflops": statistics.median(r["tflops"] for r in results),
+            "best_shape": [best["m"], best["n"], best["k"]], "shapes": results}
 
 
 def lookup(device_kind: str, dtype: str, threads: int, cache: Path | None = None) -> dict | None:
     cache = cache or default_cache()
     if not cache.exists():
         return None
-    entries = json.loads(cache.read_text())
-    return entries.get(_key(fingerprint(device_kind, dtype, threads)))
+    entry = json.loads(cache.read_text()).get(_key(fingerprint(device_kind, dtype, threads)))
+    return entry if entry is not None and "kind" not in entry else None  # "kind": other entries (comm)
 
 
 def calibrate(device_kind: str, dtype: str, threads: int, cache: Path | None = None, force: bool = False) -> dict:
@@ -124,7 +126,7 @@ def calibrate_subprocess(device_kind: str, dtype: str, threads: int) -> float:
     import sys
 
     cmd = [sys.executable, "-m", "harness", "calibrate", "--device", device_kind, "--dtype", dtype,
-           "--threads", str(max(1, threads))]
+           "--threads", str(max(1, threads)), "--no-comm"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
     hit = lookup(device_kind, dtype, threads)
     if hit is None:

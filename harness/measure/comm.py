@@ -12,7 +12,7 @@ Bytes follow the nccl-tests convention, per call on one rank:
 * all_to_all: the input size.
 
 Bus-bandwidth factors (nccl-tests PERFORMANCE.md): all_reduce ``2(n-1)/n``; all_gather,
-reduce_scatter, all_to_all ``(n-1)/n``; broadcast, reduce, send/recv ``1``.
+reduce_scatter, all_to_all ``(n-1)/n``; broadcast, reduce, send/recv (and the ring send_recv) ``1``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ BUS_FACTOR = {
     "reduce": lambda n: 1.0,
     "send": lambda n: 1.0,
     "recv": lambda n: 1.0,
+    "send_recv": lambda n: 1.0,  # nccl-tests sendrecv: each rank sends S and receives S at once
 }
 
 # op name (without namespace/overload) -> (collective, which argument's bytes count)

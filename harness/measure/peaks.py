@@ -15,15 +15,23 @@ _TABLE: list[tuple[str, dict[str, float]]] = [
 ]
 
 
+def datasheet_peaks(device_name: str) -> dict[str, float] | None:
+    """The dense peaks by compute dtype of the first table entry ``device_name`` contains, or None."""
+    for key, peaks in _TABLE:
+        if key in device_name:
+            return dict(peaks)
+    return None
+
+
 def datasheet_peak_tflops(device_name: str | None, dtype: str, device_kind: str) -> tuple[float | None, str | None]:
     """``(peak, None)`` or ``(None, reason)``."""
     if device_kind != "cuda":
         return None, f"n/a: no datasheet peak for CPU ({device_name or 'unknown model'}); see mfu_calibrated_pct"
-    for key, peaks in _TABLE:
-        if device_name and key in device_name:
-            if dtype in peaks:
-                return peaks[dtype], None
-            return None, f"n/a: no datasheet peak for {dtype} on {device_name}"
+    peaks = datasheet_peaks(device_name) if device_name else None
+    if peaks is not None:
+        if dtype in peaks:
+            return peaks[dtype], None
+        return None, f"n/a: no datasheet peak for {dtype} on {device_name}"
     return None, f"n/a: device {device_name!r} is not in the datasheet table (harness/measure/peaks.py)"
 
 

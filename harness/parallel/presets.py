@@ -82,7 +82,15 @@ def resolve_degrees(strategy: str, world: int, override: dict | None) -> Paralle
     unknown = set(override) - {"dp_replicate", "dp_shard", "tp", "pp"}
     if unknown:
         raise UsageError(f"unknown degree names {sorted(unknown)}; use dp_replicate, dp_shard, tp, pp")
-    return ParallelDims(**override, world_size=world, sequence_parallel=strategy == "tp-sp")
+    dims = ParallelDims(**override, world_size=world, sequence_parallel=strategy == "tp-sp")
+    dp = OPTIONS[strategy].data_parallel if strategy in OPTIONS else "none"
+    syncs = {"none": (), "ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard")}[dp]
+    for name in ("dp_replicate", "dp_shard"):
+        if getattr(dims, name) > 1 and name not in syncs:
+            raise UsageError(f"strategy {strategy} does not synchronise gradients over {name} "
+                             f"({getattr(dims, name)}): its replicas would diverge; set {name}=1 or pick a strategy "
+                             f"that uses it ({'ddp/hsdp' if name == 'dp_replicate' else 'fsdp/zero2/hsdp'})")
+    return dims
 
 
 def world_for(strategy: str, gpus: int) -> int:

@@ -44,7 +44,7 @@ def new_run_id() -> str:
 
 def make_record(*, run_id: str, cell_id: str, status: str, config: dict, env: dict, degrees: dict | None,
                 workload: dict | None, metrics: dict | None = None, samples: dict | None = None,
-                error: str | None = None, kind: str = "cell") -> dict:
+                error: str | None = None, kind: str = "cell", predicted: dict | None = None) -> dict:
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     fields = fingerprint_fields(config, env, degrees)
@@ -62,6 +62,7 @@ def make_record(*, run_id: str, cell_id: str, status: str, config: dict, env: di
             "env": env,
             "workload": workload,
             "metrics": metrics or {},
+            "predicted": predicted,
             "samples": samples or {},
         }
     )

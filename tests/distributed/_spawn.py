@@ -37,7 +37,7 @@ def _rank_main(rank: int, world: int, port: int, cells: list[dict], out: str) ->
         cell_dir.mkdir(parents=True, exist_ok=True)
         res = run_cell(cfg, cell_dir)
         if rank == 0:
-            results[cfg.cell_id] = res
+            results[cfg.cell_id] = {**res, "config": cfg.to_dict()}
     if rank == 0:
         Path(out, "results.json").write_text(json.dumps(results))
     dist.barrier()

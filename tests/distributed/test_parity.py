@@ -141,3 +141,49 @@ def test_gns_is_estimated_under_ddp(world2):
     gns = world2["tiny-ddp-fp32-w2-gb8-strong"]["metrics"]["gns"]
     assert gns["b_small"] == 4 and gns["b_big"] == 8
     assert gns["b_simple"] is not None and gns["b_simple"] > 0
+
+
+# ---- the analytic model (harness.model) against what the cells counted ----
+
+BF16_W4 = ["fsdp", "zero2", "hsdp", "tp", "tp-sp", "fsdp+tp", "pp+fsdp"]
+
+
+@pytest.fixture(scope="module")
+def bf16_world4(tmp_path_factory):
+    """bf16 changes the bytes: FSDP gathers bf16, autocast makes TP activations bf16 (not the LN-side grads)."""
+    cells = [cell(s, 4, global_batch=16, precision="bf16", steps=1, warmup=1, **_pp_kw(s, 4)) for s in BF16_W4]
+    return run_cells(cells, 4, tmp_path_factory.mktemp("w4bf16"))
+
+
+def _predicted(cell_id: str, res: dict):
+    from harness.config import CellConfig
+    from harness.model.comm import comm_by_rank
+    from harness.model.memory import state_bytes_by_rank
+    from harness.model.shape import CellShape
+
+    cfg = CellConfig.from_dict(res["config"])
+    assert cfg.cell_id == cell_id
+    shape = CellShape.of(cfg)
+    return comm_by_rank(shape), [s.total for s in state_bytes_by_rank(shape)]
+
+
+def _check_model(results: dict) -> None:
+    assert results, "no cells ran"
+    for cid, res in results.items():
+        comm, states = _predicted(cid, res)
+        measured = res["metrics"]["comm_by_rank"]
+        assert comm == measured, f"{cid}: predicted comm {comm} != counted {measured}"
+        assert states == res["metrics"]["model_state_bytes_by_rank"], f"{cid}: model states"
+
+
+def test_model_predicts_counted_comm_and_states_world2(world2):
+    """Bytes and calls per collective, on every rank, equal to what CommCounter counted (DDP, FSDP, TP, SP, PP)."""
+    _check_model(world2)
+
+
+def test_model_predicts_counted_comm_and_states_world4(world4):
+    _check_model(world4)
+
+
+def test_model_predicts_counted_comm_and_states_bf16_world4(bf16_world4):
+    _check_model(bf16_world4)

@@ -1,0 +1,371 @@
+"""Measured collective bus bandwidth per collective and message size, cached next to the matmul peak.
+
+Definitions follow nccl-tests ``doc/PERFORMANCE.md`` (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+The message size ``S`` of one call, per rank:
+
+* all_reduce, broadcast: the tensor's size;
+* all_gather: the gathered (output) size, each rank contributing ``S/n``;
+* reduce_scatter: the input size, each rank ending with ``S/n``;
+* all_to_all: the input size per rank;
+* send_recv: the bytes each rank sends (ring: rank r sends to r+1 and receives from r-1).
+
+``algbw = S / t`` and ``busbw = algbw * factor(n)`` with factor ``2(n-1)/n`` for all_reduce,
+``(n-1)/n`` for all_gather, reduce_scatter and all_to_all, ``1`` for broadcast and send_recv
+(``harness.measure.comm.BUS_FACTOR``): busbw is the per-link rate a ring algorithm needs to
+reach that algbw, so it is comparable across collectives and rank counts and with the link's
+peak. ``t`` is the time of one call, the slowest rank's (nccl-tests reports the same max).
+
+``python -m harness.measure.calibrate_comm --out FILE.json ...`` is the per-rank entry point
+torchrun starts; :func:`calibrate_comm` launches it and caches the result in the matmul
+calibration file (``calibrate.default_cache()``) as an entry with ``"kind": "comm"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harness.measure import calibrate
+from harness.measure.comm import BUS_FACTOR
+from harness.results.atomic import write_json_atomic
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+WARMUP_CALLS = 5
+"""Untimed calls before each (collective, size), as nccl-tests' default ``-w 5``."""
+BUDGET_S = 0.3
+"""Measured time per (collective, size) is capped near this: the call count comes from the warmup's time."""
+LAUNCH_TIMEOUT_S = 600.0
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``'4MiB'``, ``'1KiB'``, ``'1048576'`` -> bytes (binary units only; ``MB`` is refused as ambiguous)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS or int(m.group(1)) < 1:
+        raise ValueError(f"{text!r} is not a size; give a positive integer of bytes or a KiB/MiB/GiB suffix, e.g. 4MiB")
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def human_bytes(n: int) -> str:
+    """64KiB, 1MiB, 4092B: the largest binary unit that n reaches (one decimal when not whole)."""
+    for suffix, unit in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= unit:
+            return f"{n // unit}{suffix}" if n % unit == 0 else f"{n / unit:.1f}{suffix}"
+    return f"{n}B"
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    if collective not in BUS_FACTOR:
+        raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
+    return BUS_FACTOR[collective](world_size)
+
+
+def bandwidths(collective: str, world_size: int, nbytes: int, time_s: float) -> tuple[float, float]:
+    """``(algbw_gbps, busbw_gbps)`` for one call of ``nbytes`` (nccl-tests S) taking ``time_s``; GB/s = 1e9 B/s."""
+    algbw = nbytes / time_s / 1e9
+    return algbw, algbw * bus_factor(collective, world_size)
+
+
+def sizes(min_bytes: int, max_bytes: int, world_size: int) -> list[int]:
+    """x2 steps from min to max, each rounded up to a multiple of ``4 * world_size`` (fp32, exact splits)."""
+    quantum = 4 * world_size
+    out, s = [], min_bytes
+    while s <= max_bytes:
+        r = -(-s // quantum) * quantum
+        if not out or r != out[-1]:
+            out.append(r)
+        s *= 2
+    return out
+
+
+# ---- fingerprint and cache -------------------------------------------------------------------
+
+
+def threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def fingerprint(device_kind: str, world_size: int, nnodes: int = 1, threads: int | None = None) -> dict:
+    """What makes a measurement reusable; ``threads`` defaults to :func:`threads_per_rank` on CPU."""
+    cpu = device_kind == "cpu"
+    return {
+        "device_kind": device_kind,
+        "device_name": calibrate.device_name(device_kind),
+        "backend": "gloo" if cpu else "nccl",
+        "world_size": world_size,
+        "nnodes": nnodes,
+        "torch": torch.__version__,
+        "threads_per_rank": (threads or threads_per_rank(world_size)) if cpu else None,
+        "machine": platform.machine(),
+    }
+
+
+def _key(fp: dict) -> str:
+    # "kind" in the hashed dict keeps comm keys disjoint from matmul keys by construction.
+    return calibrate._key({"kind": "comm", **fp})
+
+
+def lookup_comm(device_kind: str, world_size: int, nnodes: int = 1, cache: Path | None = None) -> dict | None:
+    """The cached comm entry for this machine and rank count, or None."""
+    cache = cache or calibrate.default_cache()
+    if not cache.exists():
+        return None
+    entry = json.loads(cache.read_text()).get(_key(fingerprint(device_kind, world_size, nnodes)))
+    return entry if entry is not None and entry.get("kind") == "comm" else None
+
+
+def _covers(entry: dict, min_bytes: int, max_bytes: int) -> bool:
+    want = sizes(min_bytes, max_bytes, entry["fingerprint"]["world_size"])
+    for rows in entry["collectives"].values():
+        if not rows or rows[0]["bytes"] > want[0] or rows[-1]["bytes"] < want[-1]:
+            return False
+    return set(entry["collectives"]) >= set(COLLECTIVES)
+
+
+def store_comm(entry: dict, cache: Path | None = None) -> None:
+    """Merge one comm entry into the cache file (read-modify-write of the whole JSON, atomic replace)."""
+    cache = cache or calibrate.default_cache()
+    entries = json.loads(cache.read_text()) if cache.exists() else {}
+    entries[_key(entry["fingerprint"])] = {**entry, "kind": "comm"}
+    write_json_atomic(cache, entries)
+
+
+def calibrate_comm(device_kind: str, world_size: int, min_bytes: int, max_bytes: int, force: bool = False,
+                   cache: Path | None = None) -> dict:
+    """Measure (or reuse) bus bandwidth on ``world_size`` local ranks; return the cached entry.
+
+    A cached entry is reused only if it covers ``[min_bytes, max_bytes]``. The ranks run under
+    torchrun on loopback in a new session; whatever happens, none outlives this call.
+    """
+    from harness.launch import JOB_TAG_ENV, _kill_job, free_port
+
+    if world_size < 2:
+        raise ValueError(f"bus bandwidth needs >= 2 ranks, got world_size {world_size}")
+    if not 0 < min_bytes <= max_bytes:
+        raise ValueError(f"need 0 < min_bytes ({min_bytes}) <= max_bytes ({max_bytes})")
+    cache = cache or calibrate.default_cache()
+    if not force:
+        hit = lookup_comm(device_kind, world_size, 1, cache)
+        if hit is not None and _covers(hit, min_bytes, max_bytes):
+            return hit
+    expected = fingerprint(device_kind, world_size)
+    repo = str(Path(__file__).resolve().parents[2])
+    tag = f"{os.getpid()}-{uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", JOB_TAG_ENV: tag,
+           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), repo) if p)}
+    if device_kind == "cpu":
+        env["OMP_NUM_THREADS"] = str(expected["threads_per_rank"])
+    with tempfile.TemporaryDirectory(prefix="harness-comm-") as tmp:
+        out, log_path = Path(tmp) / "comm.json", Path(tmp) / "torchrun.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world_size}",
+               "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+               f"--rdzv-id=comm-{tag}", "-m", "harness.measure.calibrate_comm", "--device", device_kind,
+               "--out", str(out), "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc: int | None = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                _kill_job(proc, tag)  # torchrun starts ranks in sessions of their own: kill by tag
+        tail = log_path.read_text(errors="replace")[-3000:]
+        if rc != 0 or not out.exists():
+            how = f"timed out after {LAUNCH_TIMEOUT_S:.0f} s" if rc is None else f"exit {rc}"
+            raise RuntimeError(f"comm calibration on {world_size} {device_kind} ranks failed ({how}); output tail:\n{tail}")
+        result = json.loads(out.read_text())
+    if result["fingerprint"] != expected:
+        raise RuntimeError(f"comm calibration ranks measured {result['fingerprint']}, expected {expected}; "
+                           "the cache key would not match (is OMP_NUM_THREADS overridden?)")
+    store_comm(result, cache)
+    return {**result, "kind": "comm"}
+
+
+# ---- using the result in a performance model ---------------------------------------------------
+
+
+def comm_time_s(entry: dict, collective: str, nbytes: int) -> float:
+    """Predicted seconds for one call of ``collective`` with message size ``nbytes`` (nccl-tests S).
+
+    At the calibrated world size. 0 for 0 bytes; between measured sizes, linear interpolation of
+    the time (exact for the alpha-beta model ``t = alpha + S / beta``, Hockney 1994, which a ring
+    collective follows at one algorithm); below the smallest size, that size's time (latency-bound);
+    above the largest, its time scaled by ``nbytes / largest`` (bandwidth-bound).
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    rows = entry["collectives"].get(collective)
+    if not rows:
+        raise ValueError(f"no measurement of {collective!r} in this entry; it has {', '.join(entry['collectives'])}")
+    if nbytes == 0:
+        return 0.0
+    pts = sorted((r["bytes"], r["time_s"]) for r in rows)
+    if nbytes <= pts[0][0]:
+        return pts[0][1]
+    if nbytes >= pts[-1][0]:
+        return pts[-1][1] * nbytes / pts[-1][0]
+    for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+        if s0 <= nbytes <= s1:
+            return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
+    raise AssertionError("unreachable: nbytes lies between the smallest and largest measured sizes")
+
+
+def alpha_beta(entry: dict, collective: str) -> tuple[float, float]:
+    """Least-squares fit of ``t = alpha + S / beta`` over every measured size (Hockney 1994).
+
+    Returns ``(alpha_s, beta_bytes_per_s)``. The fit uses all sizes at once, so it is robust to
+    the scheduling noise that makes single small-message times on a shared CPU jump by
+    milliseconds; ``alpha`` is clipped at 0 and ``beta`` at the largest measured rate.
+    """
+    pts = [(float(r["bytes"]), float(r["time_s"])) for r in entry["collectives"][collective]]
+    n = len(pts)
+    mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else 0.0
+    alpha = my - slope * mx
+    if alpha < 0:  # refit through the origin
+        alpha, slope = 0.0, sum(p[0] * p[1] for p in pts) / sum(p[0] ** 2 for p in pts)
+    best = max(p[0] / p[1] for p in pts)
+    beta = best if slope <= 0 else min(1.0 / slope, best) if alpha == 0 else 1.0 / slope
+    return alpha, beta
+
+
+def fitted_time_s(entry: dict, collective: str, nbytes: int) -> float:
+    """Predicted seconds for one call from the :func:`alpha_beta` fit; 0 for 0 bytes."""
+    if nbytes <= 0:
+        return 0.0
+    alpha, beta = alpha_beta(entry, collective)
+    return alpha + nbytes / beta
+
+
+def busbw_gbps_at(entry: dict, collective: str, nbytes: int) -> float:
+    """Predicted bus bandwidth (GB/s) at ``nbytes``, from :func:`comm_time_s`; 0.0 for 0 bytes."""
+    t = comm_time_s(entry, collective, nbytes)
+    return 0.0 if t == 0 else bandwidths(collective, entry["fingerprint"]["world_size"], nbytes, t)[1]
+
+
+# ---- the rank side -----------------------------------------------------------------------------
+
+
+# torch 2.13 renamed these (same signatures) and deprecates the old names; older torch has only those.
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _call(collective: str, nbytes: int, dev: torch.device) -> Callable[[], None]:
+    """One call of ``collective`` with nccl-tests message size ``nbytes`` (fp32, zeros: sums stay finite)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    numel = nbytes // 4
+    full = torch.zeros(numel, device=dev)  # (S/4,)
+    if collective == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if collective == "broadcast":
+        return lambda: dist.broadcast(full, src=0)
+    if collective == "all_gather":
+        shard = torch.zeros(numel // n, device=dev)  # (S/4n,)
+        return lambda: _ALL_GATHER(full, shard)
+    if collective == "reduce_scatter":
+        shard = torch.zeros(numel // n, device=dev)
+        return lambda: _REDUCE_SCATTER(shard, full)
+    if collective == "all_to_all":
+        recv = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(recv, full)
+    if collective == "send_recv":
+        recv = torch.empty_like(full)
+
+        def ring() -> None:
+            ops = [dist.P2POp(dist.isend, full, (r + 1) % n), dist.P2POp(dist.irecv, recv, (r - 1) % n)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        return ring
+    raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
+
+
+def _max_over_ranks(x: float, dev: torch.device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], None], calls: int, cuda: bool) -> float:
+    """Local seconds for ``calls`` calls, device synchronized before the clock is read."""
+    _sync(cuda)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(cuda)
+    return time.perf_counter() - t0
+
+
+def measure_collective(collective: str, nbytes: int, max_iters: int, dev: torch.device) -> dict:
+    """Warmup, then ``iters`` timed calls; every rank runs the same count (agreed from the warmup's max)."""
+    cuda = dev.type == "cuda"
+    fn = _call(collective, nbytes, dev)
+    warm = _max_over_ranks(_timed(fn, WARMUP_CALLS, cuda) / WARMUP_CALLS, dev)
+    iters = max(1, min(max_iters, int(BUDGET_S / max(warm, 1e-9))))
+    dist.barrier()
+    t = _max_over_ranks(_timed(fn, iters, cuda), dev) / iters
+    algbw, busbw = bandwidths(collective, dist.get_world_size(), nbytes, t)
+    return {"bytes": nbytes, "time_s": t, "algbw_gbps": algbw, "busbw_gbps": busbw, "iters": iters}
+
+
+def run(min_bytes: int, max_bytes: int, max_iters: int, dev: torch.device) -> dict:
+    n = dist.get_world_size()
+    todo = sizes(min_bytes, max_bytes, n)
+    for c in COLLECTIVES:  # connection setup (NCCL communicators, p2p channels) kept out of every warmup estimate
+        _call(c, todo[0], dev)()
+    dist.barrier()
+    colls = {c: [measure_collective(c, s, max_iters, dev) for s in todo] for c in COLLECTIVES}
+    summary = {c: {"peak_busbw_gbps": max(r["busbw_gbps"] for r in rows), "latency_s": rows[0]["time_s"]}
+               for c, rows in colls.items()}
+    fp = fingerprint(dev.type, n, nnodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")), threads=torch.get_num_threads())
+    return {"fingerprint": fp, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "collectives": colls,
+            "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="harness.measure.calibrate_comm", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path, help="JSON result, written by rank 0")
+    ap.add_argument("--min-bytes", required=True, type=parse_size)
+    ap.add_argument("--max-bytes", required=True, type=parse_size)
+    ap.add_argument("--iters", type=int, default=20,
+                    help=f"most timed calls per size (nccl-tests' default -n 20); fewer when they would exceed {BUDGET_S} s")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        result = run(args.min_bytes, args.max_bytes, args.iters, dev)
+        if dist.get_rank() == 0:
+            write_json_atomic(args.out, result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

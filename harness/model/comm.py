@@ -1,0 +1,240 @@
+"""Every collective one rank issues in a training step, with its bytes in nccl-tests sizes.
+
+The bytes are those :class:`harness.measure.comm.CommCounter` counts (all-gather: the gathered
+output; reduce-scatter: the unsharded input; all-reduce, send, recv: the tensor), derived from
+what each strategy's code does, so the prediction can be held to equality in a test:
+
+* **DDP** (Li et al. 2020, PyTorch DDP): one all-reduce of every fp32 gradient per optimizer
+  step (accumulation micro-steps run under ``no_sync``), in buckets of 1 MiB first, then 25 MiB
+  (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, DDP ``bucket_cap_mb``), in reverse
+  registration order.
+* **FSDP2 / ZeRO** (Rajbhandari et al. 2020; Zhao et al. 2023): per group, an all-gather of
+  the padded parameters in the parameter dtype (bf16/fp16 under ``MixedPrecisionPolicy``)
+  before forward, again before backward when parameters were resharded after forward
+  (ZeRO-3-like; never for the root group), one reduce-scatter of the fp32 gradients on the
+  last micro-step; HSDP adds an all-reduce of the gradient shard over the replicas.
+  Under pipelining the stage keeps parameters gathered from one backward to the next forward
+  (``set_reshard_after_backward(False)`` in ``torch.distributed.pipelining``), so the count
+  follows the schedule's order of forwards and backwards (:func:`stage_actions`).
+* **Tensor parallel** (Megatron-LM, Shoeybi et al. 2019): per block, forward all-reduces the
+  two row-parallel outputs (compute dtype), backward all-reduces the input gradients of the
+  four column-parallel linears q, k, v, fc (each its own DTensor input, fp32 like the
+  LayerNorm output they come from, low precision under FSDP mixed precision, which casts
+  each group's inputs); the LM head all-gathers the logits (compute dtype) and
+  all-reduces its input gradient. With **sequence parallel** (Korthikanti et al. 2022) each
+  all-reduce becomes an all-gather / reduce-scatter pair around the sequence-sharded region.
+* **Pipeline** (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021): per microbatch and
+  stage boundary, the activation (residual-stream dtype) forward and its gradient backward, by send/recv.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from harness.model.inventory import (
+    ParamSpec, RankCoord, coords, fsdp_padded_numel, group_of, n_stages, rank_params, stage_of, stages_of_rank,
+    tp_local_shape,
+)
+from harness.model.shape import CellShape
+
+DDP_FIRST_BUCKET_BYTES = 1024**2
+DDP_BUCKET_BYTES = 25 * 1024**2
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective call on one rank."""
+
+    collective: str
+    nbytes: int
+    group: int
+    """Ranks taking part (the size the bus-bandwidth factor and calibration are looked up for)."""
+    dim: str
+    """Mesh dimension it runs over: ``dp``, ``tp`` or ``pp``."""
+    overlappable: bool
+    """Whether the strategy can hide it behind compute (DDP buckets, FSDP prefetch, async p2p)."""
+
+
+def stage_actions(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: int) -> dict[int, list[str]]:
+    """The order of forwards (``F``) and backwards (``B``) each stage of a pipeline rank runs.
+
+    Mirrors ``torch.distributed.pipelining``: GPipe runs all forwards, then all backwards;
+    1F1B (``Schedule1F1B``) warms up with ``min(m, stages - s)`` forwards, then alternates;
+    interleaved 1F1B (``ScheduleInterleaved1F1B``) warms up with
+    ``(v - 1) * rounds_size + 2 * (pp - 1 - rank)`` operations, then alternates forward and
+    backward across the rank's stages in rounds of ``m / rounds`` microbatches.
+    """
+    m = microbatches
+    stages = stages_of_rank(pp_rank, pp, virtual)
+    if schedule == "gpipe":
+        return {s: ["F"] * m + ["B"] * m for s in stages}
+    if schedule == "1f1b":
+        s = stages[0]
+        warm = min(m, pp - s)
+        seq = ["F"] * warm
+        f, b = warm, 0
+        while b < m:
+            seq.append("B")
+            b += 1
+            if f < m:
+                seq.append("F")
+                f += 1
+        return {s: seq}
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    total = virtual * m
+    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    out: dict[int, list[str]] = {s: [] for s in stages}
+
+    def fwd_stage(op: int) -> int:
+        return stages[(op // per_round) % virtual]
+
+    def bwd_stage(op: int) -> int:
+        return stages[virtual - 1 - ((op - warm) // per_round) % virtual]
+
+    for op in range(total + warm):  # warmup F, then (F, B) pairs, then cooldown B
+        if op < warm:
+            out[fwd_stage(op)].append("F")
+            continue
+        if op < total:
+            out[fwd_stage(op)].append("F")
+        out[bwd_stage(op)].append("B")
+    return out
+
+
+def _gathers(actions: list[str], reshard_after_forward: bool) -> int:
+    """All-gathers one FSDP group needs over a stage's actions.
+
+    A group starts sharded; an action on a sharded group gathers it. After a forward it is
+    resharded when ``reshard_after_forward``; after a pipeline backward it stays gathered.
+    """
+    n, sharded = 0, True
+    for a in actions:
+        if sharded:
+            n += 1
+            sharded = False
+        if a == "F" and reshard_after_forward:
+            sharded = True
+    return n
+
+
+def _ddp_buckets(specs: list[ParamSpec], tp: int) -> list[int]:
+    """Gradient bucket sizes in bytes: reverse registration order, 1 MiB first, then 25 MiB."""
+    buckets, cur, cap = [], 0, DDP_FIRST_BUCKET_BYTES
+    for p in reversed(specs):
+        cur += _numel(tp_local_shape(p, tp)) * FP32
+        if cur >= cap:
+            buckets.append(cur)
+            cur, cap = 0, DDP_BUCKET_BYTES
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _fsdp_calls(c: CellShape, specs: list[ParamSpec], coord: RankCoord) -> list[Call]:
+    dims, shard = c.dims, c.dims.dp_shard
+    stages = n_stages(dims, c.virtual)
+    groups: dict[tuple[int, str], list[ParamSpec]] = defaultdict(list)
+    for p in specs:
+        groups[(stage_of(p, stages, c.size.n_layers), group_of(p))].append(p)
+    if dims.pp_enabled:
+        actions = stage_actions(c.pp_schedule, dims.pp, c.virtual, c.microbatches, coord.pp)
+    else:
+        actions = {0: ["F", "B"] * c.grad_accum}
+    calls = []
+    for (stage, name), members in groups.items():
+        padded = sum(fsdp_padded_numel(tp_local_shape(p, dims.tp), shard) for p in members)
+        reshard = c.reshard_after_forward and name != "root"
+        if dims.pp_enabled:
+            n_gather = _gathers(actions[stage], reshard)
+        else:  # each micro-step gathers for forward, again for backward if resharded; reshards after backward
+            n_gather = c.grad_accum * (2 if reshard else 1)
+        calls += [Call("all_gather", padded * c.param_bytes, shard, "dp", True)] * n_gather
+        calls.append(Call("reduce_scatter", padded * FP32, shard, "dp", True))
+        if dims.dp_replicate > 1:
+            calls.append(Call("all_reduce", padded // shard * FP32, dims.dp_replicate, "dp", True))
+    return calls
+
+
+def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Call]:
+    """Tensor-parallel collectives for ``passes`` forward+backward passes of ``rows`` sequences each."""
+    size, tp, sp = c.size, c.dims.tp, c.dims.sequence_parallel
+    act = rows * size.seq_len * size.d_model
+    hi, lo = act * c.residual_bytes, act * c.compute_bytes
+    logits = rows * size.seq_len * size.vocab_size * c.compute_bytes
+    stages = n_stages(c.dims, c.virtual)
+    mine = stages_of_rank(coord.pp, c.dims.pp, c.virtual)
+    from harness.parallel.pipeline import layer_ranges
+
+    layers = sum(len(layer_ranges(size.n_layers, stages)[s]) for s in mine)
+    first, last = 0 in mine, stages - 1 in mine
+    ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
+    if sp:
+        per_pass = [(ag, hi), (rs, lo), (ag, lo), (rs, hi)] * (2 * layers)
+        if last:
+            per_pass += [(ag, hi), (ag, logits), (rs, hi)]
+        if first:
+            per_pass += [(ag, hi)]
+    else:
+        per_pass = ([(ar, lo)] * 2 + [(ar, hi)] * 4) * layers
+        if last:
+            per_pass += [(ag, logits), (ar, hi)]
+    return [Call(k, b, tp, "tp", False) for k, b in per_pass] * passes
+
+
+def _pp_calls(c: CellShape, coord: RankCoord) -> list[Call]:
+    size, dims = c.size, c.dims
+    stages = n_stages(dims, c.virtual)
+    act = c.microbatch_rows * size.seq_len * size.d_model * c.residual_bytes
+    if dims.sequence_parallel:
+        act //= dims.tp
+    calls = []
+    for s in stages_of_rank(coord.pp, dims.pp, c.virtual):
+        n = c.microbatches
+        if s > 0:  # activation in, its gradient back
+            calls += [Call("recv", act, 2, "pp", False)] * n + [Call("send", act, 2, "pp", True)] * n
+        if s < stages - 1:
+            calls += [Call("send", act, 2, "pp", True)] * n + [Call("recv", act, 2, "pp", False)] * n
+    return calls
+
+
+def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
+    """Every collective ``coord``'s rank issues in one optimizer step."""
+    specs = rank_params(c.size, c.dims, c.virtual, coord.pp)
+    calls: list[Call] = []
+    if c.fsdp:
+        calls += _fsdp_calls(c, specs, coord)
+    elif c.data_parallel == "ddp" and c.dims.dp_replicate > 1:
+        calls += [Call("all_reduce", b, c.dims.dp_replicate, "dp", True) for b in _ddp_buckets(specs, c.dims.tp)]
+    if c.dims.tp_enabled:
+        if c.dims.pp_enabled:
+            calls += _tp_calls(c, coord, c.microbatches, c.microbatch_rows)
+        else:
+            calls += _tp_calls(c, coord, c.grad_accum, c.local_batch // c.grad_accum)
+    if c.dims.pp_enabled:
+        calls += _pp_calls(c, coord)
+    return calls
+
+
+def summarise(calls: list[Call]) -> dict[str, dict[str, float]]:
+    """``{collective: {calls_per_step, bytes_per_step}}``, the shape of ``metrics.comm``."""
+    out: dict[str, dict[str, float]] = {}
+    for call in calls:
+        e = out.setdefault(call.collective, {"calls_per_step": 0, "bytes_per_step": 0})
+        e["calls_per_step"] += 1
+        e["bytes_per_step"] += call.nbytes
+    return dict(sorted(out.items()))
+
+
+def comm_by_rank(c: CellShape) -> list[dict[str, dict[str, float]]]:
+    """Predicted ``metrics.comm_by_rank``: per global rank, bytes and calls per collective."""
+    return [summarise(rank_calls(c, k)) for k in coords(c.dims)]

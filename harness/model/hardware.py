@@ -1,0 +1,224 @@
+"""GPUs and interconnects from datasheets, and the collective time they imply, for what-if planning.
+
+Nothing here is measured on the named machines: each value is a vendor figure (source beside
+it) or a typical NCCL-level figure, and ``harness plan --device NAME`` prints its answers as
+predictions. Bandwidths are GB/s (1e9 bytes/s) **per GPU per direction**; NVIDIA quotes NVLink
+as the bidirectional total, so 900 GB/s NVLink 4 is 450 GB/s each way.
+
+**Collective time** (Hockney alpha-beta model, with the nccl-tests bus-bandwidth convention of
+``harness.measure.comm.BUS_FACTOR``; nccl-tests ``doc/PERFORMANCE.md``)::
+
+    t = latency + nbytes * busbw_factor(collective, n) / link_bw
+
+``nbytes`` is the nccl-tests size of the call (:mod:`harness.model.comm`), ``n`` the group size.
+A group inside one node runs at the intra-node link (NVLink or PCIe). A group spanning nodes
+runs at ``min(intra, g * nic)`` where ``g`` is the group's ranks on one node: NCCL runs one
+ring (channel) per NIC, every GPU has its own NIC (DGX H100 / DGX A100 layout), and the
+inter-node traffic of a node is spread over the NICs of the group's GPUs there, so a group
+with one rank per node is bottlenecked by one NIC, and a group holding a whole node by all of
+them (nccl issue #1250: the same all-reduce over 2 nodes is 2x faster with 2 GPUs per node
+than with 1; nccl-tests issue #232: with 4 NICs one expects 4x one NIC's busbw).
+
+**Placement**: ranks fill nodes in order (torchrun), and the mesh is (pp, dp_replicate,
+dp_shard, tp) with tp innermost (:mod:`harness.parallel.dims`), so a tp group of at most
+``gpus_per_node`` ranks stays on NVLink, while dp and pp groups stride over ``tp`` (and
+``tp x dp``) ranks and span nodes as soon as the stride times the size exceeds a node.
+
+Latency is one constant per call: the growth of NCCL's ring/tree latency with the group size is
+not modelled; at this harness's message sizes (MB to GB) the bandwidth term dominates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from harness.errors import UsageError
+from harness.measure.peaks import datasheet_peaks
+from harness.parallel.dims import ParallelDims
+
+MIB = 1024**2
+GIB = 1024**3
+
+MAMF_FRACTION = 700.9 / 989.5
+"""Achievable matmul fraction of the datasheet peak: calibrated bf16 matmul peak 700.9 TFLOP/s over
+the 989.5 datasheet on one H200 (``results/gpu/calibration.json``, ``results/gpu/README.md``).
+Measured on that one chip; an assumption for every other device."""
+KERNEL_EFFICIENCY = 0.589
+"""Fraction of the calibrated matmul peak a whole training step reached: ``xl`` bf16 on one H200,
+MFU 58.9% of the calibrated peak (``results/gpu/summary-sizes.md``). Measured for that size and
+chip only; an assumption elsewhere (smaller models reach less). The measured step includes the
+AdamW update, which the what-if also prices on its own (at the HBM bandwidth), so an unsharded
+optimizer is counted twice: ``xl`` bf16 on one H200 is predicted at 46,437 tokens/s against the
+48,708 measured (-4.7%); sharded strategies divide that term by the shard count."""
+DEFAULT_EFFICIENCY = MAMF_FRACTION * KERNEL_EFFICIENCY
+"""What-if compute rate as a fraction of the datasheet peak (``--efficiency`` overrides it)."""
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    name: str
+    gbps: float
+    """GB/s per GPU per direction (for a network: the GPU's own NIC)."""
+    latency_s: float
+    """Per-call latency at NCCL level: a typical figure, not a datasheet one."""
+    source: str
+
+
+# NVIDIA NVLink page and A100/H100 datasheets: NVLink 3 600 GB/s, NVLink 4 900 GB/s total
+# bidirectional per GPU. Latency: NCCL small-message all-reduce / sendrecv inside an NVLink node
+# is a few us (nccl issue #1259: ~6 us on 2 H100s with NVLS; nccl issue #1984: ~3.5 us on H800s).
+NVLINK3 = Interconnect("NVLink 3", 300.0, 5e-6, "A100 datasheet: 600 GB/s bidirectional")
+NVLINK4 = Interconnect("NVLink 4", 450.0, 5e-6, "H100/H200 datasheets: 900 GB/s bidirectional")
+# PCI-SIG: Gen4 x16 16 GT/s x 16 lanes ~ 32 GB/s per direction, Gen5 x16 ~ 64 GB/s (the datasheets'
+# "64 GB/s" for A100 and "128 GB/s" for H100 are bidirectional). Latency: assumed ~2x NVLink.
+PCIE4 = Interconnect("PCIe Gen4 x16", 32.0, 10e-6, "PCIe 4.0 x16: 64 GB/s bidirectional")
+PCIE5 = Interconnect("PCIe Gen5 x16", 64.0, 10e-6, "PCIe 5.0 x16: 128 GB/s bidirectional")
+# InfiniBand line rates: HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s per NIC and direction
+# (nccl-tests issue #290, NVIDIA: expect 46-48 GB/s busbw per NDR NIC). One NIC per GPU as in
+# DGX A100 (8 x ConnectX-6 HDR) and DGX H100 (8 x ConnectX-7 NDR) user guides. Latency: typical
+# 5-10 us per inter-node NCCL hop; the upper end is used.
+IB_HDR = Interconnect("InfiniBand HDR 200 Gb/s", 25.0, 10e-6, "HDR line rate, one NIC per GPU (DGX A100)")
+IB_NDR = Interconnect("InfiniBand NDR 400 Gb/s", 50.0, 10e-6, "NDR line rate, one NIC per GPU (DGX H100)")
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    """Preset name on the command line (``--device h100``)."""
+    product: str
+    """Product name as CUDA reports it; looked up in the datasheet peak table of :mod:`harness.measure.peaks`."""
+    hbm_gib: float
+    """Memory per GPU in GiB, as the driver reports the total (what a peak has to fit under)."""
+    hbm_gbps: float
+    """Memory bandwidth, GB/s (datasheet)."""
+    gpus_per_node: int
+    intra: Interconnect
+    inter: Interconnect
+    source: str
+
+    @property
+    def peak_tflops(self) -> dict[str, float]:
+        """Dense datasheet peaks by compute dtype (the one table in :mod:`harness.measure.peaks`)."""
+        peaks = datasheet_peaks(self.product)
+        if peaks is None:  # a preset must name a product the peak table has; a test holds this
+            raise ValueError(f"device preset {self.name}: {self.product!r} is not in harness/measure/peaks.py")
+        return peaks
+
+
+DEVICES: dict[str, Device] = {d.name: d for d in (
+    # H100 SXM5 datasheet: 80 GB HBM3, 3.35 TB/s; nvidia-smi reports 81,559 MiB. DGX H100: 8 GPUs, NVSwitch, 8 x NDR.
+    Device("h100", "NVIDIA H100 80GB HBM3", 81559 * MIB / GIB, 3350.0, 8, NVLINK4, IB_NDR,
+           "NVIDIA H100 datasheet (SXM5); DGX H100 user guide"),
+    # H100 PCIe datasheet: 80 GB HBM2e, 2.0 TB/s; no NVLink bridge assumed (GPU-GPU over PCIe Gen5);
+    # 8 GPUs and one NDR NIC per GPU per node assumed; memory total assumed equal to the SXM part's.
+    Device("h100-pcie", "NVIDIA H100 PCIe", 81559 * MIB / GIB, 2000.0, 8, PCIE5, IB_NDR,
+           "NVIDIA H100 PCIe product brief PB-11133-001"),
+    # H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s; 143,771 MiB measured by nvidia-smi on the lent H200
+    # (results/gpu/nvidia-smi.csv). DGX H200: 8 GPUs, NVLink 4, 8 x NDR.
+    Device("h200", "NVIDIA H200", 143771 * MIB / GIB, 4800.0, 8, NVLINK4, IB_NDR,
+           "NVIDIA H200 datasheet; results/gpu/nvidia-smi.csv"),
+    # A100 80GB SXM datasheet: 80 GB HBM2e, 2,039 GB/s; CUDA reports 85,056,798,720 bytes. DGX A100: 8 GPUs, 8 x HDR.
+    Device("a100", "NVIDIA A100-SXM4-80GB", 85_056_798_720 / GIB, 2039.0, 8, NVLINK3, IB_HDR,
+           "NVIDIA A100 datasheet (80GB SXM); DGX A100 user guide"),
+)}
+
+
+def get_device(name: str) -> Device:
+    """A preset by (case-insensitive) name; the error lists the names."""
+    try:
+        return DEVICES[name.lower()]
+    except KeyError:
+        raise UsageError(f"--device {name!r} is not in the hardware table; choose auto, cpu, cuda (bench) or "
+                         f"{', '.join(DEVICES)} (plan what-if)") from None
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where the groups along one mesh dimension sit."""
+
+    size: int
+    ranks_per_node: int
+    """The fewest group members any node holds (the slowest group sets the pace)."""
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.ranks_per_node < self.size
+
+
+def placement(dims: ParallelDims, gpus_per_node: int) -> dict[str, GroupPlacement]:
+    """Per mesh dimension, the groups' size and members per node (ranks fill nodes in order).
+
+    ``pp_p2p`` is the pair of neighbouring stages a pipeline send/recv runs between (group 2).
+    """
+    strides = {"tp": 1, "dp_shard": dims.tp, "dp_replicate": dims.tp * dims.dp_shard,
+               "pp": dims.tp * dims.dp_shard * dims.dp_replicate}
+    out = {}
+    for dim, stride in strides.items():
+        n = getattr(dims, dim)
+        fewest = n
+        for first in range(dims.world_size):  # one group per first member: no earlier member below it
+            if (first // stride) % n:
+                continue
+            per_node: dict[int, int] = {}
+            for k in range(n):
+                node = (first + k * stride) // gpus_per_node
+                per_node[node] = per_node.get(node, 0) + 1
+            fewest = min(fewest, min(per_node.values()))
+        out[dim] = GroupPlacement(n, fewest)
+    stride = strides["pp"]
+    crosses = any(r // gpus_per_node != (r + stride) // gpus_per_node
+                  for r in range(dims.world_size - stride))  # ranks below the last stage
+    out["pp_p2p"] = GroupPlacement(2 if dims.pp_enabled else 1, 1 if crosses else 2)
+    return out
+
+
+def link_for(device: Device, where: GroupPlacement) -> tuple[float, float, str]:
+    """(GB/s, latency s, description) of the link a group's collective is limited by."""
+    if not where.spans_nodes:
+        return device.intra.gbps, device.intra.latency_s, device.intra.name
+    gbps = min(device.intra.gbps, where.ranks_per_node * device.inter.gbps)
+    return gbps, device.inter.latency_s, f"{where.ranks_per_node} x {device.inter.name}"
+
+
+def collective_time_s(device: Device, collective: str, nbytes: float, where: GroupPlacement) -> float:
+    """``latency + nbytes * busbw_factor / link_bw`` for one call; 0 for a group of one."""
+    from harness.measure.comm import BUS_FACTOR
+
+    if where.size <= 1:
+        return 0.0
+    gbps, latency, _ = link_for(device, where)
+    return latency + nbytes * BUS_FACTOR[collective](where.size) / (gbps * 1e9)
+
+
+# Which mesh dimensions issue each collective (harness.model.comm): pp stage pairs send/receive, tp and
+# DDP/HSDP all-reduce, tp (sequence parallel, LM head) and FSDP all-gather / reduce-scatter.
+_DIMS_OF = {"send_recv": ("pp_p2p",), "send": ("pp_p2p",), "recv": ("pp_p2p",), "all_reduce": ("tp", "dp_replicate"),
+            "all_gather": ("tp", "dp_shard"), "reduce_scatter": ("tp", "dp_shard")}
+
+
+def comm_time_fn(device: Device, dims: ParallelDims,
+                 gpus_per_node: int | None = None) -> Callable[..., float]:
+    """A ``comm_time(collective, nbytes, group, dim=None)`` for :func:`harness.model.step_time.predict_step`.
+
+    ``predict_step`` passes the group size but not the mesh dimension, so the dimension is the
+    one of that size that issues this collective; when two dimensions qualify (e.g. tp 2 and
+    dp_replicate 2 both all-reduce) the slower placement is priced, a pessimistic choice.
+    """
+    where = placement(dims, gpus_per_node or device.gpus_per_node)
+    dims_of = {k: v for k, v in where.items() if k != "pp_p2p"}  # collectives other than p2p run over these
+
+    def comm_time(collective: str, nbytes: int, group: int, dim: str | None = None) -> float:
+        names = _DIMS_OF.get(collective, tuple(dims_of))
+        if dim == "dp":  # harness.model.comm.Call.dim says dp for both data-parallel dimensions
+            names = tuple(d for d in names if d.startswith("dp")) or ("dp_shard", "dp_replicate")
+        elif dim is not None:
+            names = ("pp_p2p",) if dim == "pp" and collective in ("send_recv", "send", "recv") else (dim,)
+        cands = [where[d] for d in names if where[d].size == group]
+        if not cands:
+            if group <= 1:
+                return 0.0
+            raise ValueError(f"no mesh dimension of size {group} issues {collective} under {dims.degrees()}")
+        return max(collective_time_s(device, collective, nbytes, w) for w in cands)
+
+    return comm_time

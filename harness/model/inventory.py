@@ -1,0 +1,149 @@
+"""Every parameter tensor of :class:`workloads.model.GPT`, and what one rank holds of it.
+
+Built from the size alone (no model is instantiated), so it works for a 1.3B-parameter model
+at 1,024 ranks as fast as for ``tiny``. What a rank holds follows the code that shards it:
+
+* pipeline: stages are contiguous layer ranges (:func:`harness.parallel.pipeline.layer_ranges`);
+  stage 0 adds the embeddings, the last stage the final norm and LM head; a rank holds
+  stages ``r, r + pp, ...`` (one per virtual stage);
+* tensor parallel (:mod:`harness.parallel.tp`): q/k/v/fc weights and biases and the LM head
+  are column-parallel (dim 0 / tp), out/proj weights row-parallel (dim 1 / tp), their biases,
+  LayerNorms and embeddings replicated;
+* FSDP2 ``fully_shard`` (dim 0 of the tp-local tensor, ``torch.chunk`` over ``dp_shard``): rank
+  ``i`` holds chunk ``i``; collectives move the padded size (``ceil(dim0 / n)`` rows per rank).
+  Each block is one FSDP group, everything else on a stage (embeddings, norm, head) the root group.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from harness.parallel.dims import ParallelDims
+from workloads.sizes import ModelSize
+
+COL, ROW, REPLICATE = "col", "row", "replicate"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    layer: int | None
+    """Block index, or None for the embeddings (stage 0) and final norm / head (last stage)."""
+    tp: str
+    """``col`` (dim 0 sharded), ``row`` (dim 1 sharded) or ``replicate`` under tensor parallel."""
+
+    @property
+    def first_stage(self) -> bool:
+        return self.name.startswith("embed.")
+
+
+@functools.lru_cache(maxsize=64)
+def param_specs(size: ModelSize) -> tuple[ParamSpec, ...]:
+    """Every parameter tensor, in the model's registration order."""
+    d, f, v, s = size.d_model, size.d_ff, size.vocab_size, size.seq_len
+    out = [ParamSpec("embed.tok.weight", (v, d), None, REPLICATE), ParamSpec("embed.pos.weight", (s, d), None, REPLICATE)]
+    for i in range(size.n_layers):
+        p = f"blocks.{i}."
+        out += [ParamSpec(p + "ln1.weight", (d,), i, REPLICATE), ParamSpec(p + "ln1.bias", (d,), i, REPLICATE)]
+        for proj in ("q", "k", "v"):
+            out += [ParamSpec(p + f"attn.{proj}.weight", (d, d), i, COL), ParamSpec(p + f"attn.{proj}.bias", (d,), i, COL)]
+        out += [ParamSpec(p + "attn.out.weight", (d, d), i, ROW), ParamSpec(p + "attn.out.bias", (d,), i, REPLICATE),
+                ParamSpec(p + "ln2.weight", (d,), i, REPLICATE), ParamSpec(p + "ln2.bias", (d,), i, REPLICATE),
+                ParamSpec(p + "mlp.fc.weight", (f, d), i, COL), ParamSpec(p + "mlp.fc.bias", (f,), i, COL),
+                ParamSpec(p + "mlp.proj.weight", (d, f), i, ROW), ParamSpec(p + "mlp.proj.bias", (d,), i, REPLICATE)]
+    out += [ParamSpec("norm.weight", (d,), None, REPLICATE), ParamSpec("norm.bias", (d,), None, REPLICATE),
+            ParamSpec("head.weight", (v, d), None, COL)]
+    return tuple(out)
+
+
+def tp_local_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:
+    """The tensor-parallel local shape (tp divides the sharded dimension: checked by the planner)."""
+    if tp == 1 or spec.tp == REPLICATE:
+        return spec.shape
+    if spec.tp == COL:
+        return (math.ceil(spec.shape[0] / tp),) + spec.shape[1:]
+    return (spec.shape[0], math.ceil(spec.shape[1] / tp))
+
+
+def _rest(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[1:])
+
+
+def fsdp_local_numel(shape: tuple[int, ...], n: int, index: int) -> int:
+    """Elements FSDP2 rank ``index`` of ``n`` holds: chunk ``index`` of ``torch.chunk(dim 0, n)``."""
+    if n == 1:
+        return math.prod(shape)
+    rows = math.ceil(shape[0] / n)
+    return max(0, min(rows, shape[0] - index * rows)) * _rest(shape)
+
+
+def fsdp_padded_numel(shape: tuple[int, ...], n: int) -> int:
+    """Elements of the all-gather output / reduce-scatter input for one parameter: dim 0 padded to n chunks."""
+    return math.ceil(shape[0] / n) * n * _rest(shape)
+
+
+def n_stages(dims: ParallelDims, virtual: int) -> int:
+    return dims.pp * virtual
+
+
+def stage_of(spec: ParamSpec, stages: int, n_layers: int) -> int:
+    """The pipeline stage that owns a parameter."""
+    from harness.parallel.pipeline import layer_ranges
+
+    if spec.layer is None:
+        return 0 if spec.first_stage else stages - 1
+    for s, r in enumerate(layer_ranges(n_layers, stages)):
+        if spec.layer in r:
+            return s
+    raise ValueError(f"layer {spec.layer} is in no stage of {stages}")
+
+
+def group_of(spec: ParamSpec) -> str:
+    """FSDP group: one per block, the rest of a stage in the root group."""
+    return f"block{spec.layer}" if spec.layer is not None else "root"
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    """A global rank's coordinates on the (pp, dp_replicate, dp_shard, tp) mesh."""
+
+    rank: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+
+def coords(dims: ParallelDims) -> list[RankCoord]:
+    """Coordinates of every global rank, in the mesh order of :mod:`harness.parallel.dims`."""
+    out = []
+    for r in range(dims.world_size):
+        rest, t = divmod(r, dims.tp)
+        rest, s = divmod(rest, dims.dp_shard)
+        p, rep = divmod(rest, dims.dp_replicate)
+        out.append(RankCoord(r, p, rep, s, t))
+    return out
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """Stages a pipeline rank holds (looped placement for interleaved schedules)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def rank_params(size: ModelSize, dims: ParallelDims, virtual: int, pp_rank: int) -> list[ParamSpec]:
+    """Parameters (global specs) on the stages a pipeline rank holds."""
+    return list(_stage_params(size, dims.pp, virtual, pp_rank))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_params(size: ModelSize, pp: int, virtual: int, pp_rank: int) -> tuple[ParamSpec, ...]:
+    from harness.parallel.pipeline import layer_ranges
+
+    stages = pp * virtual
+    mine = set(stages_of_rank(pp_rank, pp, virtual))
+    owner = {i: s for s, r in enumerate(layer_ranges(size.n_layers, stages)) for i in r}
+    return tuple(p for p in param_specs(size)
+                 if (owner[p.layer] if p.layer is not None else 0 if p.first_stage else stages - 1) in mine)

@@ -1,0 +1,88 @@
+"""The facts of a cell the model needs, from a :class:`~harness.config.CellConfig` or a what-if."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from harness.parallel.dims import ParallelDims
+from harness.parallel.presets import OPTIONS, resolve_degrees, stages_per_rank
+from workloads.sizes import ModelSize, get_size
+
+LOW_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class CellShape:
+    size: ModelSize
+    """The workload at the cell's sequence length (the position table follows it)."""
+    dims: ParallelDims
+    strategy: str
+    precision: str
+    global_batch: int
+    grad_accum: int = 1
+    microbatches: int = 1
+    pp_schedule: str = "1f1b"
+    device_kind: str = "cpu"
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``selective`` (attention core) or ``full`` (per block)."""
+
+    @classmethod
+    def of(cls, cfg) -> "CellShape":
+        """From a planned :class:`~harness.config.CellConfig`."""
+        size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
+        dims = resolve_degrees(cfg.strategy, cfg.world_size, cfg.degrees)
+        return cls(size=size, dims=dims, strategy=cfg.strategy, precision=cfg.precision,
+                   global_batch=cfg.global_batch, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches,
+                   pp_schedule=cfg.pp_schedule, device_kind=cfg.device_kind)
+
+    @property
+    def data_parallel(self) -> str:
+        return OPTIONS[self.strategy].data_parallel
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether ``fully_shard`` is applied (the rule of :func:`harness.parallel.parallelize.parallelize`)."""
+        return self.data_parallel in ("fsdp", "hsdp") and (
+            self.dims.dp_enabled or self.strategy in ("fsdp", "zero2", "hsdp"))
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return OPTIONS[self.strategy].reshard_after_forward
+
+    @property
+    def virtual(self) -> int:
+        return stages_per_rank(self.pp_schedule) if self.dims.pp_enabled else 1
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences per data-parallel rank per optimizer step."""
+        return self.global_batch // self.dims.dp
+
+    @property
+    def microbatch_rows(self) -> int:
+        """Sequences per pipeline microbatch (or per accumulation micro-step without a pipeline)."""
+        return self.local_batch // (self.microbatches if self.dims.pp_enabled else self.grad_accum)
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of matmul outputs: the autocast dtype, else fp32."""
+        return LOW_BYTES[self.precision]
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream, LayerNorm outputs and their gradients.
+
+        fp32 under autocast (LayerNorm and the residual add run in fp32), except under FSDP with
+        a low-precision ``param_dtype``: ``MixedPrecisionPolicy`` casts each group's forward
+        inputs to it, so the whole stream is low precision.
+        """
+        return self.param_bytes if self.fsdp else 4
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element FSDP gathers: ``MixedPrecisionPolicy.param_dtype`` (low precision under AMP)."""
+        return LOW_BYTES[self.precision]
+
+
+def dims_for(strategy: str, world: int, degrees: dict | None = None) -> ParallelDims:
+    return resolve_degrees(strategy, world, degrees)

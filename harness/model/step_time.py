@@ -1,0 +1,104 @@
+"""Predicted step time = compute + exposed communication + pipeline bubble (+ optimizer).
+
+* compute: :mod:`harness.model.compute` per pass, times the passes a rank runs (accumulation
+  micro-steps, or pipeline microbatches on the slowest stage), divided by the rank's share of
+  the cores when CPU ranks oversubscribe them;
+* communication: each call of :mod:`harness.model.comm` at the calibrated time for its
+  collective, message size and group size (:func:`harness.measure.calibrate_comm.comm_time_s`,
+  nccl-tests busbw), or at ``latency + S * factor / busbw`` from an interconnect table for
+  what-if. What the strategy can overlap (DDP buckets, FSDP prefetch, async sends) is hidden
+  behind compute up to the compute time, except the first and the last such call (the first
+  FSDP all-gather precedes all compute, the last DDP bucket / reduce-scatter follows it) on GPUs; on CPU ranks nothing is hidden (gloo reduces on the same cores that compute);
+* pipeline bubble: ``(p - 1) / (v * m)`` of the slowest stage's compute (Narayanan et al.
+  2021, section 2.2.1 and eq. for interleaving).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from harness.model import comm as comm_model
+from harness.model.compute import ComputeRates, pass_time_s, stage_shares
+from harness.model.inventory import coords
+from harness.model.memory import state_bytes_by_rank
+from harness.model.shape import CellShape
+from harness.parallel.presets import expected_bubble
+
+CommTime = Callable[[str, int, int, str], float | None]
+"""(collective, nbytes, group size, mesh dim) -> seconds per call, or None when not calibrated."""
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    step_time_s: float | None
+    compute_s: float
+    optimizer_s: float
+    comm_s: float | None
+    exposed_comm_s: float | None
+    bubble_s: float
+    bubble_fraction: float
+    basis: str
+    notes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "compute_s": self.compute_s, "optimizer_s": self.optimizer_s,
+                "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "bubble_s": self.bubble_s,
+                "bubble_fraction": self.bubble_fraction, "basis": self.basis}
+
+
+def _p2p_name(collective: str) -> str:
+    return "send_recv" if collective in ("send", "recv") else collective
+
+
+def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, core_share: float = 1.0,
+                 hide_overlappable: bool = True) -> StepPrediction:
+    """The slowest rank's predicted step time (ranks wait for each other at every collective)."""
+    dims = c.dims
+    shares = stage_shares(c)
+    states = state_bytes_by_rank(c)
+    ranks = coords(dims)
+    v = c.virtual
+    bubble_frac = expected_bubble(dims.pp, v, c.microbatches) if dims.pp_enabled else 0.0
+    passes = c.microbatches if dims.pp_enabled else c.grad_accum
+    notes: list[str] = []
+    best = None
+    for k in ranks:
+        if k.dp_replicate or k.dp_shard or k.tp:  # ranks of one pipeline rank are alike; price one each
+            continue
+        flop_share, layer_share = shares[k.pp]
+        compute = passes * pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp) / core_share
+        optimizer = rates.optimizer_s_per_param * states[k.rank].params / 4 / core_share
+        calls = comm_model.rank_calls(c, k)
+        total = hidden_ok = 0.0
+        exposed = 0.0
+        missing = set()
+        edge: list[float] = []  # the first and last overlappable calls: nothing to hide them behind
+        for call in calls:
+            t = comm_time(_p2p_name(call.collective), call.nbytes, call.group, call.dim)
+            if t is None:
+                missing.add((call.collective, call.group))
+                continue
+            total += t
+            if call.collective == "send":  # isend: never waited for on the critical path
+                continue
+            if call.overlappable and hide_overlappable:
+                hidden_ok += t
+                edge = [edge[0], t] if edge else [t]
+            else:
+                exposed += t
+        if hide_overlappable and hidden_ok:
+            exposed += max(sum(edge), hidden_ok - compute)
+        bubble = compute * bubble_frac
+        comm_known = not missing
+        step = compute + optimizer + exposed + bubble
+        if missing:
+            notes.append("no comm calibration for " + ", ".join(f"{c_} over {g} ranks" for c_, g in sorted(missing))
+                         + "; run harness calibrate --gpus N")
+        cand = StepPrediction(step_time_s=step if comm_known else None, compute_s=compute, optimizer_s=optimizer,
+                              comm_s=total if comm_known else None, exposed_comm_s=exposed if comm_known else None,
+                              bubble_s=bubble, bubble_fraction=bubble_frac, basis=rates.basis, notes=tuple(notes))
+        if best is None or (cand.step_time_s or 0) > (best.step_time_s or 0):
+            best = cand
+    assert best is not None
+    return best

@@ -1,0 +1,260 @@
+"""Rank strategies for a model size on N GPUs nobody here has: predictions from the analytic model.
+
+For each strategy, :func:`plan_at_scale` resolves the preset degrees (or ``--degrees``), checks
+them as the sweep planner does (an invalid one is a row with its reason), and prices one
+optimizer step with :func:`harness.model.step_time.predict_step`:
+
+* compute at the roofline of :func:`harness.model.compute.roofline_rates`: the model FLOPs
+  (PaLM convention, :mod:`workloads.sizes`) at ``datasheet peak x efficiency``, AdamW at the HBM
+  bandwidth; recomputation adds its forward FLOPs (full: every block's forward again,
+  ``2 N_layers`` of ``6 N``; selective: the attention core's forward, ``4 L d S`` per token,
+  Korthikanti et al. 2022);
+* communication at :func:`harness.model.hardware.comm_time_fn` (alpha-beta over NVLink / NIC),
+  hiding what the strategy overlaps behind compute (GPU streams);
+* memory from :mod:`harness.model.memory` (exact model states, activations, transients).
+
+MFU is ``model FLOPs per token x tokens/s per device / datasheet peak`` (recompute not counted,
+as in the measured records). Rank 1 is the most tokens/s per device among strategies whose
+predicted peak fits the device memory.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from harness.errors import UsageError
+from harness.model.compute import ComputeRates, roofline_rates
+from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn, get_device, placement
+from harness.model.memory import RECOMPUTE, peak_bytes, state_bytes_by_rank
+from harness.model.shape import LOW_BYTES, CellShape
+from harness.model.step_time import predict_step
+from harness.parallel.presets import (
+    OPTIONS, PP_SCHEDULES, STRATEGIES, check_model_fit, resolve_degrees, world_for,
+)
+from harness.precision import check_strategy
+from workloads.sizes import ModelSize, get_size
+
+SEQUENCES_PER_DEVICE = 8
+"""Default global batch: 8 sequences per device (8,192 tokens at seq 1024; 0.5M tokens on 64 GPUs,
+the order of GPT-3 XL's 1M-token batch, Brown et al. 2020 table 2.1). It is the harness's
+one-device GPU default batch, scaled like ``--scaling weak``."""
+DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "single")
+"""``single`` runs on one device; ask for it with ``--strategies single`` as a reference."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What is held fixed across the strategies of one what-if."""
+
+    size: ModelSize
+    device: Device
+    gpus: int
+    precision: str
+    efficiency: float
+    """Fraction of the datasheet peak the compute runs at."""
+    global_batch: int | None
+    """Sequences per optimizer step; None: ``SEQUENCES_PER_DEVICE`` x the strategy's devices."""
+    recompute: str = "none"
+    microbatches: int | None = None
+    """Pipeline microbatches; None: 2 x pp (the sweep planner's default)."""
+    pp_schedule: str = "1f1b"
+    grad_accum: int = 1
+    degrees: dict | None = None
+
+    @property
+    def peak_tflops(self) -> float:
+        return self.device.peak_tflops[self.precision]
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.device.gpus_per_node)
+
+
+def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "bf16", global_batch: int | None = None,
+             seq_len: int | None = None, recompute: str = "none", microbatches: int | None = None,
+             efficiency: float | None = None, pp_schedule: str = "1f1b", grad_accum: int = 1,
+             degrees: dict | None = None) -> Scenario:
+    """Validate the inputs (UsageError naming the value and the fix) and fix the defaults."""
+    dev = get_device(device) if isinstance(device, str) else device
+    try:
+        size = get_size(size_name)
+    except ValueError as e:
+        raise UsageError(f"--sizes: {e}") from None
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise UsageError(f"--gpus {gpus!r}: must be an integer >= 1")
+    if precision not in LOW_BYTES or precision not in dev.peak_tflops:
+        raise UsageError(f"--precision {precision!r}: choose from {', '.join(dev.peak_tflops)}")
+    if recompute not in RECOMPUTE:
+        raise UsageError(f"--recompute {recompute!r}: choose from {', '.join(RECOMPUTE)}")
+    if pp_schedule not in PP_SCHEDULES:
+        raise UsageError(f"--pp-schedule {pp_schedule!r}: choose from {', '.join(PP_SCHEDULES)}")
+    eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
+    if not 0 < eff <= 1:
+        raise UsageError(f"--efficiency {efficiency!r}: must be a fraction of the datasheet peak in (0, 1], "
+                         f"e.g. 0.4")
+    if seq_len is not None:
+        if seq_len > size.seq_len:
+            raise UsageError(f"--seq-len {seq_len} exceeds {size.name}'s position table ({size.seq_len}); "
+                             f"use --seq-len <= {size.seq_len}")
+        size = replace(size, seq_len=seq_len)
+    return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
+                    recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
+                    degrees=degrees)
+
+
+def shape_for(s: Scenario, strategy: str) -> CellShape:
+    """The cell a strategy runs at this scale; UsageError (the row's reason) when it cannot run."""
+    world = world_for(strategy, s.gpus)
+    dims = resolve_degrees(strategy, world, s.degrees if strategy != "single" else None)
+    check_strategy(s.precision, strategy)
+    _check_data_parallel(strategy, dims)
+    mb = (s.microbatches or 2 * dims.pp) if dims.pp_enabled else 1  # the sweep planner's default
+    check_model_fit(dims, s.size.n_heads, s.size.d_ff, s.size.n_layers, s.pp_schedule, mb)
+    gb = s.global_batch or SEQUENCES_PER_DEVICE * world
+    split = dims.dp * (mb if dims.pp_enabled else s.grad_accum)
+    if gb % split:
+        what = f"dp ({dims.dp}) x microbatches ({mb})" if dims.pp_enabled else f"dp ({dims.dp}) x grad_accum ({s.grad_accum})"
+        raise UsageError(f"global batch ({gb}) must be divisible by {what} = {split}; "
+                         f"use a --batch that is a multiple of {split}")
+    return CellShape(size=s.size, dims=dims, strategy=strategy, precision=s.precision, global_batch=gb,
+                     grad_accum=s.grad_accum, microbatches=mb, pp_schedule=s.pp_schedule, device_kind="cuda",
+                     recompute=s.recompute)
+
+
+def _check_data_parallel(strategy: str, dims) -> None:
+    """A data-parallel degree the strategy does not synchronise would train diverging replicas.
+
+    ``parallelize`` syncs gradients over ``dp_replicate`` only for DDP, over ``dp_shard`` only for
+    FSDP, over both for HSDP, and over neither for tp / tp-sp / pp.
+    """
+    synced = {"none": (), "ddp": ("dp_replicate",), "fsdp": ("dp_shard",),
+              "hsdp": ("dp_replicate", "dp_shard")}[OPTIONS[strategy].data_parallel]
+    for dim in ("dp_replicate", "dp_shard"):
+        n = getattr(dims, dim)
+        if n > 1 and dim not in synced:
+            fix = "fsdp+tp or pp+fsdp" if strategy in ("tp", "tp-sp", "pp") else "hsdp"
+            raise UsageError(f"strategy {strategy} does not synchronise gradients over {dim} ({n}): the replicas "
+                             f"would diverge; drop {dim} from --degrees or use {fix}")
+
+
+def recompute_factor(c: CellShape) -> float:
+    """Executed FLOPs over model FLOPs: recomputation repeats forward work (Korthikanti et al. 2022)."""
+    size = c.size
+    model = size.flops_per_token()
+    if c.recompute == "full":  # every block's forward again: 2 FLOPs per matmul weight, 4 L d S of attention
+        extra = 2 * (size.n_layers * (size.params_per_layer - 4 * size.d_model)) + 4 * size.n_layers * size.d_model * size.seq_len
+    elif c.recompute == "selective":  # the attention core's forward (scores and values)
+        extra = 4 * size.n_layers * size.d_model * size.seq_len
+    else:
+        extra = 0
+    return (model + extra) / model
+
+
+def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
+    """Roofline rates at ``peak x efficiency`` and the HBM bandwidth, scaled for recomputation."""
+    r = roofline_rates(c, s.peak_tflops * s.efficiency, mem_gbps=s.device.hbm_gbps)
+    return replace(r, beta_s_per_row=r.beta_s_per_row * recompute_factor(c))
+
+
+def predict_row(s: Scenario, strategy: str) -> dict:
+    """One strategy's predicted step, throughput, MFU and memory (or its reason when invalid)."""
+    row: dict = {"strategy": strategy, "valid": False, "reason": None, "rank": None, "fits": None, "notes": []}
+    try:
+        c = shape_for(s, strategy)
+    except UsageError as e:
+        row["reason"] = str(e)
+        return row
+    dims = c.dims
+    p = predict_step(c, rates_for(s, c), comm_time_fn(s.device, dims), core_share=1.0, hide_overlappable=True)
+    step = p.step_time_s
+    assert step is not None, "the hardware table prices every collective"
+    tokens_per_device = c.global_batch * c.size.seq_len / step / dims.world_size
+    states = max(b.total for b in state_bytes_by_rank(c)) / GIB
+    peak = peak_bytes(c, 0.0) / GIB
+    fits = peak <= s.device.hbm_gib
+    where = placement(dims, s.device.gpus_per_node)
+    row.update(
+        valid=True, degrees=dims.degrees(), world_size=dims.world_size, global_batch=c.global_batch,
+        microbatches=c.microbatches, step_time_s=step, tokens_per_s_per_device=tokens_per_device,
+        mfu_pct=100.0 * c.size.flops_per_token() * tokens_per_device / (s.peak_tflops * 1e12),
+        compute_s=p.compute_s, optimizer_s=p.optimizer_s, comm_s=p.comm_s, exposed_comm_s=p.exposed_comm_s,
+        bubble_s=p.bubble_s, bubble_fraction=p.bubble_fraction, model_states_gib_per_rank=states,
+        peak_mem_gib_per_rank=peak, fits=fits,
+        spans_nodes=sorted(d for d, w in where.items() if w.spans_nodes),
+    )
+    if not fits:
+        row["reason"] = (f"predicted peak {peak:.1f} GiB > {s.device.hbm_gib:.1f} GiB per GPU; shard more "
+                         f"(fsdp, tp, pp), --recompute full or a smaller --batch")
+    same = _same_size_dims(dims, where)
+    if same:
+        row["notes"].append(f"{' and '.join(same)} have the same size: their collectives are priced at the "
+                            f"slower placement")
+    return row
+
+
+def _same_size_dims(dims, where: dict) -> list[str]:
+    """Dimensions > 1 of equal size, issuing the same collectives, placed differently.
+
+    ``predict_step`` gives the comm time a group size, not a mesh dimension, so such a pair is
+    priced at the slower of the two placements (:func:`harness.model.hardware.comm_time_fn`).
+    """
+    pairs = (("tp", "dp_shard"), ("tp", "dp_replicate"))
+    return sorted({d for a, b in pairs if getattr(dims, a) == getattr(dims, b) > 1 and where[a] != where[b]
+                   for d in (a, b)})
+
+
+def rank_rows(rows: list[dict]) -> list[dict]:
+    """Rank 1 = most tokens/s per device among valid rows that fit; the rest unranked, last."""
+    ok = sorted((r for r in rows if r["valid"] and r["fits"]), key=lambda r: -r["tokens_per_s_per_device"])
+    for i, r in enumerate(ok, 1):
+        r["rank"] = i
+    oom = sorted((r for r in rows if r["valid"] and not r["fits"]), key=lambda r: -r["tokens_per_s_per_device"])
+    bad = [r for r in rows if not r["valid"]]
+    return ok + oom + bad
+
+
+def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: tuple[str, ...] | list[str] | None = None,
+                  precision: str = "bf16", global_batch: int | None = None, seq_len: int | None = None,
+                  recompute: str = "none", microbatches: int | None = None, efficiency: float | None = None,
+                  pp_schedule: str = "1f1b", grad_accum: int = 1, degrees: dict | None = None) -> list[dict]:
+    """Predicted rows for each strategy at ``gpus`` devices, ranked (see :func:`rank_rows`)."""
+    s = scenario(size_name, device, gpus, precision, global_batch, seq_len, recompute, microbatches, efficiency,
+                 pp_schedule, grad_accum, degrees)
+    names = tuple(strategies) if strategies else DEFAULT_STRATEGIES
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        raise UsageError(f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STRATEGIES)}")
+    return rank_rows([predict_row(s, n) for n in names])
+
+
+# ---- the model's measured error, from a sweep whose records carry `predicted` ----
+
+def model_error(run_dir: Path) -> dict:
+    """``|predicted - measured| / measured`` step time over ok cell records with both.
+
+    Returns ``{"n", "mean_pct", "max_pct", "worst_cell", "device_kind"}``, or ``{"reason"}`` when
+    there is nothing to compare.
+    """
+    from harness.records_io import load_records
+
+    if not (Path(run_dir) / "records.jsonl").is_file():
+        return {"reason": f"no measured sweep with predictions at {run_dir}"}
+    errs = []
+    kinds = set()
+    for r in load_records(run_dir):
+        if r.get("kind") != "cell" or r.get("status") != "ok":
+            continue
+        pred = (r.get("predicted") or {}).get("step_time_s")
+        meas = ((r.get("metrics") or {}).get("step_time_s") or {}).get("median")
+        if pred is None or not meas:
+            continue
+        errs.append((abs(pred - meas) / meas * 100.0, r.get("cell_id")))
+        kinds.add((r.get("config") or {}).get("device_kind"))
+    if not errs:
+        return {"reason": f"no ok cell records with predicted.step_time_s in {run_dir}"}
+    worst = max(errs)
+    return {"n": len(errs), "mean_pct": statistics.fmean(e for e, _ in errs), "max_pct": worst[0],
+            "worst_cell": worst[1], "device_kind": ",".join(sorted(k for k in kinds if k))}

@@ -1,0 +1,112 @@
+"""Predicted beside measured: the analytic model's error per cell and over the sweep.
+
+Error % = 100 x (predicted - measured) / measured, signed (positive: the model expected a
+slower step / more bytes / more memory). The sweep's mean and max are over absolute errors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import pandas as pd
+from tabulate import tabulate
+
+MIB = 2**20
+
+# (column, predicted key, measured key path) for the quantities held against the model
+QUANTITIES = {
+    "step_time": (("step_time_s",), ("step_time_s", "median")),
+    "comm_bytes": (("comm_bytes_per_step",), ("comm_bytes_per_step",)),
+    "model_state": (("model_state_bytes_per_rank",), ("model_state_bytes_per_rank",)),
+    "peak_mem": (("peak_mem_gib",), ("peak_mem_gib",)),
+}
+
+
+def _get(d: Any, keys: tuple[str, ...]) -> float:
+    for k in keys:
+        if not isinstance(d, dict):
+            return math.nan
+        d = d.get(k)
+    if d is None or isinstance(d, bool):
+        return math.nan
+    try:
+        return float(d)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def error_pct(predicted: float, measured: float) -> float:
+    if math.isnan(predicted) or math.isnan(measured) or measured == 0:
+        return math.nan
+    return 100.0 * (predicted - measured) / measured
+
+
+def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """One row per ok cell with a prediction: predicted, measured and error % per quantity."""
+    rows = []
+    for r in records:
+        if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not r.get("predicted"):
+            continue
+        p, m = r["predicted"], r.get("metrics") or {}
+        row = {"cell_id": r.get("cell_id"), "world_size": (r.get("config") or {}).get("world_size"),
+               "basis": (p.get("breakdown") or {}).get("basis")}
+        for name, (pk, mk) in QUANTITIES.items():
+            pv, mv = _get(p, pk), _get(m, mk)
+            row[f"{name}_predicted"], row[f"{name}_measured"] = pv, mv
+            row[f"{name}_error_pct"] = error_pct(pv, mv)
+        row["comm_exact"] = row["comm_bytes_predicted"] == row["comm_bytes_measured"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class ErrorSummary:
+    n: int
+    mean_abs_pct: float
+    max_abs_pct: float
+    worst_cell: str | None
+
+
+def error_summary(df: pd.DataFrame, quantity: str = "step_time") -> ErrorSummary:
+    """Mean and max absolute error % of one quantity over the cells that have both numbers."""
+    if df.empty:
+        return ErrorSummary(0, math.nan, math.nan, None)
+    col = df[f"{quantity}_error_pct"].abs().dropna()
+    if col.empty:
+        return ErrorSummary(0, math.nan, math.nan, None)
+    return ErrorSummary(len(col), float(col.mean()), float(col.max()), str(df.loc[col.idxmax(), "cell_id"]))
+
+
+def _f(x: float, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def model_section(records: Sequence[dict[str, Any]]) -> str:
+    """Markdown: predicted vs measured per cell, then the sweep's mean and max errors."""
+    df = model_frame(records)
+    if df.empty:
+        return ""
+    rows = []
+    for _, r in df.iterrows():
+        rows.append([r["cell_id"], _f(r["step_time_measured"] * 1e3, ".1f"), _f(r["step_time_predicted"] * 1e3, ".1f"),
+                     _f(r["step_time_error_pct"], "+.0f"),
+                     _f(r["comm_bytes_measured"] / MIB, ".2f"), _f(r["comm_bytes_predicted"] / MIB, ".2f"),
+                     "yes" if r["comm_exact"] else "no",
+                     _f(r["model_state_error_pct"], "+.2f"), _f(r["peak_mem_measured"], ".2f"),
+                     _f(r["peak_mem_predicted"], ".2f"), _f(r["peak_mem_error_pct"], "+.0f"), r["basis"] or "-"])
+    headers = ["cell", "step ms", "predicted ms", "error %", "comm MiB/step", "predicted MiB", "bytes exact",
+               "model-state error %", "peak GiB", "predicted GiB", "peak error %", "compute basis"]
+    lines = ["## Predicted vs measured (harness.model)", "",
+             tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
+    for q, label in (("step_time", "step time"), ("comm_bytes", "comm bytes"), ("model_state", "model-state bytes"),
+                     ("peak_mem", "peak memory")):
+        s = error_summary(df, q)
+        if s.n:
+            lines.append(f"- {label}: mean |error| {s.mean_abs_pct:.1f}%, max {s.max_abs_pct:.1f}% "
+                         f"(`{s.worst_cell}`) over {s.n} cells")
+    lines += ["", "error % = 100 x (predicted - measured) / measured; the step time is the measured median. "
+              "Predictions are written before the cell runs, from calibration files only "
+              "(`harness calibrate`: matmul peak, workload passes, collective busbw).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""The what-if plan as text: a PREDICTIONS banner, the assumptions, the ranked table, the model's error.
+
+Formatting only; the numbers come from :mod:`harness.model.whatif`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tabulate import tabulate
+
+from harness.model.hardware import DEFAULT_EFFICIENCY, KERNEL_EFFICIENCY, MAMF_FRACTION
+from harness.model.whatif import SEQUENCES_PER_DEVICE, Scenario
+
+BANNER = ("PREDICTIONS from the analytic model (harness/model), not measurements: "
+          "nothing here ran on the named hardware.")
+
+
+def assumptions_lines(s: Scenario) -> list[str]:
+    d = s.device
+    if s.efficiency == DEFAULT_EFFICIENCY:
+        eff = (f"{s.efficiency:.3f} (matmul fraction {MAMF_FRACTION:.3f} x step efficiency {KERNEL_EFFICIENCY:.3f}, "
+               f"both measured in bf16 on one H200, results/gpu/; assumed for this device)")
+    else:
+        eff = f"{s.efficiency:.3f} (--efficiency)"
+    nodes = f"{s.gpus} GPUs = {s.nodes} node(s) x {d.gpus_per_node}" if s.gpus > d.gpus_per_node else \
+        f"{s.gpus} GPUs on one node of {d.gpus_per_node}"
+    batch = f"global batch {s.global_batch} sequences" if s.global_batch else \
+        f"global batch {SEQUENCES_PER_DEVICE * s.gpus} sequences ({SEQUENCES_PER_DEVICE} per device; --batch sets it)"
+    lines = []
+    if s.precision != "bf16" and s.efficiency == DEFAULT_EFFICIENCY:
+        lines.append(f"warning: the default efficiency was measured in bf16; {s.precision} kernels reach another "
+                     f"fraction of their peak (fp32 xl on the H200: 73% of 67 TFLOP/s, results/gpu/); "
+                     f"pass --efficiency")
+    return lines + [
+        f"device: {d.product} (--device {d.name}), {nodes}; {d.hbm_gib:.1f} GiB HBM at {d.hbm_gbps:,.0f} GB/s",
+        f"compute: {s.peak_tflops * s.efficiency:.1f} TFLOP/s per GPU = {s.precision} datasheet peak "
+        f"{s.peak_tflops:g} x {eff}",
+        f"interconnect: {d.intra.name} {d.intra.gbps:g} GB/s/direction ({d.intra.latency_s * 1e6:g} us) in a node; "
+        f"{d.inter.name} {d.inter.gbps:g} GB/s per GPU NIC ({d.inter.latency_s * 1e6:g} us) across nodes; "
+        f"tp innermost on NVLink, a group spanning nodes at min(NVLink, its GPUs per node x NIC)",
+        f"workload: {s.size.name} ({_params(s.size.params)} params), seq {s.size.seq_len}, {batch}, "
+        f"pp schedule {s.pp_schedule}, recompute {s.recompute}; peaks exclude the CUDA context and NCCL buffers",
+    ]
+
+
+def _degrees(d: dict) -> str:
+    parts = [f"{k}={v}" for k, v in d.items() if v > 1]
+    return " x ".join(parts) or "1 device"
+
+
+def _num(x: float, decimals: int = 1) -> str:
+    """Fixed decimals, or 3 significant digits for values that would print as 0 (tiny sizes)."""
+    return f"{x:.{decimals}f}" if x == 0 or abs(x) >= 10 ** -decimals else f"{x:.3g}"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def whatif_table(rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        if not r["valid"]:
+            out.append(["-", r["strategy"], "-", "-", "-", "-", "-", "-", "-", "-", "invalid", r["reason"]])
+            continue
+        note = "; ".join(([r["reason"]] if r["reason"] else []) + r["notes"])
+        out.append([r["rank"] or "-", r["strategy"], _degrees(r["degrees"]), f"{r['tokens_per_s_per_device']:,.0f}",
+                    f"{r['mfu_pct']:.1f}", _num(r["step_time_s"] * 1e3), _num(r["exposed_comm_s"] * 1e3),
+                    _num(r["bubble_s"] * 1e3), _num(r["model_states_gib_per_rank"], 2),
+                    _num(r["peak_mem_gib_per_rank"]), "yes" if r["fits"] else "NO", note])
+    return tabulate(out, headers=["rank", "strategy", "degrees", "tokens/s/device", "MFU %", "step ms",
+                                  "exposed comm ms", "bubble ms", "model states GiB/rank", "peak GiB/rank",
+                                  "fits", "note"], tablefmt="github", disable_numparse=True,
+                    colalign=("right", "left", "left") + ("right",) * 7 + ("left", "left"))
+
+
+def error_line(err: dict, run_dir: Path) -> str:
+    if "reason" in err:
+        return (f"model error: n/a: {err['reason']}; run harness bench --device cpu --gpus 2,4 --out {run_dir} "
+                f"with the model's predictions in its records to measure it")
+    return (f"model error: mean {err['mean_pct']:.1f}%, max {err['max_pct']:.1f}% ({err['worst_cell']}) "
+            f"|predicted - measured| step time over {err['n']} cells measured on {err['device_kind'] or '?'} "
+            f"in {run_dir}; the error on the hardware above is not measured")

@@ -1,0 +1,148 @@
+"""Bus bandwidth arithmetic (nccl-tests PERFORMANCE.md), the comm-time model, size parsing, the shared cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.cli import main
+from harness.measure import calibrate
+from harness.measure import calibrate_comm as cc
+
+
+def test_busbw_factors_match_nccl_tests():
+    # all_reduce at n=4: S=1e9 B in 1 s -> algbw 1 GB/s, busbw x 2(n-1)/n = 1.5 GB/s
+    assert cc.bandwidths("all_reduce", 4, 10**9, 1.0) == pytest.approx((1.0, 1.5))
+    assert cc.bandwidths("all_gather", 4, 10**9, 2.0) == pytest.approx((0.5, 0.375))
+    assert cc.bandwidths("reduce_scatter", 8, 8 * 10**9, 1.0) == pytest.approx((8.0, 7.0))
+    assert cc.bandwidths("all_to_all", 2, 10**9, 1.0) == pytest.approx((1.0, 0.5))
+    assert cc.bandwidths("broadcast", 4, 10**9, 1.0) == pytest.approx((1.0, 1.0))
+    assert cc.bandwidths("send_recv", 4, 10**9, 0.5) == pytest.approx((2.0, 2.0))
+    with pytest.raises(ValueError, match="unknown collective 'allreduce'; choose from all_reduce"):
+        cc.bus_factor("allreduce", 2)
+
+
+def test_sizes_double_and_split_exactly():
+    assert cc.sizes(4096, 65536, 2) == [4096, 8192, 16384, 32768, 65536]
+    assert cc.sizes(4096, 16384, 3) == [4104, 8196, 16392]  # multiples of 4 * 3: every rank's share is whole fp32
+    assert cc.sizes(1, 1, 4) == [16]
+
+
+ENTRY = {
+    "kind": "comm",
+    "fingerprint": {"world_size": 4},
+    "collectives": {"all_reduce": [
+        {"bytes": 1000, "time_s": 1e-4},
+        {"bytes": 2000, "time_s": 2e-4},
+        {"bytes": 4000, "time_s": 6e-4},
+    ]},
+}
+
+
+def test_comm_time_interpolates_and_extrapolates():
+    t = lambda n: cc.comm_time_s(ENTRY, "all_reduce", n)  # noqa: E731
+    assert t(0) == 0.0
+    assert t(10) == pytest.approx(1e-4)  # below the smallest: latency-bound, the smallest's time
+    assert t(1000) == pytest.approx(1e-4)
+    assert t(1500) == pytest.approx(1.5e-4)  # linear between neighbours
+    assert t(3000) == pytest.approx(4e-4)
+    assert t(4000) == pytest.approx(6e-4)
+    assert t(8000) == pytest.approx(12e-4)  # above the largest: bandwidth-bound, scaled by bytes
+    # busbw at 3000 B: 3000 / 4e-4 s = 7.5e6 B/s = 0.0075 GB/s, x 2(4-1)/4 = 0.01125
+    assert cc.busbw_gbps_at(ENTRY, "all_reduce", 3000) == pytest.approx(0.01125)
+    assert cc.busbw_gbps_at(ENTRY, "all_reduce", 0) == 0.0
+    with pytest.raises(ValueError, match="no measurement of 'broadcast'"):
+        cc.comm_time_s(ENTRY, "broadcast", 100)
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        cc.comm_time_s(ENTRY, "all_reduce", -1)
+
+
+@pytest.mark.parametrize("text,expected", [("4MiB", 4 << 20), ("1KiB", 1024), ("1048576", 1 << 20), ("64 kib", 65536),
+                                           ("2GiB", 2 << 30), ("512B", 512)])
+def test_parse_size(text, expected):
+    assert cc.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12XB", "4MB", "", "0", "-4KiB", "1.5MiB", "KiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="is not a size; give a positive integer of bytes or a KiB/MiB/GiB suffix"):
+        cc.parse_size(text)
+
+
+def test_human_bytes():
+    assert [cc.human_bytes(n) for n in (512, 4096, 65536, 4104, 4 << 20, 1 << 30)] == \
+        ["512B", "4KiB", "64KiB", "4.0KiB", "4MiB", "1GiB"]
+
+
+def _comm_result(world_size: int) -> dict:
+    rows = [{"bytes": 4096, "time_s": 1e-3, "algbw_gbps": 0.004096, "busbw_gbps": 0.004096}]
+    return {"fingerprint": cc.fingerprint("cpu", world_size), "measured_at": "now",
+            "collectives": {c: rows for c in cc.COLLECTIVES},
+            "summary": {c: {"peak_busbw_gbps": 0.004096, "latency_s": 1e-3} for c in cc.COLLECTIVES}}
+
+
+def test_cache_merge_keeps_matmul_entries(tmp_path, monkeypatch):
+    cache = tmp_path / "cal.json"
+    fp = calibrate.fingerprint("cpu", "fp32", 2)
+    matmul = {"fingerprint": fp, "tflops": 0.1, "shapes": []}
+    cache.write_text(json.dumps({calibrate._key(fp): matmul}))
+    cc.store_comm(_comm_result(2), cache)
+    cc.store_comm(_comm_result(4), cache)
+
+    entries = json.loads(cache.read_text())
+    assert len(entries) == 3
+    assert calibrate.lookup("cpu", "fp32", 2, cache) == matmul
+    hit = cc.lookup_comm("cpu", 2, cache=cache)
+    assert hit is not None and hit["kind"] == "comm" and hit["fingerprint"]["world_size"] == 2
+    assert cc.lookup_comm("cpu", 4, cache=cache)["fingerprint"]["world_size"] == 4
+    assert cc.lookup_comm("cpu", 3, cache=cache) is None
+    assert cc.lookup_comm("cpu", 2, nnodes=2, cache=cache) is None
+    monkeypatch.setenv("HARNESS_CALIBRATION", str(cache))  # the default cache is the same file
+    assert cc.lookup_comm("cpu", 2) == hit
+    # a cached entry is reused only when it covers the sizes asked for
+    assert cc.calibrate_comm("cpu", 2, 4096, 4096, cache=cache) == hit
+    assert not cc._covers(hit, 4096, 8192)
+
+
+def test_matmul_lookup_ignores_entries_with_a_kind(tmp_path):
+    cache = tmp_path / "cal.json"
+    fp = calibrate.fingerprint("cpu", "fp32", 2)
+    cache.write_text(json.dumps({calibrate._key(fp): {"kind": "comm", "fingerprint": fp}}))
+    assert calibrate.lookup("cpu", "fp32", 2, cache) is None
+
+
+def test_median_tflops(monkeypatch):
+    times = {8: 1e-6, 16: 4e-6, 32: 1e-4}  # TFLOP/s: 1.024e-3, 2.048e-3, 6.5536e-4; all under MAX_REP_S
+    monkeypatch.setattr(calibrate, "_time_matmul", lambda a, b, cuda, min_time_s: times[a.shape[0]])
+    out = calibrate.measure("cpu", "fp32", shapes=[(8, 8, 8), (16, 16, 16), (32, 32, 32)])
+    assert out["tflops"] == pytest.approx(2.048e-3, rel=1e-9, abs=0)
+    assert out["median_tflops"] == pytest.approx(1.024e-3, rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--comm-max-bytes", "12XB"], "--comm-max-bytes '12XB' is not a size; give a positive integer of bytes"),
+    (["--comm-min-bytes", "0"], "--comm-min-bytes '0' is not a size"),
+    (["--comm-min-bytes", "1MiB", "--comm-max-bytes", "4KiB"],
+     "--comm-min-bytes (1048576) must be <= --comm-max-bytes (4096)"),
+    (["--gpus", "0"], "--gpus '0': must be an integer >= 1"),
+    (["--gpus", "two"], "--gpus 'two': must be an integer >= 1"),
+])
+def test_calibrate_bad_input_exits_2_before_anything_runs(args, message, tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "cal.json"
+    monkeypatch.setenv("HARNESS_CALIBRATION", str(cache))
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: pytest.fail("matmul ran before validation"))
+    rc = main(["calibrate", "--device", "cpu", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0], err
+    assert not cache.exists()
+
+
+def test_one_rank_skips_comm(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: {"tflops": 1.0, "median_tflops": 0.5,
+                                                                  "best_shape": [1, 1, 1], "shapes": [{}]})
+    monkeypatch.setattr(cc, "calibrate_comm", lambda *a, **k: pytest.fail("comm ran with one rank"))
+    assert main(["calibrate", "--device", "cpu", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 TFLOP/s max, 0.5 median over 1 shapes" in out
+    assert "comm: n/a: bus bandwidth needs >= 2 ranks" in out

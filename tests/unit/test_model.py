@@ -1,0 +1,192 @@
+"""The analytic model's arithmetic, held against hand-computed cases (no process group needed)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+
+from harness.model import comm, memory
+from harness.model.compute import ComputeRates, _fit_line, pass_time_s, stage_shares
+from harness.model.inventory import coords, fsdp_local_numel, fsdp_padded_numel, param_specs
+from harness.model.shape import CellShape
+from harness.model.step_time import predict_step
+from harness.parallel.dims import ParallelDims
+from harness.parallel.presets import degrees_for
+from harness.report_model import error_summary, model_frame
+from workloads.sizes import get_size
+
+TINY = get_size("tiny")
+
+
+def shape(strategy: str, world: int, **kw) -> CellShape:
+    base = dict(size=TINY, dims=degrees_for(strategy, world), strategy=strategy, precision="fp32", global_batch=8)
+    base.update(kw)
+    return CellShape(**base)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "xl"])
+def test_inventory_counts_every_parameter(name):
+    size = get_size(name)
+    assert sum(math.prod(p.shape) for p in param_specs(size)) == size.params
+
+
+def test_fsdp_chunks_follow_torch_chunk_and_pad():
+    # 10 rows over 4 ranks: torch.chunk gives 3, 3, 3, 1; collectives move 4 x 3 rows
+    assert [fsdp_local_numel((10, 2), 4, i) for i in range(4)] == [6, 6, 6, 2]
+    assert fsdp_padded_numel((10, 2), 4) == 24
+    # 3 rows over 4 ranks: the last rank holds nothing
+    assert [fsdp_local_numel((3,), 4, i) for i in range(4)] == [1, 1, 1, 0]
+
+
+def test_ddp_states_are_16_bytes_per_param_plus_adam_steps():
+    s = memory.state_bytes_by_rank(shape("ddp", 2))
+    n_tensors = len(param_specs(TINY))
+    assert s[0].total == s[1].total == 16 * TINY.params + 4 * n_tensors
+
+
+def test_zero3_states_at_64_ranks_are_16N_over_64():
+    """ZeRO paper, bf16 model with fp32 Adam: 16 bytes x N / ranks for the model states."""
+    xl = get_size("xl")
+    c = CellShape(size=xl, dims=degrees_for("fsdp", 64), strategy="fsdp", precision="bf16", global_batch=64,
+                  device_kind="cuda")
+    per_rank = max(s.total for s in memory.state_bytes_by_rank(c))
+    exact = 16 * xl.params / 64
+    assert per_rank == pytest.approx(exact, rel=1e-3)  # padding of dim 0 to 64 chunks + 4-byte Adam steps
+    assert per_rank >= exact
+
+
+def test_tp_states_shard_columns_and_rows():
+    c = shape("tp", 2)
+    d, f, v = TINY.d_model, TINY.d_ff, TINY.vocab_size
+    replicated = v * d + TINY.seq_len * d + TINY.n_layers * (4 * d + 2 * d) + 2 * d  # embeds, LNs, row biases, norm
+    sharded = TINY.n_layers * (3 * (d * d + d) + d * f + f + d * d + f * d) + v * d
+    numel = replicated + sharded // 2
+    assert memory.state_bytes_by_rank(c)[0].params == 4 * numel
+
+
+def test_ddp_all_reduces_every_gradient_in_1mib_then_25mib_buckets():
+    calls = comm.rank_calls(shape("ddp", 4), coords(degrees_for("ddp", 4))[0])
+    assert sum(c.nbytes for c in calls) == 4 * TINY.params
+    assert calls[0].nbytes >= comm.DDP_FIRST_BUCKET_BYTES and len(calls) == 2
+    assert all(c.collective == "all_reduce" and c.group == 4 for c in calls)
+
+
+def test_fsdp_gathers_blocks_twice_root_once_zero2_once():
+    blocks = TINY.n_layers * TINY.params_per_layer
+    fsdp = comm.summarise(comm.rank_calls(shape("fsdp", 2), coords(degrees_for("fsdp", 2))[0]))
+    zero2 = comm.summarise(comm.rank_calls(shape("zero2", 2), coords(degrees_for("zero2", 2))[0]))
+    assert fsdp["all_gather"]["bytes_per_step"] == 4 * (TINY.params + blocks)
+    assert fsdp["all_gather"]["calls_per_step"] == 2 * TINY.n_layers + 1
+    assert zero2["all_gather"]["bytes_per_step"] == fsdp["reduce_scatter"]["bytes_per_step"] == 4 * TINY.params
+
+
+def test_tp_all_reduces_six_activations_per_layer_plus_head():
+    c = shape("tp", 2)
+    act = 8 * TINY.seq_len * TINY.d_model * 4
+    s = comm.summarise(comm.rank_calls(c, coords(c.dims)[0]))
+    assert s["all_reduce"] == {"calls_per_step": 6 * TINY.n_layers + 1, "bytes_per_step": (6 * TINY.n_layers + 1) * act}
+    assert s["all_gather"]["bytes_per_step"] == 8 * TINY.seq_len * TINY.vocab_size * 4  # the logits
+
+
+@pytest.mark.parametrize("schedule,m,rank,expected", [
+    ("gpipe", 3, 0, "FFFBBB"),
+    ("1f1b", 4, 0, "FFBFBFBB"),  # pp 2: stage 0 warms up with 2 forwards
+    ("1f1b", 4, 1, "FBFBFBFB"),  # last stage: 1 forward, then alternate
+])
+def test_stage_actions_follow_torch_schedules(schedule, m, rank, expected):
+    actions = comm.stage_actions(schedule, 2, 1, m, rank)
+    assert "".join(actions[rank]) == expected
+
+
+def test_interleaved_schedule_runs_every_forward_and_backward_once_per_stage():
+    actions = comm.stage_actions("interleaved1f1b", 2, 2, 4, 0)
+    assert sorted(actions) == [0, 2]
+    assert all(seq.count("F") == 4 and seq.count("B") == 4 for seq in actions.values())
+
+
+def test_fsdp_gathers_under_pipelining_follow_the_order():
+    # after a forward the block is resharded; after a backward it stays gathered (pipelining)
+    assert comm._gathers(list("FFFBBB"), True) == 4  # gpipe: m + 1
+    assert comm._gathers(list("FFBFBFBB"), True) == 5
+    assert comm._gathers(list("FFBFBFBB"), False) == 1  # root group: gathered once
+
+
+def test_pipeline_sends_each_microbatch_activation():
+    c = shape("pp", 4, microbatches=8, global_batch=16)
+    act = 2 * TINY.seq_len * TINY.d_model * 4
+    ends = comm.summarise(comm.rank_calls(c, coords(c.dims)[0]))
+    middle = comm.summarise(comm.rank_calls(c, coords(c.dims)[1]))
+    assert ends["send"] == {"calls_per_step": 8, "bytes_per_step": 8 * act}
+    assert middle["recv"] == {"calls_per_step": 16, "bytes_per_step": 16 * act}
+
+
+def test_bf16_fsdp_gathers_half_the_bytes_and_reduces_in_fp32():
+    k = coords(degrees_for("fsdp", 2))[0]
+    fp32 = comm.summarise(comm.rank_calls(shape("fsdp", 2), k))
+    bf16 = comm.summarise(comm.rank_calls(shape("fsdp", 2, precision="bf16"), k))
+    assert bf16["all_gather"]["bytes_per_step"] * 2 == fp32["all_gather"]["bytes_per_step"]
+    assert bf16["reduce_scatter"] == fp32["reduce_scatter"]
+
+
+def test_step_time_adds_compute_optimizer_comm_and_bubble():
+    rates = ComputeRates(alpha_s=0.01, beta_s_per_row=0.02, optimizer_s_per_param=1e-9, basis="workload")
+    c = shape("ddp", 2)
+    per_call = 0.003
+    p = predict_step(c, rates, lambda *call: per_call, hide_overlappable=False)
+    compute = 0.01 + 4 * 0.02  # one pass of 4 local sequences over the whole model
+    assert p.compute_s == pytest.approx(compute)
+    assert p.optimizer_s == pytest.approx(1e-9 * TINY.params)
+    assert p.exposed_comm_s == pytest.approx(2 * per_call)  # two DDP buckets
+    assert p.step_time_s == pytest.approx(compute + 1e-9 * TINY.params + 2 * per_call)
+    hidden = predict_step(c, rates, lambda *call: per_call, hide_overlappable=True)
+    assert hidden.exposed_comm_s == pytest.approx(2 * per_call)  # first and last bucket: nothing to hide behind
+    fsdp = predict_step(shape("fsdp", 2), rates, lambda *call: per_call, hide_overlappable=True)
+    assert fsdp.exposed_comm_s == pytest.approx(2 * per_call)  # 13 other gathers / scatters hide behind 0.09 s
+
+
+def test_pipeline_bubble_is_p_minus_1_over_vm_of_the_slowest_stage():
+    rates = ComputeRates(alpha_s=0.0, beta_s_per_row=0.08, optimizer_s_per_param=0.0, basis="workload")
+    c = shape("pp", 2, microbatches=4)
+    p = predict_step(c, rates, lambda *call: 0.0)
+    slowest = max(f for f, _ in stage_shares(c))
+    assert p.compute_s == pytest.approx(4 * pass_time_s(rates, 2, slowest, 0, 1))  # 8 sequences in 4 microbatches
+    assert p.bubble_s == pytest.approx(p.compute_s * (2 - 1) / 4)
+
+
+def test_uncalibrated_comm_gives_no_step_time_and_says_why():
+    rates = ComputeRates(alpha_s=0.0, beta_s_per_row=0.01, optimizer_s_per_param=0.0, basis="workload")
+    p = predict_step(shape("tp", 2), rates, lambda *call: None)
+    assert p.step_time_s is None and "harness calibrate" in p.notes[0]
+
+
+def test_workload_fit_recovers_a_line():
+    a, b = _fit_line([1, 2, 4], [0.5 + 0.25 * r for r in (1, 2, 4)])
+    assert (a, b) == pytest.approx((0.5, 0.25))
+
+
+def test_error_summary_is_mean_and_max_of_absolute_errors():
+    recs = [{"kind": "cell", "status": "ok", "cell_id": f"c{i}", "config": {"world_size": 2},
+             "predicted": {"step_time_s": p, "comm_bytes_per_step": 10, "model_state_bytes_per_rank": 100,
+                           "peak_mem_gib": 1.0, "breakdown": {"basis": "workload"}},
+             "metrics": {"step_time_s": {"median": 1.0}, "comm_bytes_per_step": 10, "model_state_bytes_per_rank": 100,
+                         "peak_mem_gib": 1.0}} for i, p in enumerate((1.1, 0.7))]
+    df = model_frame(recs)
+    s = error_summary(df)
+    assert (s.n, s.mean_abs_pct, s.max_abs_pct, s.worst_cell) == (2, pytest.approx(20.0), pytest.approx(30.0), "c1")
+    assert bool(df["comm_exact"].all())
+    assert error_summary(pd.DataFrame()).n == 0
+
+
+def test_sequence_parallel_shards_layernorm_activations():
+    base = shape("tp", 2)
+    sp = replace(base, dims=degrees_for("tp-sp", 2), strategy="tp-sp")
+    assert memory.activation_bytes(sp) < memory.activation_bytes(base)
+
+
+def test_full_recompute_keeps_less_than_none():
+    c = shape("ddp", 2)
+    assert memory.activation_bytes(replace(c, recompute="full")) < memory.activation_bytes(replace(c, recompute="selective")) \
+        < memory.activation_bytes(c)
