@@ -477,6 +477,8 @@ def _calibrate_comm(device: str, n: int, lo: int, hi: int, force: bool) -> None:
               f"latency {s['latency_s'] * 1e6:.1f} us")
         print(tabulate([[human_bytes(r["bytes"]), r["time_s"] * 1e6, r["algbw_gbps"], r["busbw_gbps"]] for r in rows],
                        headers=["bytes", "time us", "algbw GB/s", "busbw GB/s"], tablefmt="github", floatfmt=("", ".1f", ".4g", ".4g")))
+    print(f"\nsynchronisation cost of a collective after compute: {e['sync_s'] * 1e6:.0f} us per call "
+          f"(added to every blocking collective by the performance model)")
     print(f"\ncomm cache: {calibrate.default_cache()}")
 
 

@@ -125,7 +125,8 @@ def lookup_comm(device_kind: str, world_size: int, nnodes: int = 1, cache: Path 
     if not cache.exists():
         return None
     entry = json.loads(cache.read_text()).get(_key(fingerprint(device_kind, world_size, nnodes)))
-    return entry if entry is not None and entry.get("kind") == "comm" else None
+    # entries from before the synchronisation cost was measured are re-measured, not reused
+    return entry if entry is not None and entry.get("kind") == "comm" and "sync_s" in entry else None
 
 
 def _covers(entry: dict, min_bytes: int, max_bytes: int) -> bool:
@@ -133,7 +134,7 @@ def _covers(entry: dict, min_bytes: int, max_bytes: int) -> bool:
     for rows in entry["collectives"].values():
         if not rows or rows[0]["bytes"] > want[0] or rows[-1]["bytes"] < want[-1]:
             return False
-    return set(entry["collectives"]) >= set(COLLECTIVES)
+    return set(entry["collectives"]) >= set(COLLECTIVES) and "sync_s" in entry
 
 
 def store_comm(entry: dict, cache: Path | None = None) -> None:
@@ -244,12 +245,16 @@ def alpha_beta(entry: dict, collective: str) -> tuple[float, float]:
     return alpha, beta
 
 
-def fitted_time_s(entry: dict, collective: str, nbytes: int) -> float:
-    """Predicted seconds for one call from the :func:`alpha_beta` fit; 0 for 0 bytes."""
+def fitted_time_s(entry: dict, collective: str, nbytes: int, after_compute: bool = False) -> float:
+    """Predicted seconds for one call from the :func:`alpha_beta` fit; 0 for 0 bytes.
+
+    ``after_compute`` adds the measured synchronisation cost (:func:`measure_sync_cost`) of a
+    collective that follows compute, as every blocking collective in a training step does.
+    """
     if nbytes <= 0:
         return 0.0
     alpha, beta = alpha_beta(entry, collective)
-    return alpha + nbytes / beta
+    return alpha + nbytes / beta + (entry.get("sync_s", 0.0) if after_compute else 0.0)
 
 
 def busbw_gbps_at(entry: dict, collective: str, nbytes: int) -> float:
@@ -329,6 +334,41 @@ def measure_collective(collective: str, nbytes: int, max_iters: int, dev: torch.
     return {"bytes": nbytes, "time_s": t, "algbw_gbps": algbw, "busbw_gbps": busbw, "iters": iters}
 
 
+SYNC_BURST_S = 0.002
+"""Compute between collectives when measuring the synchronisation cost (a step's typical gap on CPU)."""
+
+
+def measure_sync_cost(dev: torch.device, calls: int = 30, trials: int = 3) -> float:
+    """Extra seconds a collective costs when it follows compute instead of another collective.
+
+    Back-to-back calls find every rank already waiting; in a training step a collective
+    follows a burst of compute, so the ranks' communication threads must wake up and the
+    ranks meet with some skew. Measured as ``t(compute + all_reduce) - t(compute) - t(all_reduce)``
+    at the smallest message (median of ``trials``, the slowest rank's, clipped at 0).
+    """
+    cuda = dev.type == "cuda"
+    a = torch.randn(256, 256, device=dev)
+    ar = _call("all_reduce", 4 * dist.get_world_size() * 256, dev)
+    reps = 1
+
+    def burst() -> None:
+        for _ in range(reps):
+            a @ a
+
+    one = _timed(burst, 5, cuda) / 5  # size the burst to about SYNC_BURST_S
+    reps = max(1, int(SYNC_BURST_S / max(one, 1e-9)))
+    out = []
+    for _ in range(trials):
+        dist.barrier()
+        compute = _timed(burst, calls, cuda)
+        dist.barrier()
+        coll = _timed(ar, calls, cuda)
+        dist.barrier()
+        both = _timed(lambda: (burst(), ar()), calls, cuda)
+        out.append(_max_over_ranks((both - compute - coll) / calls, dev))
+    return max(0.0, sorted(out)[len(out) // 2])
+
+
 def run(min_bytes: int, max_bytes: int, max_iters: int, dev: torch.device) -> dict:
     n = dist.get_world_size()
     todo = sizes(min_bytes, max_bytes, n)
@@ -340,7 +380,7 @@ def run(min_bytes: int, max_bytes: int, max_iters: int, dev: torch.device) -> di
                for c, rows in colls.items()}
     fp = fingerprint(dev.type, n, nnodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")), threads=torch.get_num_threads())
     return {"fingerprint": fp, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "collectives": colls,
-            "summary": summary}
+            "summary": summary, "sync_s": measure_sync_cost(dev)}
 
 
 def main(argv: list[str] | None = None) -> int:

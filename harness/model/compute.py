@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -30,7 +29,7 @@ from pathlib import Path
 from harness.model.shape import CellShape
 
 PROBE_ROWS = (1, 2, 4)
-WORKLOAD_CALIBRATION_VERSION = 2
+WORKLOAD_CALIBRATION_VERSION = 3
 """Bumped when what the workload calibration measures changes, so older cache entries are re-measured."""
 GIB = 1024**3
 
@@ -122,8 +121,8 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
     from workloads.model import GPT, lm_loss
     from workloads.sizes import get_size
 
-    base_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
     dev = torch.device("cuda" if device_kind == "cuda" else "cpu")
+    base_gib = _worker_base_gib(device_kind)
     size = replace(get_size(size_name), seq_len=seq_len)
     plan = PrecisionPlan(dtype)
     plan.configure_backends(device_kind)
@@ -134,6 +133,7 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
     sync = torch.cuda.synchronize if device_kind == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(0)
     times = []
+    reps_by_rows = reps
     for rows in PROBE_ROWS:
         x = torch.randint(0, size.vocab_size, (rows, seq_len), generator=gen).to(dev)
 
@@ -143,7 +143,9 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
             loss.backward()
             sync()
 
-        times.append(_median_time(fb, reps))
+        times.append(_median_time(fb, reps_by_rows))
+        if times[-1] < 0.2:  # cheap passes: more repeats against this machine's noise
+            reps_by_rows = max(reps, 7)
 
     def step():
         opt.step()
@@ -159,6 +161,26 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
             "wrapper_overhead_s": {w: max(0.0, o) for w, o in overheads.items()}}
 
 
+def _init_one_rank_group(device_kind: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        from harness.launch import free_port
+
+        backend = "nccl" if device_kind == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def _worker_base_gib(device_kind: str) -> float:
+    """Resident memory of a rank before its model exists: the worker's imports and a process group."""
+    import psutil
+
+    import harness.worker  # noqa: F401  (what a rank imports)
+
+    _init_one_rank_group(device_kind)
+    return psutil.Process().memory_info().rss / GIB
+
+
 def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) -> float:
     """One-sequence forward+backward through the strategy's real wrappers on a one-rank group.
 
@@ -166,18 +188,13 @@ def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) 
     wrappers' own cost: FSDP2's hooks and copy-in/out, DTensor's dispatch.
     """
     import torch
-    import torch.distributed as dist
 
     from harness.parallel.data_parallel import apply_fsdp
     from harness.parallel.dims import ParallelDims
     from harness.parallel.tp import apply_tp
     from workloads.model import GPT, lm_loss
 
-    if not dist.is_initialized():
-        from harness.launch import free_port
-
-        backend = "nccl" if device_kind == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    _init_one_rank_group(device_kind)
     dims = ParallelDims(world_size=1)
     dims.build_mesh(dev.type)
     torch.manual_seed(0)

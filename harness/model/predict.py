@@ -38,7 +38,7 @@ def _comm_time_fn(device_kind: str, nnodes: int):
         e = entry(group)
         if e is None or collective not in e.get("collectives", {}):
             return None
-        return fitted_time_s(e, collective, nbytes)
+        return fitted_time_s(e, collective, nbytes, after_compute=True)
 
     return fn
 

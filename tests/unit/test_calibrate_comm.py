@@ -79,7 +79,7 @@ def _comm_result(world_size: int) -> dict:
     rows = [{"bytes": 4096, "time_s": 1e-3, "algbw_gbps": 0.004096, "busbw_gbps": 0.004096}]
     return {"fingerprint": cc.fingerprint("cpu", world_size), "measured_at": "now",
             "collectives": {c: rows for c in cc.COLLECTIVES},
-            "summary": {c: {"peak_busbw_gbps": 0.004096, "latency_s": 1e-3} for c in cc.COLLECTIVES}}
+            "summary": {c: {"peak_busbw_gbps": 0.004096, "latency_s": 1e-3} for c in cc.COLLECTIVES}, "sync_s": 2e-3}
 
 
 def test_cache_merge_keeps_matmul_entries(tmp_path, monkeypatch):
@@ -146,3 +146,25 @@ def test_one_rank_skips_comm(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "1 TFLOP/s max, 0.5 median over 1 shapes" in out
     assert "comm: n/a: bus bandwidth needs >= 2 ranks" in out
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth_through_noise():
+    # t = 2 ms + S / 0.5 GB/s, with +-0.5 ms scheduling noise at the small sizes
+    noise = [5e-4, -5e-4, 4e-4, -4e-4, 0, 0, 0]
+    sizes_ = [4096 * 4**i for i in range(7)]
+    rows = [{"bytes": b, "time_s": 2e-3 + b / 0.5e9 + e} for b, e in zip(sizes_, noise)]
+    entry = {"collectives": {"all_reduce": rows}, "sync_s": 1e-3}
+    alpha, beta = cc.alpha_beta(entry, "all_reduce")
+    assert alpha == pytest.approx(2e-3, abs=2e-4) and beta == pytest.approx(0.5e9, rel=0.02)
+    t = cc.fitted_time_s(entry, "all_reduce", 1 << 20)
+    assert t == pytest.approx(alpha + (1 << 20) / beta)
+    assert cc.fitted_time_s(entry, "all_reduce", 1 << 20, after_compute=True) == pytest.approx(t + 1e-3)
+    assert cc.fitted_time_s(entry, "all_reduce", 0, after_compute=True) == 0.0
+
+
+def test_entries_without_a_sync_cost_are_not_reused(tmp_path):
+    cache = tmp_path / "cal.json"
+    old = _comm_result(2)
+    del old["sync_s"]
+    cc.store_comm(old, cache)
+    assert cc.lookup_comm("cpu", 2, cache=cache) is None
