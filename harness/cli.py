@@ -16,6 +16,9 @@ from pathlib import Path
 from harness.errors import UsageError
 
 EXIT_USAGE = 2
+COMM_MIN_BYTES = 4 << 10
+COMM_MAX_BYTES = 64 << 20
+"""Default message sizes of the bus-bandwidth calibration: DDP's 25 MiB buckets and FSDP groups fall inside."""
 RUN_DEVICES = ("auto", "cpu", "cuda")
 """``--device`` values a sweep can run on; ``harness plan`` also takes hardware presets (what-if)."""
 
@@ -340,7 +343,7 @@ def _auto_calibrate_model(spec, dtypes: list[str], threads: list[int]) -> None:
     import subprocess
     import sys
 
-    from harness.measure.calibrate_comm import lookup_comm
+    from harness.measure.calibrate_comm import calibrate_comm
     from harness.model.compute import lookup_workload
     from workloads.sizes import get_size
 
@@ -352,13 +355,12 @@ def _auto_calibrate_model(spec, dtypes: list[str], threads: list[int]) -> None:
                 if lookup_workload(spec.device_kind, name, seq, dt, th) is None:
                     cmd = [sys.executable, "-m", "harness", "calibrate", "--device", spec.device_kind, "--dtype", dt,
                            "--threads", str(max(1, th)), "--no-comm", "--workloads", name, "--seq-len", str(seq)]
-                    subprocess.run(cmd, check=True, timeout=1800)
-    groups = sorted({g for w in spec.gpus for g in (w, 2) if w >= 2 and g <= w})
-    for n in groups:
-        if lookup_comm(spec.device_kind, n) is None:
-            cmd = [sys.executable, "-m", "harness", "calibrate", "--device", spec.device_kind, "--dtype", "fp32",
-                   "--gpus", str(n), "--threads", str(max(1, (os.cpu_count() or 1) // n))]
-            subprocess.run(cmd, check=True, timeout=1800)
+                    out = subprocess.run(cmd, check=True, timeout=3600, stdout=subprocess.PIPE, text=True).stdout
+                    print("calibrated " + out.strip().splitlines()[-1], flush=True)
+    for n in sorted({g for w in spec.gpus for g in (w, 2) if w >= 2 and g <= w}):
+        e = calibrate_comm(spec.device_kind, n, COMM_MIN_BYTES, COMM_MAX_BYTES)  # reuses a covering cache entry
+        print(f"comm calibration at {n} ranks ({e['measured_at']}): all_reduce peak busbw "
+              f"{e['summary']['all_reduce']['peak_busbw_gbps']:.3g} GB/s, sync cost {e['sync_s'] * 1e3:.2f} ms", flush=True)
 
 
 def cmd_report(args) -> int:
@@ -454,8 +456,8 @@ def _comm_args(args, device: str) -> tuple[int, int, int] | None:
     if cuda and n > torch.cuda.device_count():
         raise UsageError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA devices are visible; "
                          f"choose --gpus <= {torch.cuda.device_count()}")
-    lo = _size("comm-min-bytes", args.comm_min_bytes or "4KiB")
-    hi = _size("comm-max-bytes", args.comm_max_bytes or ("64MiB" if cuda else "4MiB"))
+    lo = _size("comm-min-bytes", args.comm_min_bytes) if args.comm_min_bytes else COMM_MIN_BYTES
+    hi = _size("comm-max-bytes", args.comm_max_bytes) if args.comm_max_bytes else COMM_MAX_BYTES
     if lo > hi:
         raise UsageError(f"--comm-min-bytes ({lo}) must be <= --comm-max-bytes ({hi}); lower the first or raise the second")
     return None if n == 1 else (n, lo, hi)
@@ -541,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--gpus", help="ranks for the bus-bandwidth measurement (default: all GPUs; 2 on CPU; 1 skips it)")
     k.add_argument("--no-comm", action="store_true", help="matmul peak only")
     k.add_argument("--comm-min-bytes", help="smallest message, e.g. 4KiB (default 4KiB)")
-    k.add_argument("--comm-max-bytes", help="largest message, e.g. 64MiB (default 64MiB on GPU, 4MiB on CPU)")
+    k.add_argument("--comm-max-bytes", help="largest message, e.g. 64MiB (default 64MiB)")
     k.add_argument("--workloads", help="sizes whose forward+backward and optimizer step to time for the "
                                        "performance model, e.g. tiny,small")
     k.add_argument("--seq-len", help="sequence length for --workloads (default: the size's)")

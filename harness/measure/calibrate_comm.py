@@ -226,23 +226,25 @@ def comm_time_s(entry: dict, collective: str, nbytes: int) -> float:
 
 
 def alpha_beta(entry: dict, collective: str) -> tuple[float, float]:
-    """Least-squares fit of ``t = alpha + S / beta`` over every measured size (Hockney 1994).
+    """Weighted least-squares fit of ``t = alpha + S / beta`` over every measured size (Hockney 1994).
 
-    Returns ``(alpha_s, beta_bytes_per_s)``. The fit uses all sizes at once, so it is robust to
-    the scheduling noise that makes single small-message times on a shared CPU jump by
-    milliseconds; ``alpha`` is clipped at 0 and ``beta`` at the largest measured rate.
+    Returns ``(alpha_s, beta_bytes_per_s)``. Weights ``1 / t^2`` minimise the relative error, so
+    the microsecond-scale small messages (which set ``alpha``) count as much as the large ones
+    (which set ``beta``); fitting all sizes at once is robust to the scheduling noise that makes
+    single small-message times on a shared CPU jump by milliseconds. ``alpha`` is clipped at 0
+    (then the fit goes through the origin).
     """
     pts = [(float(r["bytes"]), float(r["time_s"])) for r in entry["collectives"][collective]]
-    n = len(pts)
-    mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
-    sxx = sum((p[0] - mx) ** 2 for p in pts)
-    slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else 0.0
+    w = [1.0 / t**2 for _, t in pts]
+    sw = sum(w)
+    mx = sum(wi * s for wi, (s, _) in zip(w, pts)) / sw
+    my = sum(wi * t for wi, (_, t) in zip(w, pts)) / sw
+    sxx = sum(wi * (s - mx) ** 2 for wi, (s, _) in zip(w, pts))
+    slope = sum(wi * (s - mx) * (t - my) for wi, (s, t) in zip(w, pts)) / sxx if sxx else 0.0
     alpha = my - slope * mx
-    if alpha < 0:  # refit through the origin
-        alpha, slope = 0.0, sum(p[0] * p[1] for p in pts) / sum(p[0] ** 2 for p in pts)
-    best = max(p[0] / p[1] for p in pts)
-    beta = best if slope <= 0 else min(1.0 / slope, best) if alpha == 0 else 1.0 / slope
-    return alpha, beta
+    if alpha < 0 or slope <= 0:
+        alpha, slope = 0.0, sum(wi * s * t for wi, (s, t) in zip(w, pts)) / sum(wi * s * s for wi, (s, _) in zip(w, pts))
+    return alpha, 1.0 / slope
 
 
 def fitted_time_s(entry: dict, collective: str, nbytes: int, after_compute: bool = False) -> float:
