@@ -335,10 +335,10 @@ def _auto_calibrate(spec) -> None:
             if calibrate.lookup(spec.device_kind, dt, th) is None:
                 e = calibrate.calibrate_subprocess(spec.device_kind, dt, th)
                 print(f"calibrated {spec.device_kind} {dt} threads={th}: {e:.4g} TFLOP/s matmul peak", flush=True)
-    _auto_calibrate_model(spec, dtypes, threads)
+    _auto_calibrate_model(spec, dtypes)
 
 
-def _auto_calibrate_model(spec, dtypes: list[str], threads: list[int]) -> None:
+def _auto_calibrate_model(spec, dtypes: list[str]) -> None:
     """What the performance model's predictions need: workload rates per size, comm per rank count."""
     import subprocess
     import sys
@@ -347,14 +347,17 @@ def _auto_calibrate_model(spec, dtypes: list[str], threads: list[int]) -> None:
     from harness.model.compute import lookup_workload
     from workloads.sizes import get_size
 
-    th_list = threads if spec.device_kind == "cpu" else [0]
+    cores = os.cpu_count() or 1
+    # (threads per rank, ranks computing at once) as each device count of the sweep runs them
+    runs = sorted({(max(1, cores // w), w) for w in spec.gpus} | {(cores, 1)}) if spec.device_kind == "cpu" else [(0, 1)]
     for name in spec.sizes:
         seq = spec.seq_len or get_size(name).seq_len
         for dt in dtypes:
-            for th in th_list:
-                if lookup_workload(spec.device_kind, name, seq, dt, th) is None:
+            for th, k in runs:
+                if lookup_workload(spec.device_kind, name, seq, dt, th, k) is None:
                     cmd = [sys.executable, "-m", "harness", "calibrate", "--device", spec.device_kind, "--dtype", dt,
-                           "--threads", str(max(1, th)), "--no-comm", "--workloads", name, "--seq-len", str(seq)]
+                           "--threads", str(max(1, th)), "--no-comm", "--workloads", name, "--seq-len", str(seq),
+                           "--concurrent", str(k)]
                     out = subprocess.run(cmd, check=True, timeout=3600, stdout=subprocess.PIPE, text=True).stdout
                     print("calibrated " + out.strip().splitlines()[-1], flush=True)
     for n in sorted({g for w in spec.gpus for g in (w, 2) if w >= 2 and g <= w}):
@@ -405,9 +408,10 @@ def cmd_calibrate(args) -> int:
         print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s max, "
               f"{median:.4g} median over {len(e['shapes'])} shapes (best shape {e['best_shape']}) "
               f"-> {calibrate.default_cache()}")
+    concurrent = _int("concurrent", args.concurrent, 1) if args.concurrent is not None else 1
     for name, seq in workloads:
         for dt in _csv(args.dtype):
-            _print_workload(calibrate_workload_entry(device, name, seq, dt, threads, args.force), threads)
+            _print_workload(calibrate_workload_entry(device, name, seq, dt, threads, concurrent, args.force), threads)
     if comm is not None:
         _calibrate_comm(device, *comm, force=args.force)
     elif not args.no_comm:
@@ -432,15 +436,17 @@ def _workload_args(args) -> list[tuple[str, int]]:
     return out
 
 
-def calibrate_workload_entry(device: str, size: str, seq: int, dtype: str, threads: int, force: bool = False) -> dict:
+def calibrate_workload_entry(device: str, size: str, seq: int, dtype: str, threads: int, concurrent: int = 1,
+                             force: bool = False) -> dict:
     from harness.model.compute import calibrate_workload
 
-    return calibrate_workload(device, size, seq, dtype, threads if device == "cpu" else 0, force=force)
+    return calibrate_workload(device, size, seq, dtype, threads if device == "cpu" else 0, concurrent, force=force)
 
 
 def _print_workload(e: dict, threads: int) -> None:
     passes = ", ".join(f"{r}: {t * 1e3:.1f} ms" for r, t in zip(e["rows"], e["pass_s"]))
-    print(f"workload {e['size']} seq {e['seq_len']} {e['dtype']} threads={threads}: forward+backward {passes}; "
+    print(f"workload {e['size']} seq {e['seq_len']} {e['dtype']} threads={threads} x {e['fingerprint']['concurrent']} "
+          f"at once: forward+backward {passes}; "
           f"fit alpha {e['alpha_s'] * 1e3:.1f} ms + {e['beta_s_per_row'] * 1e3:.1f} ms/sequence; "
           f"AdamW step {e['optimizer_s'] * 1e3:.1f} ms for {e['params']:,} params")
 
@@ -547,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--workloads", help="sizes whose forward+backward and optimizer step to time for the "
                                        "performance model, e.g. tiny,small")
     k.add_argument("--seq-len", help="sequence length for --workloads (default: the size's)")
+    k.add_argument("--concurrent", help="--workloads: copies measured at once, as many as a node's ranks (default 1)")
     k.set_defaults(fn=cmd_calibrate)
     w = sub.add_parser("workloads", help="print the workload size table")
     w.set_defaults(fn=cmd_workloads)

@@ -1,7 +1,8 @@
 """Compute time of a rank's step, from a workload calibration (or the matmul peak alone).
 
-The workload calibration (``harness calibrate --workloads SIZE``) times, on one device with a
-rank's thread count, a forward+backward pass of the size at 1, 2 and 4 sequences and one AdamW
+The workload calibration (``harness calibrate --workloads SIZE --concurrent K``) times, with a
+rank's thread count and K copies running at once (as K ranks of a node compute at once, sharing
+cores, caches and memory bandwidth; each time the slowest copy's), a forward+backward pass of the size at 1, 2 and 4 sequences and one AdamW
 step, and fits the pass time as ``alpha + rows * beta`` (least squares): ``alpha`` is the
 per-pass cost that does not shrink with the batch (kernel launches, Python, small-kernel
 inefficiency), ``beta`` the cost per sequence. It is the compute analogue of the latency /
@@ -235,28 +236,63 @@ def rates_from_entry(entry: dict, wrapper: str | None = None) -> ComputeRates:
 
 # ---- cache (the calibration file of harness.measure.calibrate, entries of kind "workload") ----
 
-def workload_fingerprint(device_kind: str, size: str, seq_len: int, dtype: str, threads: int) -> dict:
+def workload_fingerprint(device_kind: str, size: str, seq_len: int, dtype: str, threads: int,
+                         concurrent: int = 1) -> dict:
     from harness.measure.calibrate import device_name
 
     import torch
 
-    return {"kind": "workload", "version": WORKLOAD_CALIBRATION_VERSION, "device_kind": device_kind, "device_name": device_name(device_kind), "size": size,
-            "seq_len": seq_len, "dtype": dtype, "threads": threads if device_kind == "cpu" else None,
-            "torch": torch.__version__}
+    return {"kind": "workload", "version": WORKLOAD_CALIBRATION_VERSION, "device_kind": device_kind,
+            "device_name": device_name(device_kind), "size": size, "seq_len": seq_len, "dtype": dtype,
+            "threads": threads if device_kind == "cpu" else None, "concurrent": concurrent, "torch": torch.__version__}
 
 
-def lookup_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int,
+def lookup_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
                     cache: Path | None = None) -> dict | None:
     from harness.measure import calibrate
 
     cache = cache or calibrate.default_cache()
     if not cache.exists():
         return None
-    key = calibrate._key(workload_fingerprint(device_kind, size, seq_len, dtype, threads))
+    key = calibrate._key(workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent))
     return json.loads(cache.read_text()).get(key)
 
 
-def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int,
+def _measure_in_child(args: tuple) -> dict:
+    size, seq_len, dtype, device_kind, threads, index = args
+    import torch
+
+    if device_kind == "cpu":
+        torch.set_num_threads(threads)
+    else:
+        torch.cuda.set_device(index)
+    return measure_workload(size, seq_len, dtype, device_kind)
+
+
+def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, threads: int, concurrent: int) -> dict:
+    """Run the measurement in ``concurrent`` processes at once, as a node's ranks compute at once.
+
+    CPU ranks share cores, caches and memory bandwidth (GPU ranks share the host): a pass timed
+    alone is faster than the same pass beside the other ranks. Each time is the slowest copy's;
+    alpha and beta are refitted from those.
+    """
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(size, seq_len, dtype, device_kind, threads, i) for i in range(concurrent)]
+    with ProcessPoolExecutor(max_workers=concurrent, mp_context=mp.get_context("spawn")) as pool:
+        runs = list(pool.map(_measure_in_child, jobs))
+    out = dict(runs[0])
+    out["pass_s"] = [max(r["pass_s"][i] for r in runs) for i in range(len(PROBE_ROWS))]
+    out["optimizer_s"] = max(r["optimizer_s"] for r in runs)
+    out["optimizer_s_per_param"] = out["optimizer_s"] / out["params"]
+    out["wrapper_overhead_s"] = {w: max(r["wrapper_overhead_s"][w] for r in runs) for w in WRAPPERS}
+    out["alpha_s"], out["beta_s_per_row"] = _fit_line(list(PROBE_ROWS), out["pass_s"])
+    out["base_gib"] = max(r["base_gib"] for r in runs)
+    return out
+
+
+def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
                        cache: Path | None = None, force: bool = False) -> dict:
     """Measure (or reuse) the workload rates and store them in the calibration file."""
     from harness.measure import calibrate
@@ -264,16 +300,12 @@ def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, th
 
     cache = cache or calibrate.default_cache()
     if not force:
-        hit = lookup_workload(device_kind, size, seq_len, dtype, threads, cache)
+        hit = lookup_workload(device_kind, size, seq_len, dtype, threads, concurrent, cache)
         if hit is not None:
             return hit
-    import torch
-
-    if device_kind == "cpu":
-        torch.set_num_threads(threads)
-    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads)
+    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent)
     entry = {"kind": "workload", "fingerprint": fp, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             **measure_workload(size, seq_len, dtype, device_kind)}
+             **measure_concurrent(size, seq_len, dtype, device_kind, threads, concurrent)}
     entries = json.loads(cache.read_text()) if cache.exists() else {}
     entries[calibrate._key(fp)] = entry
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -53,10 +53,13 @@ def predict_cell(cfg) -> dict:
     threads = threads_for(cfg.device_kind, local_world)
     dtype = PrecisionPlan(cfg.precision).compute_dtype
     notes = []
-    entry = lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads)
+    concurrent = local_world if cfg.device_kind == "cpu" else 1
+    entry = lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads, concurrent)
     rates = None
+    share = core_share(cfg.device_kind, local_world, threads)
     if entry is not None:
         rates = rates_from_entry(entry, wrapper_of(c))
+        share = 1.0  # measured with the node's ranks computing at once: the sharing is in the rates
     else:
         peak = calibrate.lookup(cfg.device_kind, dtype, threads)
         if peak is not None:
@@ -64,8 +67,7 @@ def predict_cell(cfg) -> dict:
             notes.append("no workload calibration: compute at the matmul peak (a lower bound on time)")
     step = None
     if rates is not None:
-        step = predict_step(c, rates, _comm_time_fn(cfg.device_kind, cfg.nnodes),
-                            core_share(cfg.device_kind, local_world, threads),
+        step = predict_step(c, rates, _comm_time_fn(cfg.device_kind, cfg.nnodes), share,
                             hide_overlappable=cfg.device_kind == "cuda")
         notes += list(step.notes)
     else:

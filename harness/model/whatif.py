@@ -21,7 +21,6 @@ predicted peak fits the device memory.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -233,28 +232,21 @@ def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: t
 # ---- the model's measured error, from a sweep whose records carry `predicted` ----
 
 def model_error(run_dir: Path) -> dict:
-    """``|predicted - measured| / measured`` step time over ok cell records with both.
+    """``|predicted - measured| / measured`` step time over ok cell records with both
+    (:func:`harness.report_model.error_summary`, the numbers the sweep's summary.md shows).
 
     Returns ``{"n", "mean_pct", "max_pct", "worst_cell", "device_kind"}``, or ``{"reason"}`` when
     there is nothing to compare.
     """
     from harness.records_io import load_records
+    from harness.report_model import error_summary, model_frame
 
     if not (Path(run_dir) / "records.jsonl").is_file():
         return {"reason": f"no measured sweep with predictions at {run_dir}"}
-    errs = []
-    kinds = set()
-    for r in load_records(run_dir):
-        if r.get("kind") != "cell" or r.get("status") != "ok":
-            continue
-        pred = (r.get("predicted") or {}).get("step_time_s")
-        meas = ((r.get("metrics") or {}).get("step_time_s") or {}).get("median")
-        if pred is None or not meas:
-            continue
-        errs.append((abs(pred - meas) / meas * 100.0, r.get("cell_id")))
-        kinds.add((r.get("config") or {}).get("device_kind"))
-    if not errs:
+    records = load_records(run_dir)
+    s = error_summary(model_frame(records))
+    if not s.n:
         return {"reason": f"no ok cell records with predicted.step_time_s in {run_dir}"}
-    worst = max(errs)
-    return {"n": len(errs), "mean_pct": statistics.fmean(e for e, _ in errs), "max_pct": worst[0],
-            "worst_cell": worst[1], "device_kind": ",".join(sorted(k for k in kinds if k))}
+    kinds = {(r.get("config") or {}).get("device_kind") for r in records if r.get("kind", "cell") == "cell"}
+    return {"n": s.n, "mean_pct": s.mean_abs_pct, "max_pct": s.max_abs_pct, "worst_cell": s.worst_cell,
+            "device_kind": ",".join(sorted(k for k in kinds if k))}
