@@ -155,6 +155,7 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
 
     opt_s = _median_time(step, reps)
     alpha, beta = _fit_line(list(PROBE_ROWS), times)
+    del model, opt  # one model at a time: K concurrent copies of `small` must fit in host memory
     overheads = {w: _wrapped_pass_s(size, plan, device_kind, dev, w, reps) - times[0] for w in WRAPPERS}
     return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "pass_s": times,
             "alpha_s": alpha, "beta_s_per_row": beta, "optimizer_s": opt_s, "params": size.params,
