@@ -328,8 +328,7 @@ def _auto_calibrate(spec) -> None:
     from harness.measure import calibrate
 
     dtypes = sorted({p for p in spec.precisions if not (p == "tf32" and spec.device_kind != "cuda")})
-    threads = sorted({max(1, (os.cpu_count() or 1) // g) for g in spec.gpus} | {os.cpu_count() or 1}) \
-        if spec.device_kind == "cpu" else [0]
+    threads = sorted({calibrate.threads_per_rank(g) for g in {*spec.gpus, 1}}) if spec.device_kind == "cpu" else [0]
     for dt in dtypes:
         for th in threads:
             if calibrate.lookup(spec.device_kind, dt, th) is None:
@@ -347,9 +346,10 @@ def _auto_calibrate_model(spec, dtypes: list[str]) -> None:
     from harness.model.compute import lookup_workload
     from workloads.sizes import get_size
 
-    cores = os.cpu_count() or 1
+    from harness.measure.calibrate import threads_per_rank
+
     # (threads per rank, ranks computing at once) as each device count of the sweep runs them
-    runs = sorted({(max(1, cores // w), w) for w in spec.gpus} | {(cores, 1)}) if spec.device_kind == "cpu" else [(0, 1)]
+    runs = sorted({(threads_per_rank(w), w) for w in {*spec.gpus, 1}}) if spec.device_kind == "cpu" else [(0, 1)]
     for name in spec.sizes:
         seq = spec.seq_len or get_size(name).seq_len
         for dt in dtypes:

@@ -24,19 +24,6 @@ QUANTITIES = {
 }
 
 
-def _get(d: Any, keys: tuple[str, ...]) -> float:
-    for k in keys:
-        if not isinstance(d, dict):
-            return math.nan
-        d = d.get(k)
-    if d is None or isinstance(d, bool):
-        return math.nan
-    try:
-        return float(d)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def error_pct(predicted: float, measured: float) -> float:
     if math.isnan(predicted) or math.isnan(measured) or measured == 0:
         return math.nan
@@ -45,6 +32,8 @@ def error_pct(predicted: float, measured: float) -> float:
 
 def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     """One row per ok cell with a prediction: predicted, measured and error % per quantity."""
+    from harness.report import _get, _num  # report imports this module: resolve at call time
+
     rows = []
     for r in records:
         if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not r.get("predicted"):
@@ -53,7 +42,7 @@ def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
         row = {"cell_id": r.get("cell_id"), "world_size": (r.get("config") or {}).get("world_size"),
                "basis": (p.get("breakdown") or {}).get("basis")}
         for name, (pk, mk) in QUANTITIES.items():
-            pv, mv = _get(p, pk), _get(m, mk)
+            pv, mv = _num(_get(p, *pk)), _num(_get(m, *mk))
             row[f"{name}_predicted"], row[f"{name}_measured"] = pv, mv
             row[f"{name}_error_pct"] = error_pct(pv, mv)
         row["comm_exact"] = row["comm_bytes_predicted"] == row["comm_bytes_measured"]

@@ -59,8 +59,7 @@ def _gather_json(obj, device: torch.device) -> list:
 
 
 def _threads_per_rank() -> int:
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local_world)
+    return calibrate.threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _dp_coordinate(dims) -> int:

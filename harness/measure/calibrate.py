@@ -27,6 +27,14 @@ MAX_REP_S = 0.5
 GPU_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 16384, 4096), (16384, 8192, 4096), (8192, 8192, 16384)]
 
 
+def threads_per_rank(local_world: int) -> int:
+    """CPU threads each of a node's ``local_world`` ranks runs with: the cores shared out, at least one.
+
+    The worker sets it, and calibrations are keyed by it, so predictions find the matching entry.
+    """
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
 def default_cache() -> Path:
     env = os.environ.get("HARNESS_CALIBRATION")
     return Path(env) if env else Path.home() / ".cache" / "harness" / "calibration.json"

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from harness.measure import calibrate
 from harness.measure.comm import BUS_FACTOR
+from harness.measure.stats import fit_line
 from harness.results.atomic import write_json_atomic
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -95,12 +96,8 @@ def sizes(min_bytes: int, max_bytes: int, world_size: int) -> list[int]:
 # ---- fingerprint and cache -------------------------------------------------------------------
 
 
-def threads_per_rank(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def fingerprint(device_kind: str, world_size: int, nnodes: int = 1, threads: int | None = None) -> dict:
-    """What makes a measurement reusable; ``threads`` defaults to :func:`threads_per_rank` on CPU."""
+    """What makes a measurement reusable; ``threads`` defaults to :func:`harness.measure.calibrate.threads_per_rank` on CPU."""
     cpu = device_kind == "cpu"
     return {
         "device_kind": device_kind,
@@ -109,7 +106,7 @@ def fingerprint(device_kind: str, world_size: int, nnodes: int = 1, threads: int
         "world_size": world_size,
         "nnodes": nnodes,
         "torch": torch.__version__,
-        "threads_per_rank": (threads or threads_per_rank(world_size)) if cpu else None,
+        "threads_per_rank": (threads or calibrate.threads_per_rank(world_size)) if cpu else None,
         "machine": platform.machine(),
     }
 
@@ -199,32 +196,6 @@ def calibrate_comm(device_kind: str, world_size: int, min_bytes: int, max_bytes:
 # ---- using the result in a performance model ---------------------------------------------------
 
 
-def comm_time_s(entry: dict, collective: str, nbytes: int) -> float:
-    """Predicted seconds for one call of ``collective`` with message size ``nbytes`` (nccl-tests S).
-
-    At the calibrated world size. 0 for 0 bytes; between measured sizes, linear interpolation of
-    the time (exact for the alpha-beta model ``t = alpha + S / beta``, Hockney 1994, which a ring
-    collective follows at one algorithm); below the smallest size, that size's time (latency-bound);
-    above the largest, its time scaled by ``nbytes / largest`` (bandwidth-bound).
-    """
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    rows = entry["collectives"].get(collective)
-    if not rows:
-        raise ValueError(f"no measurement of {collective!r} in this entry; it has {', '.join(entry['collectives'])}")
-    if nbytes == 0:
-        return 0.0
-    pts = sorted((r["bytes"], r["time_s"]) for r in rows)
-    if nbytes <= pts[0][0]:
-        return pts[0][1]
-    if nbytes >= pts[-1][0]:
-        return pts[-1][1] * nbytes / pts[-1][0]
-    for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
-        if s0 <= nbytes <= s1:
-            return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
-    raise AssertionError("unreachable: nbytes lies between the smallest and largest measured sizes")
-
-
 def alpha_beta(entry: dict, collective: str) -> tuple[float, float]:
     """Weighted least-squares fit of ``t = alpha + S / beta`` over every measured size (Hockney 1994).
 
@@ -234,16 +205,11 @@ def alpha_beta(entry: dict, collective: str) -> tuple[float, float]:
     single small-message times on a shared CPU jump by milliseconds. ``alpha`` is clipped at 0
     (then the fit goes through the origin).
     """
-    pts = [(float(r["bytes"]), float(r["time_s"])) for r in entry["collectives"][collective]]
-    w = [1.0 / t**2 for _, t in pts]
-    sw = sum(w)
-    mx = sum(wi * s for wi, (s, _) in zip(w, pts)) / sw
-    my = sum(wi * t for wi, (_, t) in zip(w, pts)) / sw
-    sxx = sum(wi * (s - mx) ** 2 for wi, (s, _) in zip(w, pts))
-    slope = sum(wi * (s - mx) * (t - my) for wi, (s, t) in zip(w, pts)) / sxx if sxx else 0.0
-    alpha = my - slope * mx
-    if alpha < 0 or slope <= 0:
-        alpha, slope = 0.0, sum(wi * s * t for wi, (s, t) in zip(w, pts)) / sum(wi * s * s for wi, (s, _) in zip(w, pts))
+    rows = entry["collectives"].get(collective)
+    if not rows:
+        raise ValueError(f"no measurement of {collective!r} in this entry; it has {', '.join(entry['collectives'])}")
+    sizes_, times = [float(r["bytes"]) for r in rows], [float(r["time_s"]) for r in rows]
+    alpha, slope = fit_line(sizes_, times, weights=[1.0 / t**2 for t in times])
     return alpha, 1.0 / slope
 
 
@@ -253,16 +219,12 @@ def fitted_time_s(entry: dict, collective: str, nbytes: int, after_compute: bool
     ``after_compute`` adds the measured synchronisation cost (:func:`measure_sync_cost`) of a
     collective that follows compute, as every blocking collective in a training step does.
     """
-    if nbytes <= 0:
-        return 0.0
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     alpha, beta = alpha_beta(entry, collective)
+    if nbytes == 0:
+        return 0.0
     return alpha + nbytes / beta + (entry.get("sync_s", 0.0) if after_compute else 0.0)
-
-
-def busbw_gbps_at(entry: dict, collective: str, nbytes: int) -> float:
-    """Predicted bus bandwidth (GB/s) at ``nbytes``, from :func:`comm_time_s`; 0.0 for 0 bytes."""
-    t = comm_time_s(entry, collective, nbytes)
-    return 0.0 if t == 0 else bandwidths(collective, entry["fingerprint"]["world_size"], nbytes, t)[1]
 
 
 # ---- the rank side -----------------------------------------------------------------------------

@@ -10,6 +10,20 @@ UNSTABLE_CV = 0.10
 """A cell whose step-time coefficient of variation exceeds this is flagged unstable (pyperf uses 10%)."""
 
 
+def fit_line(xs: list[float], ys: list[float], weights: list[float] | None = None) -> tuple[float, float]:
+    """(Weighted) least squares ``y = a + b x``; when ``a < 0`` or ``b <= 0`` (noise), refit through the origin."""
+    w = weights or [1.0] * len(xs)
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    b = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx if sxx else 0.0
+    a = my - b * mx
+    if a < 0 or b <= 0:
+        a, b = 0.0, sum(wi * x * y for wi, x, y in zip(w, xs, ys)) / sum(wi * x * x for wi, x in zip(w, xs))
+    return a, b
+
+
 def percentile(sorted_xs: list[float], q: float) -> float:
     """Linear-interpolation percentile (numpy's default, 'linear'), q in [0, 100]."""
     if not sorted_xs:

@@ -33,7 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from harness.model.inventory import (
-    ParamSpec, RankCoord, coords, fsdp_padded_numel, group_of, n_stages, rank_params, stage_of, stages_of_rank,
+    ParamSpec, RankCoord, coords, fsdp_padded_numel, group_of, n_stages, rank_layers, rank_params, stage_of,
+    stages_of_rank,
     tp_local_shape,
 )
 from harness.model.shape import CellShape
@@ -173,9 +174,7 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
     logits = rows * size.seq_len * size.vocab_size * c.compute_bytes
     stages = n_stages(c.dims, c.virtual)
     mine = stages_of_rank(coord.pp, c.dims.pp, c.virtual)
-    from harness.parallel.pipeline import layer_ranges
-
-    layers = sum(len(layer_ranges(size.n_layers, stages)[s]) for s in mine)
+    layers = rank_layers(size.n_layers, c.dims.pp, c.virtual, coord.pp)
     first, last = 0 in mine, stages - 1 in mine
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
     if sp:

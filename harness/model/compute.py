@@ -21,12 +21,12 @@ Without a workload calibration the model falls back to the roofline bound: ``alp
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from harness.measure.stats import fit_line
 from harness.model.shape import CellShape
 
 PROBE_ROWS = (1, 2, 4)
@@ -65,16 +65,15 @@ def head_flops_per_token(c: CellShape) -> float:
 
 def stage_shares(c: CellShape) -> list[tuple[float, float]]:
     """Per pipeline rank: (share of the model FLOPs, share of the layers) it computes."""
-    from harness.parallel.pipeline import layer_ranges
+    from harness.model.inventory import rank_layers, stages_of_rank
 
     stages = c.dims.pp * c.virtual
-    ranges = layer_ranges(c.size.n_layers, stages)
     lf, hf = layer_flops_per_token(c), head_flops_per_token(c)
     total = c.size.n_layers * lf + hf
     out = []
     for p in range(c.dims.pp):
-        mine = [p + k * c.dims.pp for k in range(c.virtual)]
-        layers = sum(len(ranges[s]) for s in mine)
+        mine = stages_of_rank(p, c.dims.pp, c.virtual)
+        layers = rank_layers(c.size.n_layers, c.dims.pp, c.virtual, p)
         head = stages - 1 in mine
         out.append(((layers * lf + (hf if head else 0)) / total, (layers + (1 if head else 0)) / (c.size.n_layers + 1)))
     return out
@@ -114,12 +113,65 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _model(size, dev):
+    import torch
+
+    from workloads.model import GPT
+
+    torch.manual_seed(0)
+    with torch.device(dev):
+        return GPT(size)
+
+
+def _pass(model, plan, device_kind: str, x):
+    """A forward+backward of ``model`` on ``x`` (the loss of :mod:`harness.train`), device-synchronised."""
+    import torch
+
+    from workloads.model import lm_loss
+
+    def fb() -> None:
+        with plan.autocast(device_kind):
+            loss = lm_loss(model(x), x)
+        loss.backward()
+        if device_kind == "cuda":
+            torch.cuda.synchronize()
+
+    return fb
+
+
+def _tokens(size, rows: int, dev):
+    import torch
+
+    return torch.randint(0, size.vocab_size, (rows, size.seq_len), generator=torch.Generator().manual_seed(rows)).to(dev)
+
+
+def _plain_passes(size, plan, device_kind: str, dev, reps: int) -> tuple[list[float], float]:
+    """Pass times at ``PROBE_ROWS`` and the AdamW step time; the model is freed on return."""
+    import torch
+
+    model = _model(size, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = []
+    reps_by_rows = reps
+    for rows in PROBE_ROWS:
+        times.append(_median_time(_pass(model, plan, device_kind, _tokens(size, rows, dev)), reps_by_rows))
+        if times[-1] < 0.2:  # cheap passes: more repeats against this machine's noise
+            reps_by_rows = max(reps, 7)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if device_kind == "cuda":
+            torch.cuda.synchronize()
+
+    return times, _median_time(step, reps)
+
+
 def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str, reps: int = 3) -> dict:
     """Time forward+backward at ``PROBE_ROWS`` sequences and one AdamW step; fit alpha and beta."""
     import torch
 
     from harness.precision import PrecisionPlan
-    from workloads.model import GPT, lm_loss
     from workloads.sizes import get_size
 
     dev = torch.device("cuda" if device_kind == "cuda" else "cpu")
@@ -127,35 +179,9 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
     size = replace(get_size(size_name), seq_len=seq_len)
     plan = PrecisionPlan(dtype)
     plan.configure_backends(device_kind)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = GPT(size)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    sync = torch.cuda.synchronize if device_kind == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(0)
-    times = []
-    reps_by_rows = reps
-    for rows in PROBE_ROWS:
-        x = torch.randint(0, size.vocab_size, (rows, seq_len), generator=gen).to(dev)
-
-        def fb():
-            with plan.autocast(device_kind):
-                loss = lm_loss(model(x), x)
-            loss.backward()
-            sync()
-
-        times.append(_median_time(fb, reps_by_rows))
-        if times[-1] < 0.2:  # cheap passes: more repeats against this machine's noise
-            reps_by_rows = max(reps, 7)
-
-    def step():
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        sync()
-
-    opt_s = _median_time(step, reps)
-    alpha, beta = _fit_line(list(PROBE_ROWS), times)
-    del model, opt  # one model at a time: K concurrent copies of `small` must fit in host memory
+    # one model at a time (each helper frees its own): K concurrent copies of `small` must fit in host memory
+    times, opt_s = _plain_passes(size, plan, device_kind, dev, reps)
+    alpha, beta = fit_line(list(PROBE_ROWS), times)
     overheads = {w: _wrapped_pass_s(size, plan, device_kind, dev, w, reps) - times[0] for w in WRAPPERS}
     return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "pass_s": times,
             "alpha_s": alpha, "beta_s_per_row": beta, "optimizer_s": opt_s, "params": size.params,
@@ -189,43 +215,19 @@ def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) 
     Collectives over one rank move nothing, so the difference to the plain pass is the
     wrappers' own cost: FSDP2's hooks and copy-in/out, DTensor's dispatch.
     """
-    import torch
-
     from harness.parallel.data_parallel import apply_fsdp
     from harness.parallel.dims import ParallelDims
     from harness.parallel.tp import apply_tp
-    from workloads.model import GPT, lm_loss
 
     _init_one_rank_group(device_kind)
     dims = ParallelDims(world_size=1)
     dims.build_mesh(dev.type)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = GPT(size)
+    model = _model(size, dev)
     if "tp" in wrapper:
         apply_tp(model, dims.mesh("tp"), sequence_parallel=False)
     if "fsdp" in wrapper:
         apply_fsdp(model, dims.mesh("dp_shard"), True, plan.fsdp_policy())
-    x = torch.randint(0, size.vocab_size, (PROBE_ROWS[0], size.seq_len), generator=torch.Generator().manual_seed(0)).to(dev)
-    sync = torch.cuda.synchronize if device_kind == "cuda" else (lambda: None)
-
-    def fb():
-        with plan.autocast(device_kind):
-            loss = lm_loss(model(x), x)
-        loss.backward()
-        sync()
-
-    return _median_time(fb, reps)
-
-
-def _fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = a + b x``, with ``a`` clipped at 0 (noise can make it negative)."""
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sum((xi - mx) ** 2 for xi in x)
-    a = my - b * mx
-    if a < 0:
-        a, b = 0.0, sum(xi * yi for xi, yi in zip(x, y)) / sum(xi * xi for xi in x)
-    return a, b
+    return _median_time(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps)
 
 
 def rates_from_entry(entry: dict, wrapper: str | None = None) -> ComputeRates:
@@ -288,7 +290,7 @@ def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, th
     out["optimizer_s"] = max(r["optimizer_s"] for r in runs)
     out["optimizer_s_per_param"] = out["optimizer_s"] / out["params"]
     out["wrapper_overhead_s"] = {w: max(r["wrapper_overhead_s"][w] for r in runs) for w in WRAPPERS}
-    out["alpha_s"], out["beta_s_per_row"] = _fit_line(list(PROBE_ROWS), out["pass_s"])
+    out["alpha_s"], out["beta_s_per_row"] = fit_line(list(PROBE_ROWS), out["pass_s"])
     out["base_gib"] = max(r["base_gib"] for r in runs)
     return out
 
@@ -315,5 +317,7 @@ def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, th
 
 
 def threads_for(device_kind: str, local_world: int) -> int:
-    """The thread count a rank runs with (the rule of :func:`harness.worker._threads_per_rank`)."""
-    return max(1, (os.cpu_count() or 1) // max(1, local_world)) if device_kind == "cpu" else 0
+    """The thread count a rank runs with on CPU (:func:`harness.measure.calibrate.threads_per_rank`); 0 on GPU."""
+    from harness.measure.calibrate import threads_per_rank
+
+    return threads_per_rank(local_world) if device_kind == "cpu" else 0

@@ -89,16 +89,25 @@ def n_stages(dims: ParallelDims, virtual: int) -> int:
     return dims.pp * virtual
 
 
-def stage_of(spec: ParamSpec, stages: int, n_layers: int) -> int:
-    """The pipeline stage that owns a parameter."""
+@functools.lru_cache(maxsize=256)
+def _layer_owner(n_layers: int, stages: int) -> tuple[int, ...]:
+    """Stage of each layer (:func:`harness.parallel.pipeline.layer_ranges`)."""
     from harness.parallel.pipeline import layer_ranges
 
+    return tuple(s for s, r in enumerate(layer_ranges(n_layers, stages)) for _ in r)
+
+
+def stage_of(spec: ParamSpec, stages: int, n_layers: int) -> int:
+    """The pipeline stage that owns a parameter."""
     if spec.layer is None:
         return 0 if spec.first_stage else stages - 1
-    for s, r in enumerate(layer_ranges(n_layers, stages)):
-        if spec.layer in r:
-            return s
-    raise ValueError(f"layer {spec.layer} is in no stage of {stages}")
+    return _layer_owner(n_layers, stages)[spec.layer]
+
+
+def rank_layers(n_layers: int, pp: int, virtual: int, pp_rank: int) -> int:
+    """Blocks on the stages a pipeline rank holds."""
+    mine = set(stages_of_rank(pp_rank, pp, virtual))
+    return sum(1 for s in _layer_owner(n_layers, pp * virtual) if s in mine)
 
 
 def group_of(spec: ParamSpec) -> str:
@@ -140,10 +149,5 @@ def rank_params(size: ModelSize, dims: ParallelDims, virtual: int, pp_rank: int)
 
 @functools.lru_cache(maxsize=1024)
 def _stage_params(size: ModelSize, pp: int, virtual: int, pp_rank: int) -> tuple[ParamSpec, ...]:
-    from harness.parallel.pipeline import layer_ranges
-
-    stages = pp * virtual
     mine = set(stages_of_rank(pp_rank, pp, virtual))
-    owner = {i: s for s, r in enumerate(layer_ranges(size.n_layers, stages)) for i in r}
-    return tuple(p for p in param_specs(size)
-                 if (owner[p.layer] if p.layer is not None else 0 if p.first_stage else stages - 1) in mine)
+    return tuple(p for p in param_specs(size) if stage_of(p, pp * virtual, size.n_layers) in mine)

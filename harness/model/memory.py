@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.model.inventory import (
-    coords, fsdp_local_numel, fsdp_padded_numel, rank_params, tp_local_shape,
+    coords, fsdp_local_numel, fsdp_padded_numel, rank_layers, rank_params, tp_local_shape,
 )
 from harness.model.shape import CellShape
 
@@ -71,11 +71,7 @@ def local_params(c: CellShape) -> int:
 
 
 def _layers_on_rank(c: CellShape) -> int:
-    from harness.parallel.pipeline import layer_ranges
-
-    stages = c.dims.pp * c.virtual
-    ranges = layer_ranges(c.size.n_layers, stages)
-    return max(sum(len(ranges[p + k * c.dims.pp]) for k in range(c.virtual)) for p in range(c.dims.pp))
+    return max(rank_layers(c.size.n_layers, c.dims.pp, c.virtual, p) for p in range(c.dims.pp))
 
 
 def inflight_microbatches(c: CellShape) -> int:

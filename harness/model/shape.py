@@ -82,7 +82,3 @@ class CellShape:
     def param_bytes(self) -> int:
         """Bytes per element FSDP gathers: ``MixedPrecisionPolicy.param_dtype`` (low precision under AMP)."""
         return LOW_BYTES[self.precision]
-
-
-def dims_for(strategy: str, world: int, degrees: dict | None = None) -> ParallelDims:
-    return resolve_degrees(strategy, world, degrees)

@@ -40,22 +40,12 @@ ENTRY = {
 }
 
 
-def test_comm_time_interpolates_and_extrapolates():
-    t = lambda n: cc.comm_time_s(ENTRY, "all_reduce", n)  # noqa: E731
-    assert t(0) == 0.0
-    assert t(10) == pytest.approx(1e-4)  # below the smallest: latency-bound, the smallest's time
-    assert t(1000) == pytest.approx(1e-4)
-    assert t(1500) == pytest.approx(1.5e-4)  # linear between neighbours
-    assert t(3000) == pytest.approx(4e-4)
-    assert t(4000) == pytest.approx(6e-4)
-    assert t(8000) == pytest.approx(12e-4)  # above the largest: bandwidth-bound, scaled by bytes
-    # busbw at 3000 B: 3000 / 4e-4 s = 7.5e6 B/s = 0.0075 GB/s, x 2(4-1)/4 = 0.01125
-    assert cc.busbw_gbps_at(ENTRY, "all_reduce", 3000) == pytest.approx(0.01125)
-    assert cc.busbw_gbps_at(ENTRY, "all_reduce", 0) == 0.0
+def test_fitted_time_rejects_unknown_collectives_and_negative_sizes():
+    assert cc.fitted_time_s(ENTRY, "all_reduce", 0) == 0.0
     with pytest.raises(ValueError, match="no measurement of 'broadcast'"):
-        cc.comm_time_s(ENTRY, "broadcast", 100)
+        cc.fitted_time_s(ENTRY, "broadcast", 100)
     with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
-        cc.comm_time_s(ENTRY, "all_reduce", -1)
+        cc.fitted_time_s(ENTRY, "all_reduce", -1)
 
 
 @pytest.mark.parametrize("text,expected", [("4MiB", 4 << 20), ("1KiB", 1024), ("1048576", 1 << 20), ("64 kib", 65536),

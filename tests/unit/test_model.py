@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 
 from harness.model import comm, memory
-from harness.model.compute import ComputeRates, _fit_line, pass_time_s, stage_shares
+from harness.measure.stats import fit_line
+from harness.model.compute import ComputeRates, pass_time_s, stage_shares
 from harness.model.inventory import coords, fsdp_local_numel, fsdp_padded_numel, param_specs
 from harness.model.shape import CellShape
 from harness.model.step_time import predict_step
-from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import degrees_for
 from harness.report_model import error_summary, model_frame
 from workloads.sizes import get_size
@@ -163,7 +163,7 @@ def test_uncalibrated_comm_gives_no_step_time_and_says_why():
 
 
 def test_workload_fit_recovers_a_line():
-    a, b = _fit_line([1, 2, 4], [0.5 + 0.25 * r for r in (1, 2, 4)])
+    a, b = fit_line([1, 2, 4], [0.5 + 0.25 * r for r in (1, 2, 4)])
     assert (a, b) == pytest.approx((0.5, 0.25))
 
 
