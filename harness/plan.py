@@ -1,60 +1,33 @@
-"""Sweep spec -> cells: expand the matrix, validate each cell, predict its memory per rank.
+"""Sweep spec -> cells: expand the matrix, validate each cell, attach the model's predictions.
 
-Invalid cells carry a one-line reason and are never launched. Cells are ordered so that each
-group's single-device reference runs first (parity is computed against it as records land).
+Invalid cells carry a one-line reason and are never launched. Each valid cell's strategy is
+resolved once (:func:`harness.parallel.presets.resolve_cell`), and its predictions (step time,
+communication, memory per rank) are attached here, before anything runs, from the calibration
+store: the sweep never imports the model, and the worker never reads calibration files. Cells
+are ordered so that each group's single-device reference runs first (parity is computed
+against it as records land).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from itertools import product
 
-from harness.config import CellConfig, cell_id_of
+import psutil
+import torch
+
+from harness.calibration.collectives import lookup_comm
+from harness.calibration.matmul import lookup as lookup_matmul
+from harness.calibration.matmul import threads_for
+from harness.calibration.workload import lookup_workload
 from harness.errors import UsageError
-from harness.parallel.presets import STRATEGIES, check_model_fit, resolve_degrees, world_for
-from harness.precision import PrecisionPlan, check_strategy
+from harness.model.predict import CalibrationInputs, predict_cell
+from harness.parallel.presets import STRATEGIES, resolve_cell, world_for
+from harness.precision import PrecisionPlan
 from harness.scaling import global_batch, scaled_lr
+from harness.spec import CellConfig, SweepSpec, cell_id_of
+from harness.units import GIB
 from workloads.sizes import get_size
-
-GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class SweepSpec:
-    """The matrix: sizes x strategies x precisions x scalings x LR rules x device counts."""
-
-    sizes: tuple[str, ...]
-    strategies: tuple[str, ...]
-    precisions: tuple[str, ...]
-    gpus: tuple[int, ...]
-    """Device counts per node to sweep (``--gpus 1,2,4``)."""
-    device_kind: str
-    batch: int
-    """Sequences per step: global under strong scaling, per device under weak scaling."""
-    steps: int
-    warmup: int
-    scalings: tuple[str, ...] = ("strong",)
-    lr_rules: tuple[str, ...] = ("none",)
-    seq_len: int | None = None
-    microbatches: int | None = None
-    """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
-    pp_schedule: str = "1f1b"
-    grad_accum: int = 1
-    base_lr: float = 1e-3
-    base_batch: int | None = None
-    """Batch at which base_lr holds; default: ``batch`` (the one-device batch)."""
-    lr_warmup_steps: int = 0
-    seed: int = 0
-    target_loss: float | None = None
-    nnodes: int = 1
-    nvtx: bool = True
-    profile: bool = False
-    mem_cap_gib: float | None = None
-    degrees: dict | None = None
-    reference: bool = True
-    """Add the single-device fp32/bf16... reference of each strong-scaling group for parity."""
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -64,10 +37,18 @@ class PlannedCell:
     raw: dict
     valid: bool
     reason: str | None
-    est_mem_gib: float | None = None
     capacity_gib: float | None = None
     reference_only: bool = False
     """Added by the planner as the parity reference, not asked for by the user."""
+    predicted: dict | None = None
+    """``record.predicted``: :func:`harness.model.predict.predict_cell` from the calibration store."""
+    calibrated_tflops: float | None = None
+    """The measured matmul peak for the cell's device, compute dtype and threads (calibrated MFU)."""
+
+    @property
+    def est_mem_gib(self) -> float | None:
+        """Predicted peak memory per rank (the model's ``peak_mem_gib``)."""
+        return self.predicted["peak_mem_gib"] if self.predicted else None
 
     @property
     def fits(self) -> bool | None:
@@ -81,6 +62,7 @@ def _order(strategy: str) -> int:
 
 
 def expand(spec: SweepSpec) -> list[PlannedCell]:
+    """Every cell of the matrix, validated, with predictions from the calibration store as it is now."""
     for name in spec.sizes:
         try:
             get_size(name)
@@ -96,9 +78,10 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
         cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus)
         cell.reference_only = added_reference and strat == "single"
         cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
-    return sorted(cells.values(), key=lambda c: (c.raw["size"], c.raw["precision"], c.raw["scaling"],
-                                                 c.raw["lr_rule"], c.raw["world_size"] > 1,
-                                                 c.raw["world_size"], _order(c.raw["strategy"])))
+    ordered = sorted(cells.values(), key=lambda c: (c.raw["size"], c.raw["precision"], c.raw["scaling"],
+                                                    c.raw["lr_rule"], c.raw["world_size"] > 1,
+                                                    c.raw["world_size"], _order(c.raw["strategy"])))
+    return predict_cells(ordered)
 
 
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
@@ -117,47 +100,59 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                nvtx=spec.nvtx, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
                degrees=spec.degrees if strategy != "single" else None, **spec.extra)
     try:
-        dims = resolve_degrees(strategy, world, raw["degrees"])
-        if dims.pp_enabled and spec.microbatches is None:
-            raw["microbatches"] = 2 * dims.pp
         if seq > size.seq_len:
             raise UsageError(f"seq_len ({seq}) exceeds {size_name}'s position table ({size.seq_len}); use --seq-len <= {size.seq_len}")
-        cfg = CellConfig(**raw)
         PrecisionPlan(precision).check_device(spec.device_kind)
-        check_strategy(precision, strategy)
-        check_model_fit(dims, size.n_heads, size.d_ff, size.n_layers, cfg.pp_schedule, cfg.microbatches)
-        split = dims.dp * (cfg.microbatches if dims.pp_enabled else cfg.grad_accum)
-        if gb % split:
-            what = f"dp ({dims.dp}) x microbatches ({cfg.microbatches})" if dims.pp_enabled else \
-                f"dp ({dims.dp}) x grad_accum ({cfg.grad_accum})"
-            raise UsageError(f"global batch ({gb}) must be divisible by {what} = {split}; "
-                             f"use a batch that is a multiple of {split}")
+        _, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], size, precision, spec.pp_schedule,
+                                              spec.microbatches, spec.grad_accum, gb)
+        cfg = CellConfig(**raw)
     except UsageError as e:
         return PlannedCell(cell_id=cell_id_of(raw), config=None, raw=raw, valid=False, reason=str(e))
-    est = estimate_memory_gib(cfg)
-    return PlannedCell(cell_id=cfg.cell_id, config=cfg, raw=raw, valid=True, reason=None, est_mem_gib=est,
+    return PlannedCell(cell_id=cfg.cell_id, config=cfg, raw=raw, valid=True, reason=None,
                        capacity_gib=device_capacity_gib(spec.device_kind, gpus))
 
 
-def estimate_memory_gib(cfg: CellConfig) -> float:
-    """Predicted peak per rank from the analytic model (:func:`harness.model.memory.peak_bytes`).
+def calibration_inputs(cfg: CellConfig) -> CalibrationInputs:
+    """The calibration store's entries for one cell, as the model takes them.
 
-    CPU ranks add the interpreter's base memory (:data:`harness.model.predict.CPU_BASE_GIB`);
-    CUDA's allocator peak does not include the context.
+    None for a device this machine does not have (``harness slurm`` plans GPU cells on a login
+    node): its entries could not be told apart, and the prediction says it is uncalibrated.
     """
-    from harness.model.memory import peak_bytes
-    from harness.model.predict import CPU_BASE_GIB
-    from harness.model.shape import CellShape
+    local_world = max(1, cfg.world_size // cfg.nnodes)
+    threads = threads_for(cfg.device_kind, local_world)
+    dtype = PrecisionPlan(cfg.precision).compute_dtype
+    if cfg.device_kind == "cuda" and not torch.cuda.is_available():
+        return CalibrationInputs(dtype=dtype, threads=threads)
+    concurrent = local_world if cfg.device_kind == "cpu" else 1
+    matmul = lookup_matmul(cfg.device_kind, dtype, threads)
+    return CalibrationInputs(
+        dtype=dtype, threads=threads,
+        workload=lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads, concurrent),
+        matmul_tflops=matmul["tflops"] if matmul else None,
+        comm=lambda group: lookup_comm(cfg.device_kind, group, nnodes=1 if group <= 1 else cfg.nnodes))
 
-    base = CPU_BASE_GIB * GIB if cfg.device_kind == "cpu" else 0.0
-    return peak_bytes(CellShape.of(cfg), base) / GIB
+
+def predict_cells(cells: list[PlannedCell]) -> list[PlannedCell]:
+    """The cells with ``predicted`` and ``calibrated_tflops`` from the calibration store as it is now.
+
+    ``harness bench`` calls it again after its automatic calibration, so each record carries the
+    prediction made from everything measured before the cell ran.
+    """
+    out = []
+    for c in cells:
+        if not c.valid:
+            out.append(c)
+            continue
+        cal = calibration_inputs(c.config)
+        out.append(replace(c, predicted=predict_cell(c.config, cal), calibrated_tflops=cal.matmul_tflops))
+    return out
 
 
 def device_capacity_gib(device_kind: str, gpus_per_node: int) -> float | None:
     """Memory one rank may use: the GPU's memory, or host RAM shared by the node's ranks."""
     if device_kind == "cuda":
         try:
-            import pynvml
+            import pynvml  # noqa: PLC0415  (optional: NVML is absent on CPU machines)
         except ImportError:
             return None
         try:
@@ -165,12 +160,4 @@ def device_capacity_gib(device_kind: str, gpus_per_node: int) -> float | None:
             return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total / GIB
         except pynvml.NVMLError:
             return None
-    import psutil
-
     return psutil.virtual_memory().total / GIB / max(1, gpus_per_node)
-
-
-def default_device_kind() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() and os.environ.get("HARNESS_FORCE_CPU") != "1" else "cpu"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from harness.units import GIB
+
 import resource
 
 import torch
 from torch import nn
 
-GIB = 1024**3
 
 
 def reset_peak(device_kind: str) -> None:

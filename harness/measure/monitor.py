@@ -9,126 +9,25 @@ Counters vs gauges: energy (J) and NVLink traffic (KiB) are cumulative counters;
 summary reports their difference over the window (``energy_j``) and NVLink rates are
 derived from consecutive samples. Everything else is a gauge summarised as max/mean.
 
-The NVML names are re-exported here (see ``__all__``) but loaded on first access, because
-``nvml_sampler`` imports ``column_stats``/``counter_delta``/``MIB`` from this module.
+The sampler interface and the summary helpers both samplers share live in
+:mod:`harness.measure.sampling`; the NVML sampler in :mod:`harness.measure.nvml_sampler`
+(which imports ``pynvml`` only when it opens).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any
 
 import pandas as pd
 import psutil
 
-if TYPE_CHECKING:  # at runtime these load lazily via __getattr__ (nvml_sampler imports this module)
-    from harness.measure.nvml_sampler import (
-        NVML_SCOPE_ALL_LINKS,
-        NvmlDevice,
-        NvmlSampler,
-        NvmlUnavailable,
-        open_nvml_sampler,
-        resolve_devices,
-        visible_device_entries,
-    )
-
-__all__ = [
-    "MIB",
-    "Sampler",
-    "SamplerKind",
-    "MonitorResult",
-    "column_stats",
-    "counter_delta",
-    "Monitor",
-    "HostSampler",
-    "make_monitor",
-    # re-exported from harness.measure.nvml_sampler
-    "NVML_SCOPE_ALL_LINKS",
-    "NvmlDevice",
-    "NvmlSampler",
-    "NvmlUnavailable",
-    "open_nvml_sampler",
-    "resolve_devices",
-    "visible_device_entries",
-]
-_NVML_EXPORTS = frozenset(__all__[__all__.index("NVML_SCOPE_ALL_LINKS"):])
-
-SamplerKind = Literal["nvml", "host"]
-MIB = 2**20
-
-
-def __getattr__(name: str) -> Any:
-    """Lazy re-export of the NVML names (PEP 562), so importing them from here works."""
-    if name in _NVML_EXPORTS:
-        return getattr(importlib.import_module("harness.measure.nvml_sampler"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class Sampler(Protocol):
-    """What ``Monitor`` needs: ``sample()`` one row (None = unreadable), ``finish(samples)``
-    derived columns + summary, ``close()`` release (e.g. ``nvmlShutdown``)."""
-
-    kind: SamplerKind
-    unsupported: dict[str, str]
-
-    def sample(self) -> dict[str, float | None]: ...
-
-    def finish(self, samples: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class MonitorResult:
-    """Samples and summary of one monitored window."""
-
-    sampler: SamplerKind
-    samples: pd.DataFrame
-    """One row per sample; ``t_s`` = seconds since ``Monitor.start``."""
-    summary: dict[str, Any]
-    """Max/mean per field, counter differences (``energy_j``), devices, achieved rate."""
-    unsupported: dict[str, str] = field(default_factory=dict)
-    """Field -> reason it was not sampled (null in ``samples``)."""
-    note: str | None = None
-    """Why this sampler ran, e.g. 'n/a: no NVML on this machine (...); host sampler used'."""
-
-    def to_record(self) -> dict[str, Any]:
-        """The ``metrics.monitor`` entry of a record (JSON-serialisable)."""
-        return {"sampler": self.sampler, "note": self.note, "unsupported": dict(self.unsupported), **self.summary}
-
-    def save_csv(self, path: str | Path) -> Path:
-        """Write ``samples`` as CSV atomically (temp file in the same dir + ``os.replace``)."""
-        from harness.results.atomic import write_text_atomic
-
-        target = write_text_atomic(path, self.samples.to_csv(index=False))
-        return target
-
-
-def column_stats(samples: pd.DataFrame, columns: list[str]) -> dict[str, float | None]:
-    """``<col>_max`` and ``<col>_mean`` over non-null values; None when a column has none."""
-    out: dict[str, float | None] = {}
-    for col in columns:
-        values = pd.to_numeric(samples[col], errors="coerce").dropna() if col in samples else pd.Series(dtype=float)
-        out[f"{col}_max"] = float(values.max()) if len(values) else None
-        out[f"{col}_mean"] = float(values.mean()) if len(values) else None
-    return out
-
-
-def counter_delta(samples: pd.DataFrame, column: str) -> float | None:
-    """Last minus first non-null value of a cumulative counter column (None if < 2 values)."""
-    if column not in samples:
-        return None
-    values = pd.to_numeric(samples[column], errors="coerce").dropna()
-    if len(values) < 2:
-        return None
-    return float(values.iloc[-1] - values.iloc[0])
-
+from harness.measure.nvml_sampler import NvmlUnavailable, open_nvml_sampler
+from harness.measure.sampling import MonitorResult, Sampler, SamplerKind, column_stats
+from harness.units import MIB
 
 class Monitor:
     """Samples ``sampler`` every ``1 / rate_hz`` s on a background thread between start/stop.
@@ -292,8 +191,6 @@ def make_monitor(
     """
     if device_kind != "cuda":
         return Monitor(HostSampler(pids), rate_hz, note=f"host sampler: device_kind is {device_kind!r}")
-    from harness.measure.nvml_sampler import NvmlUnavailable, open_nvml_sampler
-
     try:
         sampler, note = open_nvml_sampler(local_device_indices)
     except NvmlUnavailable as exc:

@@ -13,7 +13,7 @@ at a time, so only local rank 0 of each node asks for it, for the whole node.
 Torchrun usage (the wrapper picks the flags from ``LOCAL_RANK`` in each worker)::
 
     torchrun --nproc-per-node 4 -m harness.measure.nsys --out-dir runs/x/nsys \\
-        --gpu-metrics-devices all -- python -m harness.worker ...
+        --gpu-metrics-devices all -- python -m harness.run.worker ...
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def nsys_command(
         local_rank0: whether this worker is local rank 0, the only one sampling GPU metrics.
     """
     if not inner_cmd:
-        raise ValueError("inner_cmd is empty; pass the worker command, e.g. ['python', '-m', 'harness.worker']")
+        raise ValueError("inner_cmd is empty; pass the worker command, e.g. ['python', '-m', 'harness.run.worker']")
     cmd = [
         nsys, "profile",
         "-t", NSYS_TRACE,

@@ -14,8 +14,7 @@ drivers that reject the aggregate get the per-link values summed.
 Energy (J) and NVLink traffic (KiB) are cumulative counters: the summary reports their
 difference over the window and NVLink rates are derived from consecutive samples.
 
-``harness.measure.monitor`` imports this module lazily (in ``make_monitor`` and for its
-re-exported names), so importing the shared helpers from it here makes no cycle.
+The helpers it shares with the host sampler come from :mod:`harness.measure.sampling`.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from harness.measure.monitor import MIB, SamplerKind, column_stats, counter_delta
+from harness.measure.sampling import SamplerKind, column_stats, counter_delta
+from harness.units import MIB
 
 
 class NvmlUnavailable(RuntimeError):

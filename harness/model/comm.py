@@ -38,9 +38,10 @@ from harness.model.inventory import (
     tp_local_shape,
 )
 from harness.model.shape import CellShape
+from harness.units import MIB
 
-DDP_FIRST_BUCKET_BYTES = 1024**2
-DDP_BUCKET_BYTES = 25 * 1024**2
+DDP_FIRST_BUCKET_BYTES = MIB
+DDP_BUCKET_BYTES = 25 * MIB
 FP32 = 4
 
 

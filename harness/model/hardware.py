@@ -36,9 +36,8 @@ from typing import Callable
 from harness.errors import UsageError
 from harness.measure.peaks import datasheet_peaks
 from harness.parallel.dims import ParallelDims
+from harness.units import GIB, MIB
 
-MIB = 1024**2
-GIB = 1024**3
 
 MAMF_FRACTION = 700.9 / 989.5
 """Achievable matmul fraction of the datasheet peak: calibrated bf16 matmul peak 700.9 TFLOP/s over

@@ -27,7 +27,6 @@ from harness.model.inventory import (
 )
 from harness.model.shape import CellShape
 
-GIB = 1024**3
 ADAM_STATE_BYTES = 8
 """exp_avg and exp_avg_sq in fp32."""
 ADAM_STEP_BYTES = 4

@@ -1,23 +1,44 @@
-"""``record.predicted`` for a planned cell: what the model expects, from calibration files only.
+"""``record.predicted`` for a planned cell: what the model expects, from calibration data only.
 
-Written before the measurement is compared with it, so the report's error columns say how
-far the model can be trusted when it is used where nothing can be measured (``harness plan
---device``).
+The planner looks the calibration entries up (:mod:`harness.calibration`) and hands them in as
+:class:`CalibrationInputs`; the model reads no files. Predictions are attached to each cell
+before it runs, so the report's error columns say how far the model can be trusted where
+nothing can be measured (``harness plan --device``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from harness.model.comm import comm_by_rank
-from harness.model.compute import lookup_workload, rates_from_entry, roofline_rates, threads_for, wrapper_of
-from harness.model.memory import GIB, peak_bytes, state_bytes_by_rank
+from harness.model.comm_fit import fitted_time_s
+from harness.model.compute import rates_from_entry, roofline_rates, wrapper_of
+from harness.model.memory import peak_bytes, state_bytes_by_rank
 from harness.model.shape import CellShape
 from harness.model.step_time import predict_step
+from harness.units import GIB
 
 CPU_BASE_GIB = 0.35
 """Process memory of a CPU rank before the model (torch loaded), when no workload calibration measured it."""
+
+
+@dataclass(frozen=True)
+class CalibrationInputs:
+    """The calibration entries one cell's prediction uses (None / no entry: not calibrated)."""
+
+    dtype: str
+    """The compute dtype the entries were looked up for."""
+    threads: int
+    """CPU threads per rank (0 on GPU)."""
+    workload: dict | None = None
+    """Workload entry (kind ``workload``) at the cell's size, sequence, dtype, threads and ranks at once."""
+    matmul_tflops: float | None = None
+    """Measured matmul peak (kind ``matmul``): the roofline fallback without a workload entry."""
+    comm: Callable[[int], dict | None] = lambda group: None
+    """Comm entry (kind ``comm``) for a group of this many ranks, or None."""
 
 
 def core_share(device_kind: str, local_world: int, threads: int) -> float:
@@ -27,12 +48,8 @@ def core_share(device_kind: str, local_world: int, threads: int) -> float:
     return min(1.0, (os.cpu_count() or 1) / (local_world * max(1, threads)))
 
 
-def _comm_time_fn(device_kind: str, nnodes: int):
-    from harness.measure.calibrate_comm import fitted_time_s, lookup_comm
-
-    @functools.lru_cache(maxsize=None)
-    def entry(group: int):
-        return lookup_comm(device_kind, group, nnodes=1 if group <= 1 else nnodes)
+def _comm_time_fn(comm: Callable[[int], dict | None]):
+    entry = functools.cache(comm)
 
     def fn(collective: str, nbytes: int, group: int, dim: str | None = None) -> float | None:
         e = entry(group)
@@ -43,35 +60,26 @@ def _comm_time_fn(device_kind: str, nnodes: int):
     return fn
 
 
-def predict_cell(cfg) -> dict:
+def predict_cell(cfg, cal: CalibrationInputs) -> dict:
     """Predicted step time, communication, model states and peak memory of a planned cell."""
-    from harness.measure import calibrate
-    from harness.precision import PrecisionPlan
-
     c = CellShape.of(cfg)
     local_world = max(1, cfg.world_size // cfg.nnodes)
-    threads = threads_for(cfg.device_kind, local_world)
-    dtype = PrecisionPlan(cfg.precision).compute_dtype
     notes = []
-    concurrent = local_world if cfg.device_kind == "cpu" else 1
-    entry = lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads, concurrent)
     rates = None
-    share = core_share(cfg.device_kind, local_world, threads)
-    if entry is not None:
-        rates = rates_from_entry(entry, wrapper_of(c))
+    share = core_share(cfg.device_kind, local_world, cal.threads)
+    if cal.workload is not None:
+        rates = rates_from_entry(cal.workload, wrapper_of(c))
         share = 1.0  # measured with the node's ranks computing at once: the sharing is in the rates
-    else:
-        peak = calibrate.lookup(cfg.device_kind, dtype, threads)
-        if peak is not None:
-            rates = roofline_rates(c, peak["tflops"])
-            notes.append("no workload calibration: compute at the matmul peak (a lower bound on time)")
+    elif cal.matmul_tflops is not None:
+        rates = roofline_rates(c, cal.matmul_tflops)
+        notes.append("no workload calibration: compute at the matmul peak (a lower bound on time)")
     step = None
     if rates is not None:
-        step = predict_step(c, rates, _comm_time_fn(cfg.device_kind, cfg.nnodes), share,
-                            hide_overlappable=cfg.device_kind == "cuda")
+        step = predict_step(c, rates, _comm_time_fn(cal.comm), share, hide_overlappable=cfg.device_kind == "cuda")
         notes += list(step.notes)
     else:
-        notes.append(f"n/a: no calibration for {cfg.device_kind} {dtype} threads={threads}; run harness calibrate")
+        notes.append(f"n/a: no calibration for {cfg.device_kind} {cal.dtype} threads={cal.threads}; "
+                     f"run harness calibrate")
     comm = comm_by_rank(c)
     states = state_bytes_by_rank(c)
     base = (rates.base_gib if rates and rates.base_gib is not None else CPU_BASE_GIB) if cfg.device_kind == "cpu" else 0.0

@@ -1,11 +1,11 @@
-"""The facts of a cell the model needs, from a :class:`~harness.config.CellConfig` or a what-if."""
+"""The facts of a cell the model needs, from a :class:`~harness.spec.CellConfig` or a what-if."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import OPTIONS, resolve_degrees, stages_per_rank
+from harness.parallel.presets import Layout, resolve
 from workloads.sizes import ModelSize, get_size
 
 LOW_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -28,30 +28,34 @@ class CellShape:
 
     @classmethod
     def of(cls, cfg) -> "CellShape":
-        """From a planned :class:`~harness.config.CellConfig`."""
+        """From a planned :class:`~harness.spec.CellConfig`."""
         size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
-        dims = resolve_degrees(cfg.strategy, cfg.world_size, cfg.degrees)
+        dims = resolve(cfg.strategy, cfg.world_size, cfg.degrees).dims
         return cls(size=size, dims=dims, strategy=cfg.strategy, precision=cfg.precision,
                    global_batch=cfg.global_batch, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches,
                    pp_schedule=cfg.pp_schedule, device_kind=cfg.device_kind)
 
     @property
+    def layout(self) -> Layout:
+        """The strategy's resolved layout: the one rule for FSDP and data-parallel sync."""
+        return Layout(self.strategy, self.dims)
+
+    @property
     def data_parallel(self) -> str:
-        return OPTIONS[self.strategy].data_parallel
+        return self.layout.data_parallel
 
     @property
     def fsdp(self) -> bool:
-        """Whether ``fully_shard`` is applied (the rule of :func:`harness.parallel.parallelize.parallelize`)."""
-        return self.data_parallel in ("fsdp", "hsdp") and (
-            self.dims.dp_enabled or self.strategy in ("fsdp", "zero2", "hsdp"))
+        """Whether ``fully_shard`` is applied (:attr:`harness.parallel.presets.Layout.fsdp`)."""
+        return self.layout.fsdp
 
     @property
     def reshard_after_forward(self) -> bool:
-        return OPTIONS[self.strategy].reshard_after_forward
+        return self.layout.reshard_after_forward
 
     @property
     def virtual(self) -> int:
-        return stages_per_rank(self.pp_schedule) if self.dims.pp_enabled else 1
+        return self.layout.virtual_stages(self.pp_schedule)
 
     @property
     def local_batch(self) -> int:

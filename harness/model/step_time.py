@@ -4,7 +4,7 @@
   micro-steps, or pipeline microbatches on the slowest stage), divided by the rank's share of
   the cores when CPU ranks oversubscribe them;
 * communication: each call of :mod:`harness.model.comm` at the calibrated time for its
-  collective, message size and group size (:func:`harness.measure.calibrate_comm.fitted_time_s`,
+  collective, message size and group size (:func:`harness.model.comm_fit.fitted_time_s`,
   nccl-tests busbw), or at ``latency + S * factor / busbw`` from an interconnect table for
   what-if. What the strategy can overlap (DDP buckets, FSDP prefetch, async sends) is hidden
   behind compute up to the compute time, except the first and the last such call (the first

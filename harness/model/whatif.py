@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from harness.errors import UsageError
 from harness.model.compute import ComputeRates, roofline_rates
@@ -30,10 +29,7 @@ from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn
 from harness.model.memory import RECOMPUTE, peak_bytes, state_bytes_by_rank
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import predict_step
-from harness.parallel.presets import (
-    OPTIONS, PP_SCHEDULES, STRATEGIES, check_model_fit, resolve_degrees, world_for,
-)
-from harness.precision import check_strategy
+from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, resolve_cell, world_for
 from workloads.sizes import ModelSize, get_size
 
 SEQUENCES_PER_DEVICE = 8
@@ -107,36 +103,12 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
 def shape_for(s: Scenario, strategy: str) -> CellShape:
     """The cell a strategy runs at this scale; UsageError (the row's reason) when it cannot run."""
     world = world_for(strategy, s.gpus)
-    dims = resolve_degrees(strategy, world, s.degrees if strategy != "single" else None)
-    check_strategy(s.precision, strategy)
-    _check_data_parallel(strategy, dims)
-    mb = (s.microbatches or 2 * dims.pp) if dims.pp_enabled else 1  # the sweep planner's default
-    check_model_fit(dims, s.size.n_heads, s.size.d_ff, s.size.n_layers, s.pp_schedule, mb)
     gb = s.global_batch or SEQUENCES_PER_DEVICE * world
-    split = dims.dp * (mb if dims.pp_enabled else s.grad_accum)
-    if gb % split:
-        what = f"dp ({dims.dp}) x microbatches ({mb})" if dims.pp_enabled else f"dp ({dims.dp}) x grad_accum ({s.grad_accum})"
-        raise UsageError(f"global batch ({gb}) must be divisible by {what} = {split}; "
-                         f"use a --batch that is a multiple of {split}")
-    return CellShape(size=s.size, dims=dims, strategy=strategy, precision=s.precision, global_batch=gb,
+    layout, mb = resolve_cell(strategy, world, s.degrees if strategy != "single" else None, s.size, s.precision,
+                              s.pp_schedule, s.microbatches, s.grad_accum, gb)
+    return CellShape(size=s.size, dims=layout.dims, strategy=strategy, precision=s.precision, global_batch=gb,
                      grad_accum=s.grad_accum, microbatches=mb, pp_schedule=s.pp_schedule, device_kind="cuda",
                      recompute=s.recompute)
-
-
-def _check_data_parallel(strategy: str, dims) -> None:
-    """A data-parallel degree the strategy does not synchronise would train diverging replicas.
-
-    ``parallelize`` syncs gradients over ``dp_replicate`` only for DDP, over ``dp_shard`` only for
-    FSDP, over both for HSDP, and over neither for tp / tp-sp / pp.
-    """
-    synced = {"none": (), "ddp": ("dp_replicate",), "fsdp": ("dp_shard",),
-              "hsdp": ("dp_replicate", "dp_shard")}[OPTIONS[strategy].data_parallel]
-    for dim in ("dp_replicate", "dp_shard"):
-        n = getattr(dims, dim)
-        if n > 1 and dim not in synced:
-            fix = "fsdp+tp or pp+fsdp" if strategy in ("tp", "tp-sp", "pp") else "hsdp"
-            raise UsageError(f"strategy {strategy} does not synchronise gradients over {dim} ({n}): the replicas "
-                             f"would diverge; drop {dim} from --degrees or use {fix}")
 
 
 def recompute_factor(c: CellShape) -> float:
@@ -227,26 +199,3 @@ def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: t
     if unknown:
         raise UsageError(f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STRATEGIES)}")
     return rank_rows([predict_row(s, n) for n in names])
-
-
-# ---- the model's measured error, from a sweep whose records carry `predicted` ----
-
-def model_error(run_dir: Path) -> dict:
-    """``|predicted - measured| / measured`` step time over ok cell records with both
-    (:func:`harness.report_model.error_summary`, the numbers the sweep's summary.md shows).
-
-    Returns ``{"n", "mean_pct", "max_pct", "worst_cell", "device_kind"}``, or ``{"reason"}`` when
-    there is nothing to compare.
-    """
-    from harness.records_io import load_records
-    from harness.report_model import error_summary, model_frame
-
-    if not (Path(run_dir) / "records.jsonl").is_file():
-        return {"reason": f"no measured sweep with predictions at {run_dir}"}
-    records = load_records(run_dir)
-    s = error_summary(model_frame(records))
-    if not s.n:
-        return {"reason": f"no ok cell records with predicted.step_time_s in {run_dir}"}
-    kinds = {(r.get("config") or {}).get("device_kind") for r in records if r.get("kind", "cell") == "cell"}
-    return {"n": s.n, "mean_pct": s.mean_abs_pct, "max_pct": s.max_abs_pct, "worst_cell": s.worst_cell,
-            "device_kind": ",".join(sorted(k for k in kinds if k))}

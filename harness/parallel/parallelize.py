@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 from harness.parallel.data_parallel import apply_ddp, apply_fsdp
-from harness.parallel.dims import ParallelDims
 from harness.parallel.pipeline import Pipeline, build_pipeline, build_stage_module, stage_ids
-from harness.parallel.presets import OPTIONS, stages_per_rank
+from harness.parallel.presets import Layout, stages_per_rank
 from harness.parallel.tp import apply_tp
 
 
@@ -43,10 +42,10 @@ class Parallelized:
             yield from p.parameters()
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, strategy: str, device: torch.device, precision,
+def parallelize(model: nn.Module, layout: Layout, device: torch.device, precision,
                 pp_schedule: str = "1f1b", microbatches: int = 1, loss_fn=None, ddp_comm_hook=None,
                 ddp_comm_state=None) -> Parallelized:
-    opts = OPTIONS[strategy]
+    dims = layout.dims
     device_kind = device.type
     # 1. pipeline split
     if dims.pp_enabled:
@@ -61,12 +60,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, strategy: str, device: tor
         for part in parts.values():
             apply_tp(part, dims.mesh("tp"), dims.sequence_parallel)
     # 4. data parallel
-    dp = opts.data_parallel
+    dp = layout.data_parallel
     wrapped: nn.Module | None = None
-    if dp in ("fsdp", "hsdp") and (dims.dp_enabled or strategy in ("fsdp", "zero2", "hsdp")):
+    if layout.fsdp:
         dp_mesh = dims.mesh("dp_replicate", "dp_shard") if dp == "hsdp" else dims.mesh("dp_shard")
         for part in parts.values():
-            apply_fsdp(part, dp_mesh, opts.reshard_after_forward, precision.fsdp_policy())
+            apply_fsdp(part, dp_mesh, layout.reshard_after_forward, precision.fsdp_policy())
     elif dp == "ddp":
         wrapped = apply_ddp(parts[0], dims.mesh("dp_replicate"), device_kind, ddp_comm_hook, ddp_comm_state)
     if dims.pp_enabled:

@@ -1,4 +1,9 @@
-"""Named strategies -> parallel degrees for a device count, and the checks a cell must pass."""
+"""Named strategies -> parallel degrees for a device count, and the checks a cell must pass.
+
+:func:`resolve` is the one place a strategy becomes degrees: it returns a :class:`Layout`,
+which also carries what follows from them (is ``fully_shard`` applied, which dimensions
+synchronise gradients). The planner, the worker, ``parallelize()`` and the model all read it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from dataclasses import dataclass
 
 from harness.errors import UsageError
 from harness.parallel.dims import ParallelDims
+from harness.precision import check_strategy
+from workloads.sizes import ModelSize
 
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -19,6 +26,15 @@ class StrategyOptions:
     """``none``, ``ddp`` (all-reduce), ``fsdp`` (fully_shard) or ``hsdp`` (replicate x shard)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3-like) or keep them to backward (ZeRO-2-like)."""
+
+    @property
+    def synced_dims(self) -> tuple[str, ...]:
+        """Data-parallel mesh dimensions over which this strategy synchronises gradients."""
+        return SYNCED_DIMS[self.data_parallel]
+
+
+SYNCED_DIMS = {"none": (), "ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard")}
+"""``parallelize`` syncs over dp_replicate only for DDP, over dp_shard only for FSDP, over both for HSDP."""
 
 
 OPTIONS = {
@@ -75,22 +91,87 @@ def degrees_for(strategy: str, world: int) -> ParallelDims:
     return ParallelDims(pp=2, dp_shard=world // 4, tp=2, world_size=world)
 
 
-def resolve_degrees(strategy: str, world: int, override: dict | None) -> ParallelDims:
-    """The preset's degrees, or an explicit override validated against the world size."""
+@dataclass(frozen=True)
+class Layout:
+    """A strategy resolved at a world size: its degrees and what follows from them."""
+
+    strategy: str
+    dims: ParallelDims
+
+    @property
+    def options(self) -> StrategyOptions:
+        return OPTIONS[self.strategy]
+
+    @property
+    def data_parallel(self) -> str:
+        return self.options.data_parallel
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether ``fully_shard`` is applied: FSDP-family strategies with a data-parallel degree,
+        and the pure FSDP strategies always (on one rank it still wraps, so the cost is measured)."""
+        return self.data_parallel in ("fsdp", "hsdp") and (
+            self.dims.dp_enabled or self.strategy in ("fsdp", "zero2", "hsdp"))
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.options.reshard_after_forward
+
+    def virtual_stages(self, pp_schedule: str) -> int:
+        """Pipeline stages per rank (1 without a pipeline)."""
+        return stages_per_rank(pp_schedule) if self.dims.pp_enabled else 1
+
+
+def resolve(strategy: str, world: int, override: dict | None = None) -> Layout:
+    """The preset's degrees, or an explicit override validated against the world size and the
+    dimensions the strategy synchronises (an unsynchronised replica would silently diverge)."""
     if not override:
-        return degrees_for(strategy, world)
+        return Layout(strategy, degrees_for(strategy, world))
     unknown = set(override) - {"dp_replicate", "dp_shard", "tp", "pp"}
     if unknown:
         raise UsageError(f"unknown degree names {sorted(unknown)}; use dp_replicate, dp_shard, tp, pp")
+    if strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     dims = ParallelDims(**override, world_size=world, sequence_parallel=strategy == "tp-sp")
-    dp = OPTIONS[strategy].data_parallel if strategy in OPTIONS else "none"
-    syncs = {"none": (), "ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard")}[dp]
+    syncs = OPTIONS[strategy].synced_dims
     for name in ("dp_replicate", "dp_shard"):
         if getattr(dims, name) > 1 and name not in syncs:
             raise UsageError(f"strategy {strategy} does not synchronise gradients over {name} "
                              f"({getattr(dims, name)}): its replicas would diverge; set {name}=1 or pick a strategy "
                              f"that uses it ({'ddp/hsdp' if name == 'dp_replicate' else 'fsdp/zero2/hsdp'})")
-    return dims
+    return Layout(strategy, dims)
+
+
+def default_microbatches(dims: ParallelDims, asked: int | None) -> int:
+    """Pipeline microbatches: as asked, else 2 x pp (enough for every schedule); 1 without a pipeline."""
+    if not dims.pp_enabled:
+        return asked or 1
+    return asked or 2 * dims.pp
+
+
+def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSize, precision: str, pp_schedule: str,
+                 microbatches: int | None, grad_accum: int, global_batch: int) -> tuple[Layout, int]:
+    """Resolve a cell's strategy and run every check its shape allows; the layout and the microbatches.
+
+    The planner and the what-if both call it, so a cell is valid for one exactly when it is for
+    the other. Each failed check is a UsageError naming the values and the fix.
+    """
+    layout = resolve(strategy, world, degrees)
+    check_strategy(precision, strategy)
+    mb = default_microbatches(layout.dims, microbatches)
+    check_model_fit(layout.dims, size.n_heads, size.d_ff, size.n_layers, pp_schedule, mb)
+    check_batch_split(layout.dims, global_batch, mb, grad_accum)
+    return layout, mb
+
+
+def check_batch_split(dims: ParallelDims, global_batch: int, microbatches: int, grad_accum: int) -> None:
+    """The global batch must split evenly over the data-parallel ranks and their micro-steps."""
+    split = dims.dp * (microbatches if dims.pp_enabled else grad_accum)
+    if global_batch % split:
+        what = f"dp ({dims.dp}) x microbatches ({microbatches})" if dims.pp_enabled else \
+            f"dp ({dims.dp}) x grad_accum ({grad_accum})"
+        raise UsageError(f"global batch ({global_batch}) must be divisible by {what} = {split}; "
+                         f"use a --batch that is a multiple of {split}")
 
 
 def world_for(strategy: str, gpus: int) -> int:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness import train
+from harness.run import train
 from harness.measure.nvtx_ranges import Ranges
 from harness.parallel.parallelize import Parallelized
 from harness.precision import PrecisionPlan

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from harness import train
+from harness.run import train
 from tests.bench.conftest import make_context
 
 ROUNDS = 30

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from harness import train
+from harness.run import train
 from tests.bench.conftest import bare_step, interleaved, make_context
 
 

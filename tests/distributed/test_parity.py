@@ -1,15 +1,15 @@
 """Every strategy computes the same training as one device, and its communication is what theory says.
 
 One gloo group per world size runs every strategy in turn (see _spawn.py); the references run
-on a one-rank group. fp32 tolerance: harness.sweep.PARITY_TOL["fp32"] (its docstring says why).
+on a one-rank group. fp32 tolerance: harness.run.record_metrics.PARITY_TOL["fp32"] (its docstring says why).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from harness.metrics import max_rel_diff
-from harness.sweep import PARITY_TOL
+from harness.run.metrics import max_rel_diff
+from harness.run.record_metrics import PARITY_TOL
 from tests.distributed._spawn import cell, run_cells
 from dataclasses import replace
 
@@ -156,7 +156,7 @@ def bf16_world4(tmp_path_factory):
 
 
 def _predicted(cell_id: str, res: dict):
-    from harness.config import CellConfig
+    from harness.spec import CellConfig
     from harness.model.comm import comm_by_rank
     from harness.model.memory import state_bytes_by_rank
     from harness.model.shape import CellShape

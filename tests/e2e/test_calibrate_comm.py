@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.measure.calibrate_comm import COLLECTIVES, bus_factor
+from harness.calibration.collectives import COLLECTIVES, bus_factor
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from harness.calibration import collectives as cc
+from harness.calibration import matmul as calibrate
+from harness.calibration import store
 from harness.cli import main
-from harness.measure import calibrate
-from harness.measure import calibrate_comm as cc
+from harness.model import comm_fit
 
 
 def test_busbw_factors_match_nccl_tests():
@@ -41,11 +43,11 @@ ENTRY = {
 
 
 def test_fitted_time_rejects_unknown_collectives_and_negative_sizes():
-    assert cc.fitted_time_s(ENTRY, "all_reduce", 0) == 0.0
+    assert comm_fit.fitted_time_s(ENTRY, "all_reduce", 0) == 0.0
     with pytest.raises(ValueError, match="no measurement of 'broadcast'"):
-        cc.fitted_time_s(ENTRY, "broadcast", 100)
+        comm_fit.fitted_time_s(ENTRY, "broadcast", 100)
     with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
-        cc.fitted_time_s(ENTRY, "all_reduce", -1)
+        comm_fit.fitted_time_s(ENTRY, "all_reduce", -1)
 
 
 @pytest.mark.parametrize("text,expected", [("4MiB", 4 << 20), ("1KiB", 1024), ("1048576", 1 << 20), ("64 kib", 65536),
@@ -76,7 +78,7 @@ def test_cache_merge_keeps_matmul_entries(tmp_path, monkeypatch):
     cache = tmp_path / "cal.json"
     fp = calibrate.fingerprint("cpu", "fp32", 2)
     matmul = {"fingerprint": fp, "tflops": 0.1, "shapes": []}
-    cache.write_text(json.dumps({calibrate._key(fp): matmul}))
+    cache.write_text(json.dumps({store.key("matmul", fp): matmul}))
     cc.store_comm(_comm_result(2), cache)
     cc.store_comm(_comm_result(4), cache)
 
@@ -98,7 +100,7 @@ def test_cache_merge_keeps_matmul_entries(tmp_path, monkeypatch):
 def test_matmul_lookup_ignores_entries_with_a_kind(tmp_path):
     cache = tmp_path / "cal.json"
     fp = calibrate.fingerprint("cpu", "fp32", 2)
-    cache.write_text(json.dumps({calibrate._key(fp): {"kind": "comm", "fingerprint": fp}}))
+    cache.write_text(json.dumps({store.key("matmul", fp): {"kind": "comm", "fingerprint": fp}}))
     assert calibrate.lookup("cpu", "fp32", 2, cache) is None
 
 
@@ -144,12 +146,12 @@ def test_alpha_beta_fit_recovers_latency_and_bandwidth_through_noise():
     sizes_ = [4096 * 4**i for i in range(7)]
     rows = [{"bytes": b, "time_s": 2e-3 + b / 0.5e9 + e} for b, e in zip(sizes_, noise)]
     entry = {"collectives": {"all_reduce": rows}, "sync_s": 1e-3}
-    alpha, beta = cc.alpha_beta(entry, "all_reduce")
+    alpha, beta = comm_fit.alpha_beta(entry, "all_reduce")
     assert alpha == pytest.approx(2e-3, abs=2e-4) and beta == pytest.approx(0.5e9, rel=0.02)
-    t = cc.fitted_time_s(entry, "all_reduce", 1 << 20)
+    t = comm_fit.fitted_time_s(entry, "all_reduce", 1 << 20)
     assert t == pytest.approx(alpha + (1 << 20) / beta)
-    assert cc.fitted_time_s(entry, "all_reduce", 1 << 20, after_compute=True) == pytest.approx(t + 1e-3)
-    assert cc.fitted_time_s(entry, "all_reduce", 0, after_compute=True) == 0.0
+    assert comm_fit.fitted_time_s(entry, "all_reduce", 1 << 20, after_compute=True) == pytest.approx(t + 1e-3)
+    assert comm_fit.fitted_time_s(entry, "all_reduce", 0, after_compute=True) == 0.0
 
 
 def test_entries_without_a_sync_cost_are_not_reused(tmp_path):

@@ -1,4 +1,4 @@
-"""Unit tests of the regression gate (harness/compare.py) and records loading."""
+"""Unit tests of the regression gate (harness/compare/) and records loading."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import pytest
 from scipy.stats import mannwhitneyu
 
 from harness import compare as cmp
+from harness.cli import main
+from harness.compare import stats
 from harness.errors import UsageError
-from harness.records_io import load_benchmark_json, load_records
+from harness.records.reader import load_benchmark_json, load_records
 
 DATA = Path(__file__).parent / "data"
 TOKENS_PER_STEP = 16 * 128
@@ -77,65 +79,65 @@ def run(base: Path, cand: Path, **kwargs: Any) -> tuple[int, str, str]:
 def test_median_ratio_exact() -> None:
     base = np.array([1.0, 2.0, 3.0, 4.0, 50.0])  # median 3
     cand = np.array([2.0, 4.0, 6.0, 8.0, 10.0])  # median 6
-    assert cmp.median_ratio(base, cand) == 2.0
+    assert stats.median_ratio(base, cand) == 2.0
 
 
 def test_mannwhitney_matches_scipy_directly() -> None:
     base = np.array([10.0, 11.0, 12.0, 13.0, 14.0, 15.0])
     cand = np.array([9.0, 10.5, 11.5, 12.5, 9.5, 8.0])
     expected = mannwhitneyu(cand, base, alternative="less").pvalue
-    assert cmp.mannwhitney_less_p(base, cand) == pytest.approx(expected, rel=1e-12)
-    assert cmp.mannwhitney_less_p(base, cand) < cmp.mannwhitney_less_p(cand, base)
+    assert stats.mannwhitney_less_p(base, cand) == pytest.approx(expected, rel=1e-12)
+    assert stats.mannwhitney_less_p(base, cand) < stats.mannwhitney_less_p(cand, base)
 
 
 def test_bootstrap_ci_is_seeded_and_brackets_ratio() -> None:
     base, cand = noisy_times(100.0, 1), noisy_times(90.0, 2)
-    ci = cmp.bootstrap_ratio_ci(base, cand, n_resamples=1000, seed=0)
-    assert ci == cmp.bootstrap_ratio_ci(base, cand, n_resamples=1000, seed=0)
-    assert ci != cmp.bootstrap_ratio_ci(base, cand, n_resamples=1000, seed=1)
-    assert ci[0] < cmp.median_ratio(base, cand) < ci[1]
+    ci = stats.bootstrap_ratio_ci(base, cand, n_resamples=1000, seed=0)
+    assert ci == stats.bootstrap_ratio_ci(base, cand, n_resamples=1000, seed=0)
+    assert ci != stats.bootstrap_ratio_ci(base, cand, n_resamples=1000, seed=1)
+    assert ci[0] < stats.median_ratio(base, cand) < ci[1]
     constant = np.full(7, 5.0)
-    assert cmp.bootstrap_ratio_ci(constant, constant * 2, 200, 0) == (2.0, 2.0)
+    assert stats.bootstrap_ratio_ci(constant, constant * 2, 200, 0) == (2.0, 2.0)
 
 
 @pytest.mark.parametrize(
     ("ratio", "ci", "p", "verdict"),
     [
-        (0.90, (0.85, 0.95), 0.001, cmp.REGRESSION),
-        (0.90, (0.80, 1.02), 0.001, cmp.INCONCLUSIVE),
-        (0.90, (0.85, 0.95), 0.20, cmp.INCONCLUSIVE),
-        (0.97, (0.93, 0.99), 0.001, cmp.PASS),
-        (1.10, (1.05, 1.15), 0.999, cmp.IMPROVED),
-        (1.10, (0.99, 1.15), 0.999, cmp.PASS),
+        (0.90, (0.85, 0.95), 0.001, stats.REGRESSION),
+        (0.90, (0.80, 1.02), 0.001, stats.INCONCLUSIVE),
+        (0.90, (0.85, 0.95), 0.20, stats.INCONCLUSIVE),
+        (0.97, (0.93, 0.99), 0.001, stats.PASS),
+        (1.10, (1.05, 1.15), 0.999, stats.IMPROVED),
+        (1.10, (0.99, 1.15), 0.999, stats.PASS),
     ],
 )
 def test_decide_branches(ratio: float, ci: tuple[float, float], p: float, verdict: str) -> None:
-    assert cmp.decide(ratio, ci[0], ci[1], p, threshold=0.05, alpha=0.05)[0] == verdict
+    assert stats.decide(ratio, ci[0], ci[1], p, threshold=0.05, alpha=0.05)[0] == verdict
 
 
 def test_inconclusive_reason_gives_remedy() -> None:
-    _, reason = cmp.decide(0.90, 0.80, 1.02, 0.001, threshold=0.05, alpha=0.05)
+    _, reason = stats.decide(0.90, 0.80, 1.02, 0.001, threshold=0.05, alpha=0.05)
     assert reason == "slower by 10.0% but CI [0.800, 1.020] crosses 1; rerun with more steps"
 
 
 def test_too_few_samples() -> None:
-    result = cmp.judge_samples(np.ones(4), np.ones(20), cmp.CompareOptions())
-    assert result.verdict == cmp.TOO_FEW
+    result = stats.judge_samples(np.ones(4), np.ones(20), stats.CompareOptions())
+    assert result.verdict == stats.TOO_FEW
     assert "4 base and 20 cand samples, need >= 5" in result.reason
 
 
 def test_power_and_false_positive_rate() -> None:
     """Planted 10% slowdown at CV 3%, 20 samples: flagged in >= 95% of 200 seeds;
     no change: flagged in <= 1% of 200 seeds."""
-    opts = cmp.CompareOptions(n_bootstrap=500)
+    opts = stats.CompareOptions(n_bootstrap=500)
     flagged_slow = flagged_same = 0
     for seed in range(200):
         rng = np.random.default_rng(seed)
         base = rng.normal(100.0, 3.0, 20)
         slow = rng.normal(90.0, 3.0, 20)
         same = rng.normal(100.0, 3.0, 20)
-        flagged_slow += cmp.judge_samples(base, slow, opts).verdict == cmp.REGRESSION
-        flagged_same += cmp.judge_samples(base, same, opts).verdict == cmp.REGRESSION
+        flagged_slow += stats.judge_samples(base, slow, opts).verdict == stats.REGRESSION
+        flagged_same += stats.judge_samples(base, same, opts).verdict == stats.REGRESSION
     assert flagged_slow >= 190, flagged_slow
     assert flagged_same <= 2, flagged_same
 
@@ -154,7 +156,7 @@ def test_fingerprint_diff_names_fields() -> None:
 
 def test_options_validated() -> None:
     with pytest.raises(UsageError, match=r"--threshold \(1.5\) must be in \[0, 1\)"):
-        cmp.CompareOptions(threshold=1.5)
+        stats.CompareOptions(threshold=1.5)
 
 
 # ---------------------------------------------------------------- end to end on files
@@ -174,7 +176,7 @@ def test_regression_exit_1(tmp_path: Path) -> None:
     code, out, _ = run(tmp_path / "base.jsonl", cand)
     assert code == 1
     assert "REGRESSION" in out and "slower by" in out
-    df = cmp.compare(load_records(base), load_records(cand), cmp.CompareOptions())
+    df = cmp.compare(load_records(base), load_records(cand), stats.CompareOptions())
     assert df.loc[0, "ratio"] == pytest.approx(
         np.median(TOKENS_PER_STEP / noisy_times(0.12, 2))
         / np.median(TOKENS_PER_STEP / noisy_times(0.1, 1)))
@@ -221,7 +223,7 @@ def test_truncated_file_exit_2_names_file_and_line(tmp_path: Path) -> None:
     assert (code, out) == (2, "")
     assert err.count("\n") == 1
     assert f"{truncated}: line 2 is not valid JSON" in err
-    assert "delete that line or rerun the cell" in err
+    assert "a write was interrupted there: finish the run with harness bench --resume" in err
 
 
 def test_nonexistent_file_exit_2(tmp_path: Path) -> None:
@@ -292,12 +294,12 @@ def test_calibration_normalization_cancels_slower_machine(tmp_path: Path) -> Non
     assert "no calibration record" in err and "use --normalize none" in err
 
 
-def test_main_compare_parses_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_compare_parses_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = write_jsonl(tmp_path / "b.jsonl", [make_record(step_times=noisy_times(0.1, 1))])
     cand = write_jsonl(tmp_path / "c.jsonl", [make_record(step_times=noisy_times(0.106, 2))])
-    assert cmp.main_compare([str(base), str(cand), "--threshold", "0.01", "--seed", "3",
-                             "--bootstrap", "500"]) == 1
-    assert cmp.main_compare([str(base), str(cand), "--threshold", "0.2"]) == 0
+    assert main(["compare", str(base), str(cand), "--threshold", "0.01", "--seed", "3",
+                 "--bootstrap", "500"]) == 1
+    assert main(["compare", str(base), str(cand), "--threshold", "0.2"]) == 0
     assert "verdicts:" in capsys.readouterr().out
 
 

@@ -15,7 +15,7 @@ from harness.model.inventory import coords, fsdp_local_numel, fsdp_padded_numel,
 from harness.model.shape import CellShape
 from harness.model.step_time import predict_step
 from harness.parallel.presets import degrees_for
-from harness.report_model import error_summary, model_frame
+from harness.report.model_error import error_summary, model_frame
 from workloads.sizes import get_size
 
 TINY = get_size("tiny")

@@ -14,16 +14,14 @@ import pandas as pd
 import pytest
 
 from harness.measure import nvml_sampler as nvml_sampler_mod
-from harness.measure.monitor import (
+from harness.measure.monitor import HostSampler, Monitor, make_monitor
+from harness.measure.nvml_sampler import (
     NVML_SCOPE_ALL_LINKS,
-    HostSampler,
-    Monitor,
     NvmlUnavailable,
-    counter_delta,
-    make_monitor,
     resolve_devices,
     visible_device_entries,
 )
+from harness.measure.sampling import counter_delta
 
 NOT_SUPPORTED = 3
 

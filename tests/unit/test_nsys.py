@@ -20,7 +20,7 @@ from harness.measure.nsys import (
     report_path,
 )
 
-INNER = ["python", "-m", "harness.worker", "--cell", "tiny ddp"]
+INNER = ["python", "-m", "harness.run.worker", "--cell", "tiny ddp"]
 BASE = [
     "/opt/nsys", "profile",
     "-t", "cuda,nvtx,osrt,cublas,cudnn",

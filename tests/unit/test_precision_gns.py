@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import train
+from harness.run import train
 from harness.measure.gns import b_simple, two_batch_estimates
-from harness.metrics import max_rel_diff
+from harness.run.metrics import max_rel_diff
 from harness.precision import PrecisionPlan
-from harness.sweep import PARITY_TOL
+from harness.run.record_metrics import PARITY_TOL
 from tests.bench.conftest import make_context
 
 

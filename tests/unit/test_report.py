@@ -11,9 +11,10 @@ import pandas as pd
 import pytest
 
 from harness import report
+from harness.report import frame, summary
 from harness.errors import UsageError
-from harness.plots import LOSS_PNG, PEAK_MEM_PNG, SCALING_PNG, THROUGHPUT_PNG, write_plots
-from harness.records_io import load_records
+from harness.report.plots import LOSS_PNG, PEAK_MEM_PNG, SCALING_PNG, THROUGHPUT_PNG, write_plots
+from harness.records.reader import load_records
 
 SEQ_LEN = 128
 OOM_ERROR = ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.35 GiB total capacity; "
@@ -90,7 +91,7 @@ def table_rows(markdown: str, size: str) -> list[list[str]]:
 
 
 def test_cells_frame_flattens_and_computes_scaling(records: list[dict[str, Any]]) -> None:
-    df = report.cells_frame(records).set_index("cell_id")
+    df = frame.cells_frame(records).set_index("cell_id")
     ddp2 = df.loc["tiny-ddp-fp32-w2-gb16-strong-constant"]
     assert ddp2["tokens_per_s_per_device"] == 900.0
     assert ddp2["scaling_efficiency"] == pytest.approx(1800.0 / (2 * 1000.0))  # 0.9
@@ -111,7 +112,7 @@ def test_cells_frame_flattens_and_computes_scaling(records: list[dict[str, Any]]
 def test_scaling_reference_prefers_same_strategy_else_fastest() -> None:
     recs = [cell("fsdp", "fp32", 1, 800.0), cell("ddp", "fp32", 1, 1000.0),
             cell("fsdp", "fp32", 2, 1440.0), cell("tp", "fp32", 2, 1500.0)]
-    eff = report.cells_frame(recs).set_index("strategy")["scaling_efficiency"]
+    eff = frame.cells_frame(recs).set_index("strategy")["scaling_efficiency"]
     assert eff["fsdp"].tolist() == [1.0, pytest.approx(1440.0 / (2 * 800.0))]
     assert eff["tp"] == pytest.approx(1500.0 / (2 * 1000.0))
 
@@ -119,18 +120,18 @@ def test_scaling_reference_prefers_same_strategy_else_fastest() -> None:
 def test_cells_frame_ignores_calibration_and_tolerates_missing_keys() -> None:
     bare = {"kind": "cell", "cell_id": "x", "status": "ok"}
     calibration = {"kind": "calibration", "cell_id": "calibration", "status": "ok"}
-    df = report.cells_frame([bare, calibration])
+    df = frame.cells_frame([bare, calibration])
     assert list(df["cell_id"]) == ["x"]
-    assert list(df.columns) == report.FRAME_COLUMNS
+    assert list(df.columns) == frame.FRAME_COLUMNS
     assert df[["tokens_per_s_per_device", "peak_mem_gib", "overlap_pct"]].isna().all(axis=None)
-    assert report.summary_markdown([bare]).startswith("# Benchmark summary, produced on unknown")
+    assert summary.summary_markdown([bare]).startswith("# Benchmark summary, produced on unknown")
 
 
 # ---------------------------------------------------------------- markdown
 
 
 def test_summary_table_marks_best_and_shows_failures(records: list[dict[str, Any]]) -> None:
-    md = report.summary_markdown(records)
+    md = summary.summary_markdown(records)
     assert md.startswith("# Benchmark summary, produced on cpu (AMD EPYC)\n")
     header, _, *rows = table_rows(md, "tiny")
     assert header[:4] == ["strategy", "precision", "world size", "tokens/s/dev"]
@@ -148,18 +149,18 @@ def test_summary_table_marks_best_and_shows_failures(records: list[dict[str, Any
     assert by_key[("ddp", "bf16", "2")]["MFU %"] == "n/a"
     oom = by_key[("fsdp", "bf16", "2")]
     assert oom["status"] == f"oom: {OOM_ERROR[:60]}"
-    assert oom["tokens/s/dev"] == report.FAILED_CELL
+    assert oom["tokens/s/dev"] == summary.FAILED_CELL
 
 
 def test_what_to_pick_names_the_right_cells(records: list[dict[str, Any]]) -> None:
-    md = report.summary_markdown(records)
+    md = summary.summary_markdown(records)
     assert ("**What to pick:** fastest is ddp/bf16 on 2 device(s) at 1,200 tokens/s/dev; "
             "leanest in memory is fsdp/fp32 on 2 device(s) at 1.20 GiB peak; "
             "best scaling is ddp/fp32 on 2 device(s) at efficiency 0.90.") in md
 
 
 def test_footnotes_and_unstable_flag(records: list[dict[str, Any]]) -> None:
-    md = report.summary_markdown(records)
+    md = summary.summary_markdown(records)
     assert "tokens/s = global tokens per step / median step time" in md
     assert "scaling efficiency = tokens/s at N devices / (N x tokens/s at 1 device)" in md
     assert ("- `tiny-fsdp-fp32-w2-gb16-strong-constant`: unstable: CV 14% > 10%, "
@@ -170,7 +171,7 @@ def test_footnotes_and_unstable_flag(records: list[dict[str, Any]]) -> None:
 
 
 def test_outcome_table() -> None:
-    md = report.summary_markdown(outcome_records())
+    md = summary.summary_markdown(outcome_records())
     header, _, *rows = table_rows(md, "small")
     assert header[:4] == ["strategy", "precision", "world size", "LR rule"]  # LR rule varies
     assert [r[3] for r in rows] == ["sqrt", "linear", "sqrt"]
@@ -218,10 +219,10 @@ def test_write_report_files(tmp_path: Path, records: list[dict[str, Any]]) -> No
 
 def test_plots_skipped_without_data(tmp_path: Path) -> None:
     only_failed = [cell("fsdp", "bf16", 2, None, status="oom", error=OOM_ERROR)]
-    df = report.cells_frame(only_failed)
+    df = frame.cells_frame(only_failed)
     assert write_plots(df, tmp_path / "plots", records=only_failed) == []
     one_size = [cell("ddp", "fp32", 1, 1000.0)]
-    written = write_plots(report.cells_frame(one_size), tmp_path / "p2", records=one_size)
+    written = write_plots(frame.cells_frame(one_size), tmp_path / "p2", records=one_size)
     assert [p.name for p in written] == [THROUGHPUT_PNG]
 
 

@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from harness import cli, slurm
+from harness import cli
+from harness.cli import slurm
 from harness.errors import UsageError
 
 NODES = ("gpu-a17", "gpu-b02")
@@ -135,4 +136,4 @@ def test_script_function_quotes_flags_for_the_task_shell():
 
 def test_cli_has_the_slurm_subcommand():
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert "slurm" in sub.choices, "harness/cli.py build_parser must call harness.slurm.register(sub)"
+    assert "slurm" in sub.choices, "harness/cli.py build_parser must call harness.cli.slurm.register(sub)"

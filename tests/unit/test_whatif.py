@@ -17,7 +17,8 @@ from harness.model.hardware import (
 )
 from harness.model.inventory import param_specs
 from harness.model.memory import state_bytes_by_rank
-from harness.model.whatif import model_error, plan_at_scale, predict_row, recompute_factor, scenario, shape_for
+from harness.model.whatif import plan_at_scale, predict_row, recompute_factor, scenario, shape_for
+from harness.report.model_error import model_error
 from harness.parallel.dims import ParallelDims
 from workloads.sizes import get_size
 

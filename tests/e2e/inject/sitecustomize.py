@@ -2,8 +2,8 @@
 
 The tests prepend this directory to PYTHONPATH of ``harness bench``; every process the sweep
 starts (torchrun, the ranks) inherits it and Python imports ``sitecustomize`` at start-up.
-Only a rank process (``-m harness.worker``) whose cell and RANK match an entry of
-``HARNESS_TEST_FAULTS`` (a JSON list) is touched: its ``harness.train.train_step`` is wrapped
+Only a rank process (``-m harness.run.worker``) whose cell and RANK match an entry of
+``HARNESS_TEST_FAULTS`` (a JSON list) is touched: its ``harness.run.train.train_step`` is wrapped
 so that on call ``call`` (1 = first step) the fault happens:
 
 - ``sigkill``: after the forward pass, the rank SIGKILLs itself (its peers block in the
@@ -55,7 +55,7 @@ def _install() -> None:
     if not spec:
         return
     argv = _argv()
-    if "harness.worker" not in argv or "--cell" not in argv:
+    if "harness.run.worker" not in argv or "--cell" not in argv:
         return
     cell_id = os.path.basename(os.path.dirname(argv[argv.index("--cell") + 1]))
     rank = int(os.environ.get("RANK", "-1"))
@@ -64,7 +64,7 @@ def _install() -> None:
         return
     entry = entries[0]
 
-    import harness.train as train
+    import harness.run.train as train
 
     original_step, original_loss = train.train_step, train.lm_loss
     calls = {"n": 0}

@@ -1,18 +1,20 @@
 """Read measurement records (docs/records.md) and pytest-benchmark JSON into record dicts.
 
-Everything downstream (report, plots, compare) consumes ``list[dict]`` records only;
-this module is the single place that touches the files. Malformed input raises
+Everything downstream (report, plots, compare, resume) consumes ``list[dict]`` records only;
+this module is the single place that reads them, with one policy for malformed lines
+(:func:`load_records`). Malformed input raises
 :class:`harness.errors.UsageError` with one line naming the file, the line and the fix.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
+from harness.records.fingerprint import digest
+from harness.records.record import SCHEMA_VERSION
 
 RECORDS_FILENAME = "records.jsonl"
 
@@ -29,36 +31,51 @@ def resolve_records_path(path: str | Path) -> Path:
     return p
 
 
+class TornTail(UsageError):
+    """The last line is not a record and has no newline: the append that wrote it was interrupted."""
+
+    def __init__(self, message: str, path: Path, offset: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+        """Byte offset where the torn line starts: everything before it is whole records."""
+
+
 def load_records(path: str | Path) -> list[dict[str, Any]]:
     """Load every record of a records.jsonl file or run directory, in file order.
 
-    Blank lines are skipped. A line that is not a JSON object (for example the truncated
-    last line of an interrupted run) raises UsageError naming the file and line number.
+    The one policy, for every reader (report, compare, resume): each non-blank line must be one
+    JSON object, or the file is refused with a UsageError naming the file, the line and the fix.
+    A torn last line (not JSON and no newline at its end: an append that was interrupted) raises
+    :class:`TornTail`, which says where the whole records end; ``harness bench --resume`` sets
+    that tail aside (:func:`harness.run.rundir.set_aside_torn_tail`) and re-runs its cell.
+    Records are never skipped silently.
     """
     p = resolve_records_path(path)
+    data = p.read_bytes()
     records: list[dict[str, Any]] = []
-    with p.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            records.append(_parse_record_line(p, lineno, line))
+    offset = 0
+    for lineno, raw in enumerate(data.splitlines(keepends=True), start=1):
+        start, offset = offset, offset + len(raw)
+        line = raw.decode("utf-8", errors="replace")
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            where = f"{p}: line {lineno} is not valid JSON ({exc.msg} at column {exc.colno})"
+            if offset == len(data) and not raw.endswith(b"\n"):
+                raise TornTail(f"{where}; a write was interrupted there: finish the run with "
+                               f"harness bench --resume {p.parent} (the torn line is set aside)", p, start) from exc
+            raise UsageError(f"{where}; the file is corrupt at that line: restore it from a copy, "
+                             "or remove that line and rerun its cell") from exc
+        if not isinstance(obj, dict):
+            raise UsageError(
+                f"{p}: line {lineno} is a JSON {type(obj).__name__}, expected one record object "
+                "per line (docs/records.md)"
+            )
+        records.append(obj)
     return records
-
-
-def _parse_record_line(path: Path, lineno: int, line: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"{path}: line {lineno} is not valid JSON ({exc.msg} at column {exc.colno}); "
-            "the run was probably interrupted: delete that line or rerun the cell"
-        ) from exc
-    if not isinstance(obj, dict):
-        raise UsageError(
-            f"{path}: line {lineno} is a JSON {type(obj).__name__}, expected one record object "
-            "per line (docs/records.md)"
-        )
-    return obj
 
 
 def is_benchmark_json(path: str | Path) -> bool:
@@ -118,24 +135,18 @@ def _benchmark_to_record(
     }
     is_calibration = bench.get("name") == "calibration" or extra.get("kind") == "calibration"
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "kind": "calibration" if is_calibration else "cell",
         "cell_id": "calibration" if is_calibration else bench["fullname"],
         "status": "ok",
         "error": None,
-        "fingerprint": _fingerprint(fields),
+        "fingerprint": digest(fields),
         "fingerprint_fields": fields,
         "config": {},
         "env": {"git_sha": commit.get("id"), "cpu_model": cpu_brand},
         "metrics": {"tokens_per_step": float(extra.get("tokens_per_step", 1.0))},
         "samples": {"step_time_s": [float(x) for x in samples]},
     }
-
-
-def _fingerprint(fields: dict[str, Any]) -> str:
-    """16 hex chars of sha256 over the canonical JSON of ``fields``."""
-    blob = json.dumps(fields, sort_keys=True, default=str).encode("utf-8")
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def load_any(path: str | Path) -> list[dict[str, Any]]:

@@ -16,7 +16,10 @@ import shlex
 from dataclasses import replace
 from pathlib import Path
 
+from harness.cli.args import add_sweep_args, spec_from_args, sweep_actions
 from harness.errors import UsageError
+from harness.plan import expand
+from harness.records.record import new_run_id
 
 SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)")
 """sbatch ``--time`` formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
@@ -82,12 +85,8 @@ def _sbatch_value(value: str) -> str:
 
 def sweep_flags(args: argparse.Namespace, skip: tuple[str, ...] = ("nnodes",)) -> list[str]:
     """The sweep flags set in ``args``, as command-line arguments (a sweep file as an absolute path)."""
-    from harness.cli import add_sweep_args
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_sweep_args(parser)
     flags: list[str] = []
-    for action in parser._actions:  # argparse has no public list of a parser's actions
+    for action in sweep_actions():
         value = getattr(args, action.dest, None)
         if value is None or action.dest in skip:
             continue
@@ -100,10 +99,6 @@ def sweep_flags(args: argparse.Namespace, skip: tuple[str, ...] = ("nnodes",)) -
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from harness.cli import spec_from_args
-    from harness.plan import expand
-    from harness.results.record import new_run_id
-
     target = args.device or "auto"
     checked = copy.copy(args)
     if target == "cuda":
@@ -124,8 +119,6 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add ``harness slurm`` to the CLI's subparsers."""
-    from harness.cli import add_sweep_args
-
     s = sub.add_parser("slurm", help="print an sbatch script running the sweep on --nnodes Slurm nodes")
     add_sweep_args(s)
     s.add_argument("--time", default="01:00:00", help="Slurm time limit, e.g. 90, 01:30:00, 1-12:00:00")

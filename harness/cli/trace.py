@@ -7,7 +7,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from harness.cli.args import add_sweep_args, device_line, spec_from_args
 from harness.errors import UsageError
+from harness.measure import nsys as nsys_mod
+from harness.plan import expand
+from harness.run.launch import Rendezvous
+from harness.run.rundir import start_run
+from harness.run.sweep import SweepOptions, run_sweep
 
 
 def _pick(cells, cell_id: str | None):
@@ -27,23 +33,17 @@ def _pick(cells, cell_id: str | None):
 
 
 def cmd_trace(args) -> int:
-    from harness.cli import _device_line, spec_from_args
-    from harness.launch import Rendezvous
-    from harness.measure import nsys as nsys_mod
-    from harness.plan import expand
-    from harness.sweep import SweepOptions, run_sweep, start_run
-
     spec = spec_from_args(args)
     cell = _pick(expand(replace(spec, reference=False)), args.cell)
     out, run_id, _ = start_run(args.out, None, 0)
-    print(_device_line(spec))
+    print(device_line(spec))
     nsys = nsys_mod.nsys_available() if spec.device_kind == "cuda" else None
     prefix = None
     if nsys is not None:
         nsys_dir = out / "cells" / cell.cell_id / "nsys"
         prefix = [sys.executable, "-m", "harness.measure.nsys", "--nsys", nsys, "--out-dir", str(nsys_dir),
                   "--gpu-metrics-devices", "all", "--"]
-        example = nsys_mod.nsys_command(nsys, nsys_dir, ["python", "-m", "harness.worker", "..."], "all", True)
+        example = nsys_mod.nsys_command(nsys, nsys_dir, ["python", "-m", "harness.run.worker", "..."], "all", True)
         print("nsys per rank (local rank 0 also samples GPU metrics):\n  " + nsys_mod.format_command(example))
     else:
         why = "no CUDA device in use" if spec.device_kind != "cuda" else "nsys not found on PATH or /opt/nvidia"
@@ -73,8 +73,6 @@ def cmd_trace(args) -> int:
 
 
 def register(sub) -> None:
-    from harness.cli import add_sweep_args
-
     t = sub.add_parser("trace", help="one cell under nsys (per-rank reports) or torch.profiler without nsys")
     add_sweep_args(t)
     t.add_argument("--cell", help="cell id to trace (default: the first multi-device cell of the sweep)")
@@ -82,5 +80,3 @@ def register(sub) -> None:
     t.add_argument("--cell-timeout", type=float)
     t.set_defaults(fn=cmd_trace)
 
-
-__all__ = ["register", "cmd_trace"]

@@ -57,18 +57,20 @@ def throughput(stats: Stats, tokens_per_step: int, world: int, flops_per_token: 
     return {"tokens_per_s": tps, "tokens_per_s_per_device": tps / world, "tflops_per_device": tflops}
 
 
-def mfu_fields(tflops_per_device: float, device_kind: str, device_name: str, dtype: str,
-               calibrated_tflops: float | None) -> dict:
+def mfu_fields(tflops_per_device: float, device_kind: str, device_name: str, dtype: str) -> dict:
+    """MFU against the datasheet peak of this device and dtype; n/a with the reason when unknown."""
     peak, reason = datasheet_peak_tflops(device_name, dtype, device_kind)
-    out = {"peak_tflops": peak, "mfu_pct": mfu_pct(tflops_per_device, peak), "mfu_reason": reason,
-           "calibrated_tflops": calibrated_tflops}
+    return {"peak_tflops": peak, "mfu_pct": mfu_pct(tflops_per_device, peak), "mfu_reason": reason}
+
+
+def calibrated_mfu_fields(tflops_per_device: float, calibrated_tflops: float | None, device_name: str,
+                          dtype: str) -> dict:
+    """MFU against the measured matmul peak (``harness calibrate``); n/a with the remedy without one."""
     if calibrated_tflops:
-        out["mfu_calibrated_pct"] = mfu_pct(tflops_per_device, calibrated_tflops)
-        out["mfu_calibrated_reason"] = None
-    else:
-        out["mfu_calibrated_pct"] = None
-        out["mfu_calibrated_reason"] = f"n/a: no calibration for {device_name} {dtype}; run `harness calibrate`"
-    return out
+        return {"calibrated_tflops": calibrated_tflops,
+                "mfu_calibrated_pct": mfu_pct(tflops_per_device, calibrated_tflops), "mfu_calibrated_reason": None}
+    return {"calibrated_tflops": None, "mfu_calibrated_pct": None,
+            "mfu_calibrated_reason": f"n/a: no calibration for {device_name} {dtype}; run `harness calibrate`"}
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float | None:

@@ -20,8 +20,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from harness.results.atomic import write_bytes_atomic  # noqa: E402
-from harness.report import device_title  # noqa: E402
+from harness.records.atomic import write_bytes_atomic  # noqa: E402
+from harness.report.frame import device_title  # noqa: E402
 
 THROUGHPUT_PNG = "throughput_tokens_per_s_per_device.png"
 PEAK_MEM_PNG = "peak_mem_gib.png"

@@ -6,14 +6,20 @@ slower step / more bytes / more memory). The sweep's mean and max are over absol
 
 from __future__ import annotations
 
+from harness.units import MIB
+
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from tabulate import tabulate
 
-MIB = 2**20
+from harness.records.reader import RECORDS_FILENAME, load_records
+from harness.report.frame import get, num
+
 
 # (column, predicted key, measured key path) for the quantities held against the model
 QUANTITIES = {
@@ -32,8 +38,6 @@ def error_pct(predicted: float, measured: float) -> float:
 
 def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     """One row per ok cell with a prediction: predicted, measured and error % per quantity."""
-    from harness.report import _get, _num  # report imports this module: resolve at call time
-
     rows = []
     for r in records:
         if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not r.get("predicted"):
@@ -42,7 +46,7 @@ def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
         row = {"cell_id": r.get("cell_id"), "world_size": (r.get("config") or {}).get("world_size"),
                "basis": (p.get("breakdown") or {}).get("basis")}
         for name, (pk, mk) in QUANTITIES.items():
-            pv, mv = _num(_get(p, *pk)), _num(_get(m, *mk))
+            pv, mv = num(get(p, *pk)), num(get(m, *mk))
             row[f"{name}_predicted"], row[f"{name}_measured"] = pv, mv
             row[f"{name}_error_pct"] = error_pct(pv, mv)
         row["comm_exact"] = row["comm_bytes_predicted"] == row["comm_bytes_measured"]
@@ -99,3 +103,21 @@ def model_section(records: Sequence[dict[str, Any]]) -> str:
               "Predictions are written before the cell runs, from calibration files only "
               "(`harness calibrate`: matmul peak, workload passes, collective busbw).", ""]
     return "\n".join(lines)
+
+
+def model_error(run_dir: Path) -> dict:
+    """``|predicted - measured| / measured`` step time over ok cell records with both
+    (:func:`error_summary`, the numbers the sweep's summary.md shows).
+
+    Returns ``{"n", "mean_pct", "max_pct", "worst_cell", "device_kind"}``, or ``{"reason"}`` when
+    there is nothing to compare.
+    """
+    if not (Path(run_dir) / RECORDS_FILENAME).is_file():
+        return {"reason": f"no measured sweep with predictions at {run_dir}"}
+    records = load_records(run_dir)
+    s = error_summary(model_frame(records))
+    if not s.n:
+        return {"reason": f"no ok cell records with predicted.step_time_s in {run_dir}"}
+    kinds = {(r.get("config") or {}).get("device_kind") for r in records if r.get("kind", "cell") == "cell"}
+    return {"n": s.n, "mean_pct": s.mean_abs_pct, "max_pct": s.max_abs_pct, "worst_cell": s.worst_cell,
+            "device_kind": ",".join(sorted(k for k in kinds if k))}

@@ -1,34 +1,22 @@
 """Launch one cell as its own torchrun job: isolation, timeout, outcome captured.
 
-The job runs in a new process session, and every process it starts inherits a tag in its
-environment, so a timeout or Ctrl-C kills all of them (torchrun starts each rank in a session
-of its own, out of reach of a process-group kill): no orphans survive a cell.
+The job is a :func:`harness.jobs.run_job`: tagged, in a session of its own, and killed whole
+on a timeout or Ctrl-C, so no orphans survive a cell.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
-from harness.config import CellConfig
-from harness.results.atomic import write_json_atomic
-
-KILL_GRACE_S = 5.0
-JOB_TAG_ENV = "HARNESS_JOB_TAG"
-"""Set in the job's environment, so every process it starts can be found and killed with it."""
-
+from harness.jobs import free_port, run_job
+from harness.spec import CellConfig
+from harness.records.atomic import write_json_atomic
 
 @dataclass(frozen=True)
 class Rendezvous:
@@ -47,12 +35,6 @@ class Outcome:
     wall_s: float
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def torchrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, rdzv: Rendezvous, rdzv_id: str,
                      log_dir: Path, worker_prefix: list[str] | None = None) -> list[str]:
     """The torchrun argument list (never a shell string)."""
@@ -69,61 +51,10 @@ def torchrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, rdzv: Ren
         cmd += ["--rdzv-backend=static", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv_id}",
                 f"--node-rank={rdzv.node_rank}"]
     if worker_prefix:
-        cmd += ["--no-python", *worker_prefix, sys.executable, "-m", "harness.worker"]
+        cmd += ["--no-python", *worker_prefix, sys.executable, "-m", "harness.run.worker"]
     else:
-        cmd += ["-m", "harness.worker"]
+        cmd += ["-m", "harness.run.worker"]
     return cmd + ["--cell", str(cell_json), "--out", str(cell_dir)]
-
-
-@contextlib.contextmanager
-def _sigint_deferred():
-    """Hold Ctrl-C while the job starts, then deliver it: an interrupt inside Popen (after the
-    fork, before ``proc`` is bound) would orphan the job's new session."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread handles signals
-        return
-    pending: list[tuple] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append((signum, frame)))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if pending and callable(previous):
-            previous(*pending[0])  # the default handler raises KeyboardInterrupt here
-
-
-def _job_processes(tag: str) -> list[psutil.Process]:
-    """Every live process started by the job, found by the environment tag they all inherit.
-
-    The job's process group is not enough: torchrun starts each rank in a session of its own,
-    and a rank orphaned by torchrun's death is no longer in torchrun's process tree either.
-    """
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(JOB_TAG_ENV) == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            continue  # gone, dead, or not ours: not a live process of this job
-    return found
-
-
-def _kill_job(proc: subprocess.Popen, tag: str) -> None:
-    """SIGCONT + SIGTERM every process of the job (stopped ranks included), SIGKILL what is left."""
-    procs = _job_processes(tag)
-    if proc.poll() is None and proc.pid not in {p.pid for p in procs}:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            procs.append(psutil.Process(proc.pid))  # torchrun itself, however its environment reads
-    for p in procs:
-        for sig in (signal.SIGCONT, signal.SIGTERM):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(sig)
-    _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S)
-    for p in alive + [p for p in _job_processes(tag) if p not in alive]:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(sig)
-    proc.wait()
 
 
 def _stderr_tail(log_dir: Path, rank: int | None, limit: int = 1500) -> str:
@@ -203,24 +134,9 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
     write_json_atomic(cell_json, cfg.to_dict())
     log_dir = cell_dir / "logs"
     cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, worker_prefix)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           **(env_extra or {}), JOB_TAG_ENV: tag}
-    repo = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), repo) if p)
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env_extra or {})}
     t0 = time.monotonic()
-    with open(cell_dir / "launcher.log", "w") as log:
-        proc = None
-        try:
-            with _sigint_deferred():
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            # Whatever happened (clean exit, crash, timeout, Ctrl-C), no process of this job may outlive it.
-            if proc is not None:
-                _kill_job(proc, tag)
+    rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env)
     wall = time.monotonic() - t0
     if rc is None:
         return Outcome("timeout", f"no result within the cell timeout ({timeout_s:.0f} s); job killed "

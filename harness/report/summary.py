@@ -1,36 +1,23 @@
-"""Records -> DataFrames -> summary.md / summary.csv text.
+"""Records -> summary.md text: per workload size a performance table, what to pick, outcomes, notes.
 
-Analysis functions (:func:`cells_frame`, :func:`summary_markdown`) are pure: they return
-DataFrames or strings and never print or plot. :func:`write_report` is the only function
-with side effects (files under the run directory).
+Pure: :func:`summary_markdown` returns a string and never prints or plots.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from harness.records_io import load_records
-from harness.report_model import model_frame, model_section
-from harness.results.atomic import write_text_atomic
+from harness.report.frame import cells_frame, device_title, text
+from harness.report.model_error import model_section
 
-MIB = 2**20
 FAILED_CELL = "-"
-FRAME_COLUMNS = [
-    "cell_id", "size", "strategy", "precision", "world_size", "global_batch", "scaling",
-    "lr_rule", "status", "error", "tokens_per_s", "tokens_per_s_per_device",
-    "step_time_median_s", "step_time_cv", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
-    "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
-    "parity_max_rel_diff", "final_loss", "target_loss", "steps_to_target", "time_to_target_s",
-    "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
-    "mfu_reason",
-]
 
 
 @dataclass(frozen=True)
@@ -73,98 +60,6 @@ FORMULAS = """**Formulas**
 - **bold** = best in its column: max for throughput, MFU, overlap and efficiency; min for time, CV, memory, comm and parity (1-device cells are not ranked for efficiency, comm and parity: 1, 0 and 0 by definition)"""
 
 
-# ---------------------------------------------------------------- records -> frame
-
-
-def _get(d: dict[str, Any] | None, *keys: str) -> Any:
-    """Nested lookup that returns None when any level is missing or null."""
-    for key in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(key)
-    return d
-
-
-def _num(value: Any) -> float:
-    """Float of a metric; missing, null or non-numeric -> NaN."""
-    if isinstance(value, bool) or value is None:
-        return math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
-    """Flatten one cell record into a frame row; absent metrics become NaN."""
-    cfg, m = r.get("config") or {}, r.get("metrics") or {}
-    world_size = _num(cfg.get("world_size"))
-    tokens_per_s = _num(m.get("tokens_per_s"))
-    if math.isnan(tokens_per_s):
-        tokens_per_s = _num(m.get("tokens_per_s_per_device")) * world_size
-    return {
-        "cell_id": r.get("cell_id"), "size": cfg.get("size"), "strategy": cfg.get("strategy"),
-        "precision": cfg.get("precision"), "world_size": world_size,
-        "global_batch": _num(cfg.get("global_batch")), "scaling": cfg.get("scaling"),
-        "lr_rule": cfg.get("lr_rule"), "status": r.get("status"), "error": r.get("error"),
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_device": _num(m.get("tokens_per_s_per_device")),
-        "step_time_median_s": _num(_get(m, "step_time_s", "median")),
-        "step_time_cv": _num(_get(m, "step_time_s", "cv")),
-        "tflops_per_device": _num(m.get("tflops_per_device")),
-        "mfu_pct": _num(m.get("mfu_pct")),
-        "mfu_calibrated_pct": _num(m.get("mfu_calibrated_pct")),
-        "peak_mem_gib": _num(m.get("peak_mem_gib")),
-        "model_state_mib_per_rank": _num(m.get("model_state_bytes_per_rank")) / MIB,
-        "comm_mib_per_step": _num(m.get("comm_bytes_per_step")) / MIB,
-        "overlap_pct": _num(_get(m, "trace", "overlap_pct")),
-        "parity_max_rel_diff": _num(m.get("parity_max_rel_diff")),
-        "final_loss": _num(m.get("final_loss")), "target_loss": _num(m.get("target_loss")),
-        "steps_to_target": _num(m.get("steps_to_target")),
-        "time_to_target_s": _num(m.get("time_to_target_s")),
-        "gns_b_simple": _num(_get(m, "gns", "b_simple")), "scaling_efficiency": math.nan,
-        "device_kind": cfg.get("device_kind"), "device_name": _get(r, "env", "device_name"),
-        "unstable_reason": m.get("unstable_reason"), "mfu_reason": m.get("mfu_reason"),
-    }
-
-
-def _scaling_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (row["size"], row["precision"], row["scaling"], row["lr_rule"])
-
-
-def _fill_scaling_efficiency(rows: list[dict[str, Any]]) -> None:
-    """scaling efficiency = tokens/s(N) / (N x tokens/s(1)).
-
-    The 1-device reference is an ok world_size 1 cell with the same size, precision,
-    scaling and LR rule: the same strategy if measured, else the fastest such cell.
-    """
-    singles = [r for r in rows if r["status"] == "ok" and r["world_size"] == 1
-               and np.isfinite(r["tokens_per_s"])]
-    for row in rows:
-        if row["status"] != "ok" or not np.isfinite(row["tokens_per_s"]):
-            continue
-        refs = [s for s in singles if _scaling_key(s) == _scaling_key(row)]
-        same = [s for s in refs if s["strategy"] == row["strategy"]]
-        pool = same or refs
-        if pool:
-            ref = max(s["tokens_per_s"] for s in pool)
-            row["scaling_efficiency"] = row["tokens_per_s"] / (row["world_size"] * ref)
-
-
-def cells_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
-    """One row per ``kind == "cell"`` record, columns :data:`FRAME_COLUMNS`."""
-    rows = [_cell_row(r) for r in records if r.get("kind", "cell") == "cell"]
-    _fill_scaling_efficiency(rows)
-    return pd.DataFrame(rows, columns=FRAME_COLUMNS)
-
-
-# ---------------------------------------------------------------- markdown
-
-
-def _text(value: Any) -> str:
-    """A string field of the frame; None and NaN (pandas fills both) become ``""``."""
-    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
-
 
 def _fmt(value: float, fmt: str) -> str:
     return "n/a" if not np.isfinite(value) else format(value, fmt)
@@ -172,13 +67,13 @@ def _fmt(value: float, fmt: str) -> str:
 
 def _label(row: pd.Series) -> str:
     n = int(row["world_size"]) if np.isfinite(row["world_size"]) else "?"
-    return f"{_text(row['strategy'])}/{_text(row['precision'])} on {n} device(s)"
+    return f"{text(row['strategy'])}/{text(row['precision'])} on {n} device(s)"
 
 
 def _short_error(error: Any, limit: int = 60) -> str:
     """First line of an error message, at most ``limit`` characters."""
-    text = _text(error)
-    return text.splitlines()[0][:limit] if text else "no error message"
+    message = text(error)
+    return message.splitlines()[0][:limit] if message else "no error message"
 
 
 def _best_values(df: pd.DataFrame) -> dict[str, float]:
@@ -202,7 +97,7 @@ def _key_columns(df: pd.DataFrame) -> list[tuple[str, str]]:
 
 
 def _key_cells(row: pd.Series, keys: list[tuple[str, str]]) -> list[str]:
-    return [_fmt(row[k], ".0f") if k == "world_size" else _text(row[k]) for _, k in keys]
+    return [_fmt(row[k], ".0f") if k == "world_size" else text(row[k]) for _, k in keys]
 
 
 def _size_table(df: pd.DataFrame) -> str:
@@ -297,8 +192,8 @@ def _outcome_table(df: pd.DataFrame) -> str:
     order = ["precision", "scaling", "lr_rule", "world_size", "strategy"]
     for _, row in ok.sort_values(order).iterrows():
         rows.append([
-            _text(row["precision"]), _text(row["scaling"]), _text(row["lr_rule"]),
-            _fmt(row["world_size"], ".0f"), _text(row["strategy"]), _fmt(row["tokens_per_s_per_device"], ",.0f"),
+            text(row["precision"]), text(row["scaling"]), text(row["lr_rule"]),
+            _fmt(row["world_size"], ".0f"), text(row["strategy"]), _fmt(row["tokens_per_s_per_device"], ",.0f"),
             _fmt(_amp_speedup(ok, row), ".2f"), _steps_to_target(row),
             _fmt(row["time_to_target_s"], ".1f"), _fmt(row["final_loss"], ".4f"),
             _fmt(row["gns_b_simple"], ".1f"), _fmt(row["global_batch"], ".0f"),
@@ -310,23 +205,12 @@ def _outcome_table(df: pd.DataFrame) -> str:
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
-def device_title(df: pd.DataFrame) -> str:
-    """Device kinds and names that produced the cells, e.g. ``cuda (NVIDIA H200)``."""
-    names = []
-    for kind, name in df[["device_kind", "device_name"]].itertuples(index=False):
-        label = _text(kind) or "unknown"
-        label += f" ({_text(name)})" if _text(name) else ""
-        if label not in names:
-            names.append(label)
-    return ", ".join(names) if names else "unknown"
-
-
 def _flags(df: pd.DataFrame) -> list[str]:
     """Notes: unstable timing per cell, and MFU that could not be computed honestly."""
-    flags = [f"- `{row['cell_id']}`: {_text(row['unstable_reason'])}"
-             for _, row in df.iterrows() if _text(row["unstable_reason"])]
+    flags = [f"- `{row['cell_id']}`: {text(row['unstable_reason'])}"
+             for _, row in df.iterrows() if text(row["unstable_reason"])]
     no_mfu = df[(df["status"] == "ok") & df["mfu_pct"].isna()]
-    reasons = no_mfu["mfu_reason"].map(_text)
+    reasons = no_mfu["mfu_reason"].map(text)
     for reason, group in no_mfu.groupby(reasons, sort=False):
         if reason:
             reason = reason.removeprefix("n/a: ")  # the flag already says n/a
@@ -353,26 +237,3 @@ def summary_markdown(records: Sequence[dict[str, Any]]) -> str:
     if flags:
         lines += ["**Flags**", "", *flags, ""]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- files
-
-
-def write_report(run_dir: Path) -> str:
-    """Write summary.md, summary.csv and plots/*.png of ``run_dir`` from its records only.
-
-    Files are written atomically (temp file + os.replace). Returns the markdown.
-    """
-    from harness.plots import write_plots  # matplotlib only when files are written
-
-    run_dir = Path(run_dir)
-    records = load_records(run_dir)
-    markdown = summary_markdown(records)
-    df = cells_frame(records)
-    write_text_atomic(run_dir / "summary.md", markdown)
-    write_text_atomic(run_dir / "summary.csv", df.to_csv(index=False))
-    model = model_frame(records)
-    if not model.empty:
-        write_text_atomic(run_dir / "model.csv", model.to_csv(index=False))
-    write_plots(df, run_dir / "plots", records=records)
-    return markdown

@@ -1,6 +1,6 @@
 """The per-rank entry point torchrun starts: one cell, measured, gathered, written by rank 0.
 
-``python -m harness.worker --cell CELL.json --out CELL_DIR``. Rank 0 writes
+``python -m harness.run.worker --cell CELL.json --out CELL_DIR``. Rank 0 writes
 ``CELL_DIR/result.json`` (atomically); a rank that fails writes ``CELL_DIR/error-rank<r>.json``
 with its classified status (``oom`` or ``crashed``) before exiting non-zero.
 """
@@ -17,31 +17,35 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from harness import train
-from harness.config import CellConfig
-from harness.measure import calibrate, gns
+from harness.spec import CellConfig
+from harness.calibration.matmul import threads_per_rank
+from harness.measure import gns
 from harness.measure.comm import CommCounter
 from harness.measure.memory import model_state_bytes, peak_memory, reset_peak
+from harness.measure.monitor import make_monitor
 from harness.measure.nvtx_ranges import Ranges
-from harness.measure.stats import Stats
 from harness.measure.timer import StepTimer
-from harness.metrics import CONVENTIONS, global_loss, mfu_fields, slowest_per_step, steps_to_target, throughput
+from harness.measure.trace_analysis import analyse_traces
 from harness.parallel.parallelize import parallelize
-from harness.parallel.presets import OPTIONS, check_model_fit, resolve_degrees, expected_bubble, stages_per_rank
+from harness.parallel.presets import resolve_cell
 from harness.precision import PrecisionPlan
-from harness.results.atomic import write_json_atomic
-from harness.results.record import clean
+from harness.records.atomic import write_json_atomic
+from harness.records.env import capture
+from harness.records.record import clean
+from harness.run import train
+from harness.run.record_metrics import worker_metrics
+from harness.units import GIB
 from harness.scaling import lr_at
 from workloads.data import MarkovData
 from workloads.model import GPT, lm_loss
 from workloads.sizes import get_size
 
 PROFILE_STEPS = 4  # after the measured window: 1 profiler warmup + 3 recorded steps
-DEFAULT_TARGET_MARGIN = 0.5
-"""Default loss target: the data's entropy floor plus this many nats."""
 
 
 def _gather_json(obj, device: torch.device) -> list:
@@ -59,7 +63,7 @@ def _gather_json(obj, device: torch.device) -> list:
 
 
 def _threads_per_rank() -> int:
-    return calibrate.threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _dp_coordinate(dims) -> int:
@@ -74,7 +78,7 @@ def _apply_mem_cap(cfg: CellConfig) -> None:
     if cfg.mem_cap_gib is None:
         return
     vm = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
-    cap = vm + int(cfg.mem_cap_gib * 1024**3)
+    cap = vm + int(cfg.mem_cap_gib * GIB)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
@@ -93,20 +97,20 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     threads = torch.get_num_threads()
 
     size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
-    dims = resolve_degrees(cfg.strategy, cfg.world_size, cfg.degrees)
-    check_model_fit(dims, size.n_heads, size.d_ff, size.n_layers, cfg.pp_schedule, cfg.microbatches)
+    layout, _ = resolve_cell(cfg.strategy, cfg.world_size, cfg.degrees, size, cfg.precision, cfg.pp_schedule,
+                             cfg.microbatches, cfg.grad_accum, cfg.global_batch)
+    dims = layout.dims
     dims.build_mesh(device.type)
     precision = PrecisionPlan(cfg.precision)
     precision.configure_backends(cfg.device_kind)
-    opts = OPTIONS[cfg.strategy]
 
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = GPT(size)
     gns_state = None
-    if opts.data_parallel == "ddp":
+    if layout.data_parallel == "ddp":
         gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group())
-    par = parallelize(model, dims, cfg.strategy, device, precision, cfg.pp_schedule, cfg.microbatches,
+    par = parallelize(model, layout, device, precision, cfg.pp_schedule, cfg.microbatches,
                       loss_fn=lm_loss, ddp_comm_hook=gns.local_norm_allreduce_hook if gns_state else None,
                       ddp_comm_state=gns_state)
     params = [p for p in par.parameters() if p.requires_grad]
@@ -117,7 +121,6 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
                             grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges)
 
     data = MarkovData(size.vocab_size, cfg.seq_len, seed=cfg.seed)
-    target = cfg.target_loss if cfg.target_loss is not None else data.entropy_floor + DEFAULT_TARGET_MARGIN
     dp_rank = _dp_coordinate(dims)
     local_batch = cfg.global_batch // dims.dp
 
@@ -175,8 +178,14 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     gathered = _gather_json(local, device if cfg.device_kind == "cuda" else torch.device("cpu"))
     if rank != 0:
         return None
-    return _summarise(cfg, size, dims, precision, opts, gathered, g_big, skipped, ctx.scaler, target, data,
-                      local_batch, threads, monitor_result, out_dir)
+    env = capture(cfg.device_kind)
+    if monitor_result is not None:
+        monitor_result.save_csv(out_dir / "monitor.csv")
+    metrics, samples = worker_metrics(cfg, size, dims, precision, layout.data_parallel, gathered, g_big, skipped,
+                                      ctx.scaler, data.entropy_floor, local_batch, threads, env["device_name"],
+                                      monitor_result, _analyse_traces(gathered, out_dir))
+    return {"metrics": metrics, "samples": samples, "env": env, "degrees": dims.degrees(),
+            "workload": {**size.as_dict(), "params": size.params}}
 
 
 def _lr(cfg: CellConfig, step: int) -> float:
@@ -187,8 +196,6 @@ def _start_monitor(cfg: CellConfig, local_rank: int, device: torch.device):
     """Node-local rank 0 samples NVML (GPU) or the host (CPU) over the measured window."""
     if local_rank != 0:
         return None
-    from harness.measure.monitor import make_monitor
-
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     indices = list(range(local_world)) if cfg.device_kind == "cuda" else []
     mon = make_monitor(cfg.device_kind, indices, rate_hz=cfg.monitor_hz, pids=_local_pids())
@@ -198,19 +205,15 @@ def _start_monitor(cfg: CellConfig, local_rank: int, device: torch.device):
 
 def _local_pids() -> list[int]:
     """This node's rank processes: the siblings torchrun started (same parent)."""
-    import psutil
-
     me = psutil.Process()
     parent = me.parent()
     if parent is None:
         return [me.pid]
-    return [c.pid for c in parent.children() if "harness.worker" in " ".join(c.cmdline())] or [me.pid]
+    return [c.pid for c in parent.children() if "harness.run.worker" in " ".join(c.cmdline())] or [me.pid]
 
 
 def _profile(cfg: CellConfig, ctx, batch, first_step: int, out_dir: Path, rank: int) -> dict:
     """Extra steps after the measured window under torch.profiler, so profiling never taxes timed steps."""
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
     trace_dir = out_dir / "traces"
     trace_dir.mkdir(parents=True, exist_ok=True)
     ranks = set(cfg.profile_ranks) if cfg.profile_ranks else set(range(cfg.world_size))
@@ -231,81 +234,14 @@ def _profile(cfg: CellConfig, ctx, batch, first_step: int, out_dir: Path, rank: 
     return {str(rank): str(p) for p in sorted(trace_dir.glob(f"rank{rank}.*.json.gz"))[-1:]} if active else {}
 
 
-def _summarise(cfg, size, dims, precision, opts, gathered, g_big, skipped, scaler, target, data, local_batch,
-               threads, monitor_result, out_dir) -> dict:
-    per_rank_times = [g["times"] for g in gathered]
-    all_steps = slowest_per_step(per_rank_times)
-    measured = all_steps[cfg.warmup:]
-    stats = Stats.of(measured)
-    losses = global_loss([g["losses"] for g in gathered])
-    from harness.results.env import capture
-
-    env = capture(cfg.device_kind)
-    m: dict = {"conventions": CONVENTIONS, "step_time_s": stats.as_dict(), "unstable": stats.unstable_reason() is not None,
-               "unstable_reason": stats.unstable_reason(), "tokens_per_step": cfg.tokens_per_step}
-    m.update(throughput(stats, cfg.tokens_per_step, cfg.world_size, size.flops_per_token()))
-    cal = calibrate.lookup(cfg.device_kind, precision.compute_dtype, threads)
-    m.update(mfu_fields(m["tflops_per_device"], cfg.device_kind, env["device_name"], precision.compute_dtype,
-                        cal["tflops"] if cal else None))
-    m["threads_per_rank"] = threads if cfg.device_kind == "cpu" else None
-    mems = [g["mem"] for g in gathered]
-    m["peak_mem_gib"] = max(x["peak_mem_gib"] for x in mems)
-    m["peak_mem_gib_per_rank"] = [x["peak_mem_gib"] for x in mems]
-    m["peak_mem_kind"] = mems[0]["peak_mem_kind"]
-    if "peak_mem_reserved_gib" in mems[0]:
-        m["peak_mem_reserved_gib"] = max(x["peak_mem_reserved_gib"] for x in mems)
-        m["mem_capacity_pct"] = 100 * m["peak_mem_gib"] / mems[0]["mem_capacity_gib"]
-    states = [g["state_bytes"]["total"] for g in gathered]
-    m["model_state_bytes_per_rank"] = max(states)
-    m["model_state_bytes_by_rank"] = states
-    m["model_state_breakdown_rank0"] = gathered[0]["state_bytes"]
-    m["comm"] = gathered[0]["comm"]
-    m["comm_by_rank"] = [g["comm"] for g in gathered]
-    m["comm_bytes_per_step"] = sum(v["bytes_per_step"] for v in gathered[0]["comm"].values())
-    m["loss"] = losses
-    m["final_loss"] = losses[-1] if losses else None
-    m["entropy_floor"] = data.entropy_floor
-    m["target_loss"] = target
-    m["target_margin_nats"] = None if cfg.target_loss is not None else DEFAULT_TARGET_MARGIN
-    s2t, t2t = steps_to_target(losses, all_steps, target) if losses else (None, None)
-    m["steps_to_target"], m["time_to_target_s"] = s2t, t2t
-    m["target_reason"] = None if s2t else f"not reached in {len(losses)} steps (target {target:.3f} nats)"
-    m["lr"] = cfg.lr
-    m["precision"] = precision.describe(opts.data_parallel)
-    if scaler is not None:
-        m["fp16_skipped_steps"] = skipped
-        m["fp16_final_scale"] = scaler.get_scale()
-    m["gns"] = _gns(gathered, g_big, local_batch, cfg, dims)
-    if dims.pp_enabled:
-        v = stages_per_rank(cfg.pp_schedule)
-        m["pipeline"] = {"stages": dims.pp * v, "virtual_per_rank": v, "microbatches": cfg.microbatches,
-                         "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches)}
-    if monitor_result is not None:
-        m["monitor"] = {"sampler": monitor_result.sampler, "note": monitor_result.note,
-                        "unsupported": monitor_result.unsupported, **monitor_result.summary}
-        monitor_result.save_csv(out_dir / "monitor.csv")
-        energy = monitor_result.summary.get("energy_j")
-        if energy is not None:
-            m["energy_j_per_token"] = energy / (cfg.tokens_per_step * cfg.steps)
+def _analyse_traces(gathered: list[dict], out_dir: Path) -> dict | None:
+    """The profiler traces' aggregate (``metrics.trace``), with the per-rank table beside the result."""
     traces = {int(k): Path(v) for g in gathered for k, v in g["trace"].items()}
-    if traces:
-        from harness.measure.trace_analysis import analyse_traces
-
-        df, agg = analyse_traces(traces)
-        df.to_csv(out_dir / "trace_ranks.csv", index=False)
-        m["trace"] = agg
-    samples = {"step_time_s": measured, "warmup_step_time_s": all_steps[: cfg.warmup],
-               "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times]}
-    return {"metrics": m, "samples": samples, "env": env, "degrees": dims.degrees(),
-            "workload": {**size.as_dict(), "params": size.params}}
-
-
-def _gns(gathered, g_big, local_batch, cfg, dims) -> dict:
-    smalls = [g["g_small"] for g in gathered if g["g_small"] is not None]
-    if not smalls or dims.dp < 2:
-        return {"b_simple": None, "reason": "n/a: needs data-parallel replicas (ddp) to compare local and global gradients"}
-    g_small = [sum(col) / len(col) for col in zip(*smalls)]
-    return gns.b_simple(g_small, g_big, float(local_batch), float(cfg.global_batch))
+    if not traces:
+        return None
+    df, agg = analyse_traces(traces)
+    df.to_csv(out_dir / "trace_ranks.csv", index=False)
+    return agg
 
 
 def _classify(exc: BaseException) -> str:
@@ -318,7 +254,7 @@ def _classify(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="harness.worker")
+    ap = argparse.ArgumentParser(prog="harness.run.worker")
     ap.add_argument("--cell", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)

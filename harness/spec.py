@@ -1,4 +1,5 @@
-"""Typed configuration of one cell: the unit the harness plans, launches and records.
+"""What the user asked for, typed: the sweep matrix (:class:`SweepSpec`) and one cell of it
+(:class:`CellConfig`), the unit the harness plans, launches and records.
 
 Precedence: CLI flags > sweep file > these defaults. A cell is immutable once planned; it
 travels to the ranks as JSON (never pickle).
@@ -6,7 +7,10 @@ travels to the ranks as JSON (never pickle).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
 
 from harness.errors import UsageError
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES
@@ -116,3 +120,45 @@ class CellConfig:
         if "profile_ranks" in d:
             d["profile_ranks"] = tuple(d["profile_ranks"])
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """The matrix: sizes x strategies x precisions x scalings x LR rules x device counts."""
+
+    sizes: tuple[str, ...]
+    strategies: tuple[str, ...]
+    precisions: tuple[str, ...]
+    gpus: tuple[int, ...]
+    """Device counts per node to sweep (``--gpus 1,2,4``)."""
+    device_kind: str
+    batch: int
+    """Sequences per step: global under strong scaling, per device under weak scaling."""
+    steps: int
+    warmup: int
+    scalings: tuple[str, ...] = ("strong",)
+    lr_rules: tuple[str, ...] = ("none",)
+    seq_len: int | None = None
+    microbatches: int | None = None
+    """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
+    pp_schedule: str = "1f1b"
+    grad_accum: int = 1
+    base_lr: float = 1e-3
+    base_batch: int | None = None
+    """Batch at which base_lr holds; default: ``batch`` (the one-device batch)."""
+    lr_warmup_steps: int = 0
+    seed: int = 0
+    target_loss: float | None = None
+    nnodes: int = 1
+    nvtx: bool = True
+    profile: bool = False
+    mem_cap_gib: float | None = None
+    degrees: dict | None = None
+    reference: bool = True
+    """Add the single-device fp32/bf16... reference of each strong-scaling group for parity."""
+    extra: dict = field(default_factory=dict)
+
+
+def default_device_kind() -> str:
+    """``cuda`` when a GPU is visible (and ``HARNESS_FORCE_CPU`` is not 1), else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() and os.environ.get("HARNESS_FORCE_CPU") != "1" else "cpu"

@@ -15,9 +15,10 @@ The message size ``S`` of one call, per rank:
 reach that algbw, so it is comparable across collectives and rank counts and with the link's
 peak. ``t`` is the time of one call, the slowest rank's (nccl-tests reports the same max).
 
-``python -m harness.measure.calibrate_comm --out FILE.json ...`` is the per-rank entry point
-torchrun starts; :func:`calibrate_comm` launches it and caches the result in the matmul
-calibration file (``calibrate.default_cache()``) as an entry with ``"kind": "comm"``.
+``python -m harness.calibration.collectives --out FILE.json ...`` is the per-rank entry point
+torchrun starts; :func:`calibrate_comm` launches it and keeps the result in the calibration
+store (:mod:`harness.calibration.store`) as an entry of kind ``comm``. The performance model
+fits it in :mod:`harness.model.comm_fit`.
 """
 
 from __future__ import annotations
@@ -27,21 +28,20 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from harness.measure import calibrate
+from harness.calibration import matmul as calibrate
+from harness.calibration import store
+from harness.jobs import free_port, run_job
 from harness.measure.comm import BUS_FACTOR
-from harness.measure.stats import fit_line
-from harness.results.atomic import write_json_atomic
+from harness.records.atomic import write_json_atomic
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 WARMUP_CALLS = 5
@@ -49,6 +49,9 @@ WARMUP_CALLS = 5
 BUDGET_S = 0.3
 """Measured time per (collective, size) is capped near this: the call count comes from the warmup's time."""
 LAUNCH_TIMEOUT_S = 600.0
+COMM_MIN_BYTES = 4 << 10
+COMM_MAX_BYTES = 64 << 20
+"""Default message sizes of the bus-bandwidth calibration: DDP's 25 MiB buckets and FSDP groups fall inside."""
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 
 
@@ -97,7 +100,7 @@ def sizes(min_bytes: int, max_bytes: int, world_size: int) -> list[int]:
 
 
 def fingerprint(device_kind: str, world_size: int, nnodes: int = 1, threads: int | None = None) -> dict:
-    """What makes a measurement reusable; ``threads`` defaults to :func:`harness.measure.calibrate.threads_per_rank` on CPU."""
+    """What makes a measurement reusable; ``threads`` defaults to :func:`harness.calibration.matmul.threads_per_rank` on CPU."""
     cpu = device_kind == "cpu"
     return {
         "device_kind": device_kind,
@@ -111,19 +114,11 @@ def fingerprint(device_kind: str, world_size: int, nnodes: int = 1, threads: int
     }
 
 
-def _key(fp: dict) -> str:
-    # "kind" in the hashed dict keeps comm keys disjoint from matmul keys by construction.
-    return calibrate._key({"kind": "comm", **fp})
-
-
 def lookup_comm(device_kind: str, world_size: int, nnodes: int = 1, cache: Path | None = None) -> dict | None:
     """The cached comm entry for this machine and rank count, or None."""
-    cache = cache or calibrate.default_cache()
-    if not cache.exists():
-        return None
-    entry = json.loads(cache.read_text()).get(_key(fingerprint(device_kind, world_size, nnodes)))
+    entry = store.get("comm", fingerprint(device_kind, world_size, nnodes), cache)
     # entries from before the synchronisation cost was measured are re-measured, not reused
-    return entry if entry is not None and entry.get("kind") == "comm" and "sync_s" in entry else None
+    return entry if entry is not None and "sync_s" in entry else None
 
 
 def _covers(entry: dict, min_bytes: int, max_bytes: int) -> bool:
@@ -134,12 +129,9 @@ def _covers(entry: dict, min_bytes: int, max_bytes: int) -> bool:
     return set(entry["collectives"]) >= set(COLLECTIVES) and "sync_s" in entry
 
 
-def store_comm(entry: dict, cache: Path | None = None) -> None:
-    """Merge one comm entry into the cache file (read-modify-write of the whole JSON, atomic replace)."""
-    cache = cache or calibrate.default_cache()
-    entries = json.loads(cache.read_text()) if cache.exists() else {}
-    entries[_key(entry["fingerprint"])] = {**entry, "kind": "comm"}
-    write_json_atomic(cache, entries)
+def store_comm(entry: dict, cache: Path | None = None) -> dict:
+    """Keep one measured comm entry in the calibration store; return it as stored."""
+    return store.put("comm", entry["fingerprint"], entry, cache)
 
 
 def calibrate_comm(device_kind: str, world_size: int, min_bytes: int, max_bytes: int, force: bool = False,
@@ -149,38 +141,23 @@ def calibrate_comm(device_kind: str, world_size: int, min_bytes: int, max_bytes:
     A cached entry is reused only if it covers ``[min_bytes, max_bytes]``. The ranks run under
     torchrun on loopback in a new session; whatever happens, none outlives this call.
     """
-    from harness.launch import JOB_TAG_ENV, _kill_job, free_port
-
     if world_size < 2:
         raise ValueError(f"bus bandwidth needs >= 2 ranks, got world_size {world_size}")
     if not 0 < min_bytes <= max_bytes:
         raise ValueError(f"need 0 < min_bytes ({min_bytes}) <= max_bytes ({max_bytes})")
-    cache = cache or calibrate.default_cache()
     if not force:
         hit = lookup_comm(device_kind, world_size, 1, cache)
         if hit is not None and _covers(hit, min_bytes, max_bytes):
             return hit
     expected = fingerprint(device_kind, world_size)
-    repo = str(Path(__file__).resolve().parents[2])
-    tag = f"{os.getpid()}-{uuid.uuid4().hex}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", JOB_TAG_ENV: tag,
-           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), repo) if p)}
-    if device_kind == "cpu":
-        env["OMP_NUM_THREADS"] = str(expected["threads_per_rank"])
+    env = {"OMP_NUM_THREADS": str(expected["threads_per_rank"])} if device_kind == "cpu" else {}
     with tempfile.TemporaryDirectory(prefix="harness-comm-") as tmp:
         out, log_path = Path(tmp) / "comm.json", Path(tmp) / "torchrun.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world_size}",
                "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-               f"--rdzv-id=comm-{tag}", "-m", "harness.measure.calibrate_comm", "--device", device_kind,
+               f"--rdzv-id=comm-{os.getpid()}", "-m", "harness.calibration.collectives", "--device", device_kind,
                "--out", str(out), "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            try:
-                rc: int | None = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                _kill_job(proc, tag)  # torchrun starts ranks in sessions of their own: kill by tag
+        rc = run_job(cmd, log_path, LAUNCH_TIMEOUT_S, env)  # torchrun starts ranks in sessions of their own
         tail = log_path.read_text(errors="replace")[-3000:]
         if rc != 0 or not out.exists():
             how = f"timed out after {LAUNCH_TIMEOUT_S:.0f} s" if rc is None else f"exit {rc}"
@@ -189,42 +166,7 @@ def calibrate_comm(device_kind: str, world_size: int, min_bytes: int, max_bytes:
     if result["fingerprint"] != expected:
         raise RuntimeError(f"comm calibration ranks measured {result['fingerprint']}, expected {expected}; "
                            "the cache key would not match (is OMP_NUM_THREADS overridden?)")
-    store_comm(result, cache)
-    return {**result, "kind": "comm"}
-
-
-# ---- using the result in a performance model ---------------------------------------------------
-
-
-def alpha_beta(entry: dict, collective: str) -> tuple[float, float]:
-    """Weighted least-squares fit of ``t = alpha + S / beta`` over every measured size (Hockney 1994).
-
-    Returns ``(alpha_s, beta_bytes_per_s)``. Weights ``1 / t^2`` minimise the relative error, so
-    the microsecond-scale small messages (which set ``alpha``) count as much as the large ones
-    (which set ``beta``); fitting all sizes at once is robust to the scheduling noise that makes
-    single small-message times on a shared CPU jump by milliseconds. ``alpha`` is clipped at 0
-    (then the fit goes through the origin).
-    """
-    rows = entry["collectives"].get(collective)
-    if not rows:
-        raise ValueError(f"no measurement of {collective!r} in this entry; it has {', '.join(entry['collectives'])}")
-    sizes_, times = [float(r["bytes"]) for r in rows], [float(r["time_s"]) for r in rows]
-    alpha, slope = fit_line(sizes_, times, weights=[1.0 / t**2 for t in times])
-    return alpha, 1.0 / slope
-
-
-def fitted_time_s(entry: dict, collective: str, nbytes: int, after_compute: bool = False) -> float:
-    """Predicted seconds for one call from the :func:`alpha_beta` fit; 0 for 0 bytes.
-
-    ``after_compute`` adds the measured synchronisation cost (:func:`measure_sync_cost`) of a
-    collective that follows compute, as every blocking collective in a training step does.
-    """
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    alpha, beta = alpha_beta(entry, collective)
-    if nbytes == 0:
-        return 0.0
-    return alpha + nbytes / beta + (entry.get("sync_s", 0.0) if after_compute else 0.0)
+    return store_comm(result, cache)
 
 
 # ---- the rank side -----------------------------------------------------------------------------
@@ -348,7 +290,7 @@ def run(min_bytes: int, max_bytes: int, max_iters: int, dev: torch.device) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="harness.measure.calibrate_comm", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="harness.calibration.collectives", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path, help="JSON result, written by rank 0")
     ap.add_argument("--min-bytes", required=True, type=parse_size)
     ap.add_argument("--max-bytes", required=True, type=parse_size)

@@ -1,15 +1,14 @@
 """Measured matmul peak (MAMF-style): the best TFLOP/s over a sweep of GEMM shapes.
 
-``harness calibrate`` runs it per device and dtype and caches the result with a fingerprint
-(device, dtype, torch version, CPU threads) so a changed machine is re-measured, not reused.
+``harness calibrate`` runs it per device and dtype and keeps the result in the calibration
+store (:mod:`harness.calibration.store`) under a fingerprint (device, dtype, torch version,
+CPU threads), so a changed machine is re-measured, not reused.
 Calibrated MFU divides achieved model TFLOP/s by this number: on CPU, the one MFU that means
 something; on GPU, what the chip really sustains (Bekman's MAMF finder).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 import statistics
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from harness.results.atomic import write_json_atomic
+from harness.calibration import store
+from harness.records.env import cpu_model
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (1024, 4096, 1024)]
@@ -35,16 +35,9 @@ def threads_per_rank(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-def default_cache() -> Path:
-    env = os.environ.get("HARNESS_CALIBRATION")
-    return Path(env) if env else Path.home() / ".cache" / "harness" / "calibration.json"
-
-
 def device_name(device_kind: str) -> str:
     if device_kind == "cuda":
         return torch.cuda.get_device_name()
-    from harness.results.env import cpu_model
-
     return cpu_model()
 
 
@@ -57,10 +50,6 @@ def fingerprint(device_kind: str, dtype: str, threads: int) -> dict:
         "threads": threads if device_kind == "cpu" else None,
         "machine": platform.machine(),
     }
-
-
-def _key(fp: dict) -> str:
-    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _time_matmul(a: torch.Tensor, b: torch.Tensor, cuda: bool, min_time_s: float) -> float:
@@ -102,17 +91,17 @@ def measure(device_kind: str, dtype: str, shapes: list[tuple[int, int, int]] | N
             "best_shape": [best["m"], best["n"], best["k"]], "shapes": results}
 
 
+def threads_for(device_kind: str, local_world: int) -> int:
+    """The thread count a rank runs with: :func:`threads_per_rank` on CPU, 0 on GPU (not a key there)."""
+    return threads_per_rank(local_world) if device_kind == "cpu" else 0
+
+
 def lookup(device_kind: str, dtype: str, threads: int, cache: Path | None = None) -> dict | None:
-    cache = cache or default_cache()
-    if not cache.exists():
-        return None
-    entry = json.loads(cache.read_text()).get(_key(fingerprint(device_kind, dtype, threads)))
-    return entry if entry is not None and "kind" not in entry else None  # "kind": other entries (comm)
+    return store.get("matmul", fingerprint(device_kind, dtype, threads), cache)
 
 
 def calibrate(device_kind: str, dtype: str, threads: int, cache: Path | None = None, force: bool = False) -> dict:
-    """Measure (or reuse the cached) matmul peak for this device, dtype and thread count."""
-    cache = cache or default_cache()
+    """Measure (or reuse the stored) matmul peak for this device, dtype and thread count."""
     if not force:
         hit = lookup(device_kind, dtype, threads, cache)
         if hit is not None:
@@ -120,23 +109,5 @@ def calibrate(device_kind: str, dtype: str, threads: int, cache: Path | None = N
     if device_kind == "cpu":
         torch.set_num_threads(threads)
     fp = fingerprint(device_kind, dtype, threads)
-    entry = {"fingerprint": fp, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **measure(device_kind, dtype)}
-    entries = json.loads(cache.read_text()) if cache.exists() else {}
-    entries[_key(fp)] = entry
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(cache, entries)
-    return entry
-
-
-def calibrate_subprocess(device_kind: str, dtype: str, threads: int) -> float:
-    """Calibrate in a child process (the sweep's parent never holds a CUDA context); return TFLOP/s."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "harness", "calibrate", "--device", device_kind, "--dtype", dtype,
-           "--threads", str(max(1, threads)), "--no-comm"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
-    hit = lookup(device_kind, dtype, threads)
-    if hit is None:
-        raise RuntimeError(f"calibration of {device_kind} {dtype} threads={threads} left no cache entry")
-    return hit["tflops"]
+    entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **measure(device_kind, dtype)}
+    return store.put("matmul", fp, entry, cache)

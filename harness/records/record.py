@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import time
+
+from harness.records.fingerprint import digest
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "crashed", "invalid")
@@ -24,7 +25,7 @@ def fingerprint_fields(config: dict, env: dict, degrees: dict | None) -> dict:
 
 
 def fingerprint(fields: dict) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(fields)
 
 
 def clean(obj):

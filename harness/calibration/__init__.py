@@ -1,0 +1,1 @@
+"""Calibration: one store (:mod:`.store`) and what is measured into it (matmul, collectives, workload)."""

@@ -1,0 +1,198 @@
+"""Workload calibration: a size's forward+backward and AdamW step timed on this machine.
+
+What :mod:`harness.model.compute` fits its per-pass cost model to (the docstring there has the
+model). Timed with a rank's thread count and K copies running at once, as K ranks of a node
+compute at once (sharing cores, caches and memory bandwidth); each time is the slowest copy's.
+Runs in a child process (``python -m harness calibrate --workloads ...``); the entries live in
+the calibration store (:mod:`harness.calibration.store`) as kind ``workload``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from harness.calibration import store
+from harness.calibration.matmul import device_name
+from harness.jobs import free_port
+from harness.measure.stats import fit_line
+from harness.model.compute import WRAPPERS
+from harness.parallel.data_parallel import apply_fsdp
+from harness.parallel.dims import ParallelDims
+from harness.parallel.tp import apply_tp
+from harness.precision import PrecisionPlan
+from harness.units import GIB
+from workloads.model import GPT, lm_loss
+from workloads.sizes import get_size
+
+PROBE_ROWS = (1, 2, 4)
+WORKLOAD_CALIBRATION_VERSION = 3
+"""Bumped when what the workload calibration measures changes, so older cache entries are re-measured."""
+RANK_IMPORTS = ("torch.distributed", "harness.parallel.parallelize", "harness.measure.monitor",
+                "harness.measure.nvtx_ranges", "harness.measure.comm", "harness.measure.gns", "workloads.model")
+"""What a rank imports before its model exists (``harness.run.worker``'s heavy imports): the base
+memory is measured after these, without importing the run layer from below."""
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()  # warmup
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _model(size, dev):
+    torch.manual_seed(0)
+    with torch.device(dev):
+        return GPT(size)
+
+
+def _pass(model, plan, device_kind: str, x):
+    """A forward+backward of ``model`` on ``x`` (the loss of :mod:`harness.run.train`), device-synchronised."""
+    def fb() -> None:
+        with plan.autocast(device_kind):
+            loss = lm_loss(model(x), x)
+        loss.backward()
+        if device_kind == "cuda":
+            torch.cuda.synchronize()
+
+    return fb
+
+
+def _tokens(size, rows: int, dev):
+    return torch.randint(0, size.vocab_size, (rows, size.seq_len), generator=torch.Generator().manual_seed(rows)).to(dev)
+
+
+def _plain_passes(size, plan, device_kind: str, dev, reps: int) -> tuple[list[float], float]:
+    """Pass times at ``PROBE_ROWS`` and the AdamW step time; the model is freed on return."""
+    model = _model(size, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = []
+    reps_by_rows = reps
+    for rows in PROBE_ROWS:
+        times.append(_median_time(_pass(model, plan, device_kind, _tokens(size, rows, dev)), reps_by_rows))
+        if times[-1] < 0.2:  # cheap passes: more repeats against this machine's noise
+            reps_by_rows = max(reps, 7)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if device_kind == "cuda":
+            torch.cuda.synchronize()
+
+    return times, _median_time(step, reps)
+
+
+def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str, reps: int = 3) -> dict:
+    """Time forward+backward at ``PROBE_ROWS`` sequences and one AdamW step; fit alpha and beta."""
+    dev = torch.device("cuda" if device_kind == "cuda" else "cpu")
+    base_gib = _worker_base_gib(device_kind)
+    size = replace(get_size(size_name), seq_len=seq_len)
+    plan = PrecisionPlan(dtype)
+    plan.configure_backends(device_kind)
+    # one model at a time (each helper frees its own): K concurrent copies of `small` must fit in host memory
+    times, opt_s = _plain_passes(size, plan, device_kind, dev, reps)
+    alpha, beta = fit_line(list(PROBE_ROWS), times)
+    overheads = {w: _wrapped_pass_s(size, plan, device_kind, dev, w, reps) - times[0] for w in WRAPPERS}
+    return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "pass_s": times,
+            "alpha_s": alpha, "beta_s_per_row": beta, "optimizer_s": opt_s, "params": size.params,
+            "optimizer_s_per_param": opt_s / size.params, "base_gib": base_gib,
+            "wrapper_overhead_s": {w: max(0.0, o) for w, o in overheads.items()}}
+
+
+def _init_one_rank_group(device_kind: str) -> None:
+    if not dist.is_initialized():
+        backend = "nccl" if device_kind == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def _worker_base_gib(device_kind: str) -> float:
+    """Resident memory of a rank before its model exists: the worker's imports and a process group."""
+    for name in RANK_IMPORTS:
+        importlib.import_module(name)
+    _init_one_rank_group(device_kind)
+    return psutil.Process().memory_info().rss / GIB
+
+
+def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) -> float:
+    """One-sequence forward+backward through the strategy's real wrappers on a one-rank group.
+
+    Collectives over one rank move nothing, so the difference to the plain pass is the
+    wrappers' own cost: FSDP2's hooks and copy-in/out, DTensor's dispatch.
+    """
+    _init_one_rank_group(device_kind)
+    dims = ParallelDims(world_size=1)
+    dims.build_mesh(dev.type)
+    model = _model(size, dev)
+    if "tp" in wrapper:
+        apply_tp(model, dims.mesh("tp"), sequence_parallel=False)
+    if "fsdp" in wrapper:
+        apply_fsdp(model, dims.mesh("dp_shard"), True, plan.fsdp_policy())
+    return _median_time(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps)
+
+
+def workload_fingerprint(device_kind: str, size: str, seq_len: int, dtype: str, threads: int,
+                         concurrent: int = 1) -> dict:
+    return {"kind": "workload", "version": WORKLOAD_CALIBRATION_VERSION, "device_kind": device_kind,
+            "device_name": device_name(device_kind), "size": size, "seq_len": seq_len, "dtype": dtype,
+            "threads": threads if device_kind == "cpu" else None, "concurrent": concurrent, "torch": torch.__version__}
+
+
+def lookup_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
+                    cache: Path | None = None) -> dict | None:
+    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent)
+    return store.get("workload", fp, cache)
+
+
+def _measure_in_child(args: tuple) -> dict:
+    size, seq_len, dtype, device_kind, threads, index = args
+    if device_kind == "cpu":
+        torch.set_num_threads(threads)
+    else:
+        torch.cuda.set_device(index)
+    return measure_workload(size, seq_len, dtype, device_kind)
+
+
+def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, threads: int, concurrent: int) -> dict:
+    """Run the measurement in ``concurrent`` processes at once, as a node's ranks compute at once.
+
+    CPU ranks share cores, caches and memory bandwidth (GPU ranks share the host): a pass timed
+    alone is faster than the same pass beside the other ranks. Each time is the slowest copy's;
+    alpha and beta are refitted from those.
+    """
+    jobs = [(size, seq_len, dtype, device_kind, threads, i) for i in range(concurrent)]
+    with ProcessPoolExecutor(max_workers=concurrent, mp_context=mp.get_context("spawn")) as pool:
+        runs = list(pool.map(_measure_in_child, jobs))
+    out = dict(runs[0])
+    out["pass_s"] = [max(r["pass_s"][i] for r in runs) for i in range(len(PROBE_ROWS))]
+    out["optimizer_s"] = max(r["optimizer_s"] for r in runs)
+    out["optimizer_s_per_param"] = out["optimizer_s"] / out["params"]
+    out["wrapper_overhead_s"] = {w: max(r["wrapper_overhead_s"][w] for r in runs) for w in WRAPPERS}
+    out["alpha_s"], out["beta_s_per_row"] = fit_line(list(PROBE_ROWS), out["pass_s"])
+    out["base_gib"] = max(r["base_gib"] for r in runs)
+    return out
+
+
+def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
+                       cache: Path | None = None, force: bool = False) -> dict:
+    """Measure (or reuse) the workload rates and keep them in the calibration store."""
+    if not force:
+        hit = lookup_workload(device_kind, size, seq_len, dtype, threads, concurrent, cache)
+        if hit is not None:
+            return hit
+    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent)
+    entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             **measure_concurrent(size, seq_len, dtype, device_kind, threads, concurrent)}
+    return store.put("workload", fp, entry, cache)

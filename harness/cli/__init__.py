@@ -1,0 +1,36 @@
+"""Command line: ``harness {bench,plan,report,compare,calibrate,workloads,trace,slurm}``.
+
+One module per subcommand, each with a ``register(sub)``; the sweep flags they share are in
+:mod:`harness.cli.args`. Nothing in the harness imports this package: it is the top layer.
+Bad input is one line on stderr naming the value and the fix, exit code 2, before anything
+is launched or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from harness.cli import bench, calibrate, compare, plan, report, slurm, trace
+from harness.cli.args import EXIT_USAGE, spec_from_args
+from harness.errors import UsageError
+
+__all__ = ["build_parser", "main", "spec_from_args"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for module in (bench, plan, report, compare, calibrate, trace, slurm):
+        module.register(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        print(f"harness {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE

@@ -1,0 +1,196 @@
+"""The sweep flags every subcommand shares, and turning them into a :class:`~harness.spec.SweepSpec`.
+
+Bad input is one line on stderr naming the value and the fix, exit code 2, before anything
+is launched or written. Precedence: CLI flags > sweep file (TOML) > defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from pathlib import Path
+
+import torch
+
+from harness.errors import UsageError
+from harness.model.hardware import DEVICES
+from harness.parallel.presets import STRATEGIES
+from harness.spec import SweepSpec, default_device_kind
+
+EXIT_USAGE = 2
+RUN_DEVICES = ("auto", "cpu", "cuda")
+"""``--device`` values a sweep can run on; ``harness plan`` also takes hardware presets (what-if)."""
+DEFAULTS = {
+    "cpu": dict(sizes="tiny", precision="fp32", batch=8, steps=20, warmup=3),
+    "cuda": dict(sizes="small", precision="bf16", batch=8, steps=30, warmup=5),
+}
+
+
+def csv_list(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def ints(name: str, s: str, minimum: int = 1) -> tuple[int, ...]:
+    out = []
+    for x in csv_list(str(s)):
+        if not x.lstrip("-").isdigit() or int(x) < minimum:
+            raise UsageError(f"--{name} {s!r}: each value must be an integer >= {minimum}, e.g. --{name} 2 or 1,2,4")
+        out.append(int(x))
+    if not out:
+        raise UsageError(f"--{name} is empty; give an integer >= {minimum}")
+    return tuple(out)
+
+
+def int_arg(name: str, v, minimum: int) -> int:
+    s = str(v).strip()
+    if not s.lstrip("-").isdigit() or int(s) < minimum:
+        raise UsageError(f"--{name} {v!r}: must be an integer >= {minimum}")
+    return int(s)
+
+
+def degrees_arg(s: str | None) -> dict | None:
+    if not s:
+        return None
+    out = {}
+    for part in csv_list(s):
+        k, _, v = part.partition("=")
+        if not v.isdigit():
+            raise UsageError(f"--degrees {s!r}: expected name=int pairs like pp=2,tp=2")
+        out[k.strip()] = int(v)
+    return out
+
+
+def positive_float(name: str, v) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise UsageError(f"--{name} {v!r}: expected a number") from None
+    if x <= 0:
+        raise UsageError(f"--{name} {v!r}: must be > 0")
+    return x
+
+
+def fraction(name: str, v) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise UsageError(f"--{name} {v!r}: expected a fraction in (0, 1], e.g. 0.4") from None
+    if not 0 < x <= 1:
+        raise UsageError(f"--{name} {v!r}: must be a fraction of the datasheet peak in (0, 1], e.g. 0.4")
+    return x
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sweep matrix")
+    g.add_argument("--sweep", type=Path, help="TOML sweep file; flags given on the command line override it")
+    g.add_argument("--gpus", help="devices per node (CPU ranks without a GPU); a list sweeps device counts: 1,2,4")
+    g.add_argument("--sizes", help="workload sizes (harness workloads lists them)")
+    g.add_argument("--strategies", help="single,ddp,fsdp,zero2,hsdp,tp,tp-sp,pp,fsdp+tp,pp+fsdp,pp+fsdp+tp")
+    g.add_argument("--precision", help="fp32,tf32,bf16,fp16")
+    g.add_argument("--scaling", help="strong (fixed global batch) or weak (fixed per-device batch)")
+    g.add_argument("--lr-rule", help="none,linear,sqrt: LR scaling relative to --base-batch")
+    g.add_argument("--batch", help="sequences per step: global (strong) or per device (weak)")
+    g.add_argument("--seq-len", help="tokens per sequence (default: the size's)")
+    g.add_argument("--steps", help="measured steps")
+    g.add_argument("--warmup", help="unmeasured steps first")
+    g.add_argument("--microbatches", help="pipeline microbatches (default 2 x pp)")
+    g.add_argument("--pp-schedule", help="gpipe, 1f1b or interleaved1f1b")
+    g.add_argument("--grad-accum", help="gradient-accumulation micro-steps (non-pipeline)")
+    g.add_argument("--base-lr", help="LR at --base-batch")
+    g.add_argument("--base-batch", help="global batch at which --base-lr holds (default: --batch)")
+    g.add_argument("--warmup-steps", help="linear LR warmup steps (Goyal et al. 2017)")
+    g.add_argument("--seed")
+    g.add_argument("--target-loss", help="loss for steps-to-target (default: entropy floor + 0.5 nats)")
+    g.add_argument("--degrees", help="explicit degrees overriding the presets, e.g. pp=2,tp=2")
+    g.add_argument("--device", default=None,
+                   help="auto (default), cpu or cuda; harness plan also takes a hardware preset "
+                        "(h100, h100-pcie, h200, a100) for a what-if prediction")
+    g.add_argument("--nvtx", choices=("on", "off"), default=None, help="NVTX ranges (default on)")
+    g.add_argument("--profile", action="store_true", default=None, help="torch.profiler traces per rank")
+    g.add_argument("--mem-cap-gib", help="CPU: cap each rank's memory growth; over it the cell is oom")
+    g.add_argument("--no-reference", action="store_true", default=None,
+                   help="do not add the single-device reference cell used for parity")
+    g.add_argument("--nnodes", help="machines in the job (torchrun rendezvous at --rdzv-endpoint, node rank 0 hosts it)")
+
+
+def sweep_actions() -> list[argparse.Action]:
+    """The sweep-matrix flags' argparse actions (argparse has no public list of a parser's actions)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_sweep_args(parser)
+    return [a for a in parser._actions if a.dest != "help"]
+
+
+def sweep_arg_values(args: argparse.Namespace) -> dict:
+    """The sweep-matrix flags that are set in ``args``, by dest."""
+    return {a.dest: getattr(args, a.dest) for a in sweep_actions() if getattr(args, a.dest, None) is not None}
+
+
+def merged(args: argparse.Namespace) -> dict:
+    """CLI > sweep file > defaults."""
+    file_vals: dict = {}
+    if getattr(args, "sweep", None):
+        try:
+            file_vals = tomllib.loads(args.sweep.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise UsageError(f"--sweep {args.sweep}: cannot read TOML ({e}); fix the file") from None
+        file_vals = {k.replace("-", "_"): v for k, v in file_vals.items()}
+    cli = {k: v for k, v in vars(args).items() if v is not None}
+    out = {**file_vals, **cli}
+    for k, v in list(out.items()):
+        if isinstance(v, list):
+            out[k] = ",".join(map(str, v))
+    return out
+
+
+def spec_from_args(args: argparse.Namespace) -> SweepSpec:
+    v = merged(args)
+    device = v.get("device", "auto")
+    if device not in RUN_DEVICES:
+        hint = (f"{device!r} is a hardware preset: harness plan --device {device} predicts from it; "
+                if str(device).lower() in DEVICES else f"{device!r}: ")
+        raise UsageError(f"--device {hint}runs need auto, cpu or cuda")
+    if device == "auto":
+        device = default_device_kind()
+    elif device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda but no CUDA GPU is visible; use --device cpu or auto")
+    d = DEFAULTS[device]
+    gpus = ints("gpus", v.get("gpus", 1))
+    strategies = v.get("strategies") or ("single" if max(gpus) == 1 else ",".join(STRATEGIES))
+    return SweepSpec(
+        sizes=csv_list(v.get("sizes", d["sizes"])),
+        strategies=csv_list(strategies),
+        precisions=csv_list(v.get("precision", d["precision"])),
+        gpus=gpus,
+        device_kind=device,
+        batch=int_arg("batch", v.get("batch", d["batch"]), 1),
+        steps=int_arg("steps", v.get("steps", d["steps"]), 1),
+        warmup=int_arg("warmup", v.get("warmup", d["warmup"]), 0),
+        scalings=csv_list(v.get("scaling", "strong")),
+        lr_rules=csv_list(v.get("lr_rule", "none")),
+        seq_len=int_arg("seq-len", v["seq_len"], 1) if "seq_len" in v else None,
+        microbatches=int_arg("microbatches", v["microbatches"], 1) if "microbatches" in v else None,
+        pp_schedule=v.get("pp_schedule", "1f1b"),
+        grad_accum=int_arg("grad-accum", v.get("grad_accum", 1), 1),
+        base_lr=positive_float("base-lr", v.get("base_lr", 1e-3)),
+        base_batch=int_arg("base-batch", v["base_batch"], 1) if "base_batch" in v else None,
+        lr_warmup_steps=int_arg("warmup-steps", v.get("warmup_steps", 0), 0),
+        seed=int_arg("seed", v.get("seed", 0), 0),
+        target_loss=positive_float("target-loss", v["target_loss"]) if "target_loss" in v else None,
+        nnodes=int_arg("nnodes", v.get("nnodes", 1), 1),
+        nvtx=v.get("nvtx", "on") == "on",
+        profile=bool(v.get("profile", False)),
+        mem_cap_gib=positive_float("mem-cap-gib", v["mem_cap_gib"]) if "mem_cap_gib" in v else None,
+        degrees=degrees_arg(v.get("degrees")),
+        reference=not v.get("no_reference", False),
+    )
+
+
+def device_line(spec: SweepSpec) -> str:
+    """The run's first line: which device kind the cells run on, and what --gpus means there."""
+    if spec.device_kind == "cpu":
+        return (f"device: cpu (no GPU in use): --gpus {','.join(map(str, spec.gpus))} means CPU ranks on gloo; "
+                f"CPU-sized defaults (sizes {','.join(spec.sizes)})")
+    return f"device: cuda ({torch.cuda.get_device_name()}), NCCL"
+
+

@@ -1,0 +1,89 @@
+"""``harness bench``: plan, calibrate what the model needs, run every cell, write the report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness.calibration.auto import ensure_calibrated
+from harness.calibration.normaliser import calibration_record
+from harness.cli.args import add_sweep_args, device_line, spec_from_args, sweep_arg_values
+from harness.errors import UsageError
+from harness.plan import PlannedCell, expand, predict_cells
+from harness.records.atomic import append_jsonl
+from harness.records.reader import RECORDS_FILENAME
+from harness.report import write_report
+from harness.run.launch import Rendezvous
+from harness.run.rundir import recorded_sweep_args, save_sweep_args, start_run
+from harness.run.sweep import SweepOptions, run_sweep
+
+
+def check_valid_any(cells: list[PlannedCell]) -> None:
+    """Nothing is launched when no cell the user asked for is valid (the parity reference doesn't count)."""
+    asked = [c for c in cells if not c.reference_only]
+    if not any(c.valid for c in asked):
+        bad = [c for c in asked if not c.valid]
+        if len(bad) == 1:
+            raise UsageError(bad[0].reason)
+        raise UsageError("no valid cell to run: " + "; ".join(f"{c.cell_id}: {c.reason}" for c in bad))
+
+
+def _restore_sweep_args(out: Path, args: argparse.Namespace) -> None:
+    """Fill the sweep flags not given on this command line from the run's recorded ones (CLI wins)."""
+    for key, value in recorded_sweep_args(out).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, Path(value) if key == "sweep" else value)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.resume is not None:
+        _restore_sweep_args(args.resume, args)  # `--resume DIR` alone re-plans the run's cells; flags given win
+    spec = spec_from_args(args)
+    if args.node_rank is not None and not 0 <= args.node_rank < spec.nnodes:
+        raise UsageError(f"--node-rank {args.node_rank} must be in [0, {spec.nnodes - 1}] for --nnodes {spec.nnodes}")
+    if spec.nnodes > 1 and not args.rdzv_endpoint:
+        raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the node-rank-0 machine)")
+    cells = expand(spec)
+    if args.resume is None:
+        check_valid_any(cells)
+    if args.cell_timeout is not None and args.cell_timeout <= 0:
+        raise UsageError(f"--cell-timeout {args.cell_timeout}: must be > 0 seconds")
+    node_rank = args.node_rank or 0
+    out, run_id, resume = start_run(args.out, args.resume, node_rank)
+    if node_rank == 0 and not resume:
+        save_sweep_args(out, sweep_arg_values(args))
+    print(device_line(spec), flush=True)
+    print(f"run {run_id}: {sum(c.valid for c in cells)} cells to run, {sum(not c.valid for c in cells)} invalid -> {out}",
+          flush=True)
+    rdzv = Rendezvous(nnodes=spec.nnodes, node_rank=node_rank, endpoint=args.rdzv_endpoint)
+    opts = SweepOptions(out=out, run_id=run_id, cell_timeout_s=args.cell_timeout, rdzv=rdzv, resume=resume)
+    try:
+        if node_rank == 0:
+            if not args.no_calibrate:
+                ensure_calibrated(spec)
+                cells = predict_cells(cells)  # the predictions from everything just measured
+            if not resume:
+                append_jsonl(out / RECORDS_FILENAME, calibration_record(run_id, spec.device_kind))
+        records = run_sweep(cells, opts, spec.device_kind)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished records are kept in {out}/{RECORDS_FILENAME}; "
+              f"finish with: harness bench --resume {out}", file=sys.stderr)
+        return 130
+    if node_rank == 0:
+        print(write_report(out))
+        print(f"\nrecords: {out / RECORDS_FILENAME}\nsummary: {out / 'summary.md'}")
+    failed = [r for r in records if r["status"] not in ("ok", "invalid")]
+    return 1 if failed else 0
+
+
+def register(sub) -> None:
+    b = sub.add_parser("bench", help="run a sweep: one torchrun job per cell -> records, summary, plots")
+    add_sweep_args(b)
+    b.add_argument("--out", type=Path, help="run directory (default results/<run-id>); never overwritten")
+    b.add_argument("--resume", type=Path, help="finish an interrupted run: re-run cells without an ok record")
+    b.add_argument("--cell-timeout", type=float, help="seconds per cell before it is killed (default from steps)")
+    b.add_argument("--node-rank", type=int, help="this machine's rank in a multi-node sweep")
+    b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
+    b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")
+    b.set_defaults(fn=cmd_bench)

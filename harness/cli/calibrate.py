@@ -1,0 +1,127 @@
+"""``harness calibrate``: matmul peak, collective bus bandwidth and workload passes, into the store."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+from tabulate import tabulate
+
+from harness.calibration import matmul, store
+from harness.calibration.collectives import (
+    COLLECTIVES, COMM_MAX_BYTES, COMM_MIN_BYTES, bus_factor, calibrate_comm, human_bytes, parse_size,
+)
+from harness.calibration.workload import calibrate_workload
+from harness.cli.args import csv_list, int_arg
+from harness.errors import UsageError
+from harness.spec import default_device_kind
+from workloads.sizes import get_size
+
+
+def _size(name: str, v: str) -> int:
+    try:
+        return parse_size(v)
+    except ValueError as e:
+        raise UsageError(f"--{name} {e}") from None
+
+
+def _workload_args(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(size, seq_len) pairs for the workload calibration; checked before anything runs."""
+    out = []
+    for name in csv_list(args.workloads or ""):
+        try:
+            size = get_size(name)
+        except ValueError as e:
+            raise UsageError(f"--workloads: {e}") from None
+        seq = int_arg("seq-len", args.seq_len, 1) if args.seq_len is not None else size.seq_len
+        if seq > size.seq_len:
+            raise UsageError(f"--seq-len {seq} exceeds {name}'s position table ({size.seq_len}); use <= {size.seq_len}")
+        out.append((name, seq))
+    return out
+
+
+def _comm_args(args: argparse.Namespace, device: str) -> tuple[int, int, int] | None:
+    """(ranks, min_bytes, max_bytes) for the comm calibration, None for one rank; checked before anything runs."""
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA GPU is visible; use --device cpu or auto")
+    n = int_arg("gpus", args.gpus, 1) if args.gpus is not None else torch.cuda.device_count() if cuda else 2
+    if cuda and n > torch.cuda.device_count():
+        raise UsageError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA devices are visible; "
+                         f"choose --gpus <= {torch.cuda.device_count()}")
+    lo = _size("comm-min-bytes", args.comm_min_bytes) if args.comm_min_bytes else COMM_MIN_BYTES
+    hi = _size("comm-max-bytes", args.comm_max_bytes) if args.comm_max_bytes else COMM_MAX_BYTES
+    if lo > hi:
+        raise UsageError(f"--comm-min-bytes ({lo}) must be <= --comm-max-bytes ({hi}); lower the first or raise the second")
+    return None if n == 1 else (n, lo, hi)
+
+
+def _print_workload(e: dict, threads: int) -> None:
+    passes = ", ".join(f"{r}: {t * 1e3:.1f} ms" for r, t in zip(e["rows"], e["pass_s"]))
+    print(f"workload {e['size']} seq {e['seq_len']} {e['dtype']} threads={threads} x {e['fingerprint']['concurrent']} "
+          f"at once: forward+backward {passes}; "
+          f"fit alpha {e['alpha_s'] * 1e3:.1f} ms + {e['beta_s_per_row'] * 1e3:.1f} ms/sequence; "
+          f"AdamW step {e['optimizer_s'] * 1e3:.1f} ms for {e['params']:,} params")
+
+
+def _print_comm(e: dict, n: int) -> None:
+    fp = e["fingerprint"]
+    threads = f", {fp['threads_per_rank']} threads/rank" if fp["threads_per_rank"] else ""
+    print(f"\ncomm: {n} ranks, {fp['backend']}{threads}, measured {e['measured_at']}")
+    for name in (c for c in COLLECTIVES if c in e["collectives"]):  # the cache file's keys are sorted
+        rows, s = e["collectives"][name], e["summary"][name]
+        print(f"\n{name} (busbw = algbw x {bus_factor(name, n):.3g}): peak busbw {s['peak_busbw_gbps']:.4g} GB/s, "
+              f"latency {s['latency_s'] * 1e6:.1f} us")
+        print(tabulate([[human_bytes(r["bytes"]), r["time_s"] * 1e6, r["algbw_gbps"], r["busbw_gbps"]] for r in rows],
+                       headers=["bytes", "time us", "algbw GB/s", "busbw GB/s"], tablefmt="github", floatfmt=("", ".1f", ".4g", ".4g")))
+    print(f"\nsynchronisation cost of a collective after compute: {e['sync_s'] * 1e6:.0f} us per call "
+          f"(added to every blocking collective by the performance model)")
+    print(f"\ncomm cache: {store.default_path()}")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    device = default_device_kind() if args.device == "auto" else args.device
+    threads = args.threads or (os.cpu_count() or 1)
+    for dt in csv_list(args.dtype):
+        if dt not in matmul.DTYPES or (dt == "tf32" and device != "cuda"):
+            raise UsageError(f"--dtype {dt!r}: choose from fp32,bf16,fp16 (tf32 on GPU only)")
+    comm = None if args.no_comm else _comm_args(args, device)
+    workloads = _workload_args(args)
+    concurrent = int_arg("concurrent", args.concurrent, 1) if args.concurrent is not None else 1
+    for dt in csv_list(args.dtype):
+        e = matmul.calibrate(device, dt, threads, force=args.force)
+        median = e.get("median_tflops") or statistics.median(s["tflops"] for s in e["shapes"])  # older cache entries
+        print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s max, "
+              f"{median:.4g} median over {len(e['shapes'])} shapes (best shape {e['best_shape']}) "
+              f"-> {store.default_path()}")
+    for name, seq in workloads:
+        for dt in csv_list(args.dtype):
+            e = calibrate_workload(device, name, seq, dt, threads if device == "cpu" else 0, concurrent,
+                                   force=args.force)
+            _print_workload(e, threads)
+    if comm is not None:
+        n, lo, hi = comm
+        _print_comm(calibrate_comm(device, n, lo, hi, force=args.force), n)
+    elif not args.no_comm:
+        print("comm: n/a: bus bandwidth needs >= 2 ranks")
+    return 0
+
+
+def register(sub) -> None:
+    k = sub.add_parser("calibrate", help="measure the matmul peak (TFLOP/s) per dtype and the collective bus "
+                                         "bandwidth, and cache them")
+    k.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    k.add_argument("--dtype", default="fp32")
+    k.add_argument("--threads", type=int, help="CPU threads for the matmul (default: all cores)")
+    k.add_argument("--force", action="store_true", help="re-measure even if cached")
+    k.add_argument("--gpus", help="ranks for the bus-bandwidth measurement (default: all GPUs; 2 on CPU; 1 skips it)")
+    k.add_argument("--no-comm", action="store_true", help="matmul peak only")
+    k.add_argument("--comm-min-bytes", help="smallest message, e.g. 4KiB (default 4KiB)")
+    k.add_argument("--comm-max-bytes", help="largest message, e.g. 64MiB (default 64MiB)")
+    k.add_argument("--workloads", help="sizes whose forward+backward and optimizer step to time for the "
+                                       "performance model, e.g. tiny,small")
+    k.add_argument("--seq-len", help="sequence length for --workloads (default: the size's)")
+    k.add_argument("--concurrent", help="--workloads: copies measured at once, as many as a node's ranks (default 1)")
+    k.set_defaults(fn=cmd_calibrate)

@@ -1,0 +1,88 @@
+"""``harness plan``: the cells a sweep would run (nothing launched), or a what-if on a hardware preset."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from harness.cli.args import (
+    RUN_DEVICES, add_sweep_args, csv_list, degrees_arg, device_line, fraction, int_arg, ints, merged, spec_from_args,
+)
+from harness.errors import UsageError
+from harness.model.hardware import get_device
+from harness.model.whatif import plan_at_scale, scenario
+from harness.plan import expand
+from harness.report.model_error import model_error
+from harness.report.plan_text import plan_table
+from harness.report.whatif_text import BANNER, assumptions_lines, error_line, whatif_table
+
+ERROR_FROM = Path("results/reference/model-cpu-w2-w4")
+
+
+def add_whatif_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what-if (--device h100|h100-pcie|h200|a100: predict, do not run)")
+    g.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                   help="activation recomputation (default none)")
+    g.add_argument("--efficiency", help="compute rate as a fraction of the datasheet peak, in (0, 1] "
+                                        "(default: MAMF x kernel efficiency measured on one H200)")
+    g.add_argument("--error-from", type=Path, default=None,
+                   help="run directory whose records carry predictions, for the model's measured error "
+                        "(default results/reference/model-cpu-w2-w4)")
+
+
+def cmd_plan_whatif(args: argparse.Namespace) -> int:
+    """``harness plan --device PRESET``: rank strategies by predicted tokens/s per device."""
+    v = merged(args)
+    device = get_device(v["device"])
+    if "nnodes" in v:
+        raise UsageError(f"--nnodes {v['nnodes']}: the what-if takes --gpus as the total and fills nodes of "
+                         f"{device.gpus_per_node} ({device.name}); drop --nnodes")
+    if "gpus" not in v:
+        raise UsageError(f"--device {device.name} predicts at a device count: give --gpus N, e.g. --gpus 64")
+    if v.get("scaling", "strong") != "strong":
+        raise UsageError(f"--scaling {v['scaling']}: the what-if takes --batch as the global batch; drop --scaling")
+    efficiency = fraction("efficiency", v["efficiency"]) if "efficiency" in v else None
+    sizes = csv_list(v.get("sizes", "xl"))
+    strategies = csv_list(v["strategies"]) if v.get("strategies") else None
+    opts = dict(global_batch=int_arg("batch", v["batch"], 1) if "batch" in v else None,
+                seq_len=int_arg("seq-len", v["seq_len"], 1) if "seq_len" in v else None,
+                recompute=v.get("recompute", "none"),
+                microbatches=int_arg("microbatches", v["microbatches"], 1) if "microbatches" in v else None,
+                efficiency=efficiency, pp_schedule=v.get("pp_schedule", "1f1b"),
+                grad_accum=int_arg("grad-accum", v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")))
+    sections = [(size, prec, gpus) for size in sizes for prec in csv_list(v.get("precision", "bf16"))
+                for gpus in ints("gpus", v["gpus"])]
+    for size, prec, gpus in sections:  # every value is checked before anything is printed
+        scenario(size, device, gpus, prec, **opts)
+    run_dir = args.error_from or ERROR_FROM
+    print(BANNER)
+    for size, prec, gpus in sections:
+        print()
+        print("\n".join(assumptions_lines(scenario(size, device, gpus, prec, **opts))))
+        print()
+        print(whatif_table(plan_at_scale(size, device, gpus, strategies, prec, **opts)))
+    print()
+    print(error_line(model_error(run_dir), run_dir))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if merged(args).get("device", "auto") not in RUN_DEVICES:
+        return cmd_plan_whatif(args)
+    for flag in ("recompute", "efficiency", "error_from"):
+        if getattr(args, flag, None) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
+                             f"(or h100-pcie, h200, a100)")
+    spec = spec_from_args(args)
+    cells = expand(spec)
+    print(device_line(spec))
+    print(plan_table(cells))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="expand and validate a sweep without launching anything, or predict "
+                                    "strategies on a hardware preset (--device h100 --gpus 64)")
+    add_sweep_args(p)
+    add_whatif_args(p)
+    p.set_defaults(fn=cmd_plan)

@@ -1,0 +1,115 @@
+"""Child jobs the harness starts (torchrun per cell, the collective calibration): run, tag, kill.
+
+A job runs in a new process session, and every process it starts inherits a tag in its
+environment, so a timeout or Ctrl-C kills all of them (torchrun starts each rank in a session
+of its own, out of reach of a process-group kill): no job outlives the call that started it.
+Commands are argument lists, never shell strings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+
+import psutil
+
+KILL_GRACE_S = 5.0
+JOB_TAG_ENV = "HARNESS_JOB_TAG"
+"""Set in the job's environment, so every process it starts can be found and killed with it."""
+REPO = Path(__file__).resolve().parents[1]
+"""The checkout that holds ``harness`` and ``workloads``: on every job's ``PYTHONPATH``."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def new_tag() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def job_env(tag: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a job: unbuffered output, the repo importable, the tag set."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {}), JOB_TAG_ENV: tag}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
+    return env
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold Ctrl-C while the job starts, then deliver it: an interrupt inside Popen (after the
+    fork, before ``proc`` is bound) would orphan the job's new session."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread handles signals
+        return
+    pending: list[tuple] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending and callable(previous):
+            previous(*pending[0])  # the default handler raises KeyboardInterrupt here
+
+
+def _job_processes(tag: str) -> list[psutil.Process]:
+    """Every live process started by the job, found by the environment tag they all inherit.
+
+    The job's process group is not enough: torchrun starts each rank in a session of its own,
+    and a rank orphaned by torchrun's death is no longer in torchrun's process tree either.
+    """
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(JOB_TAG_ENV) == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue  # gone, dead, or not ours: not a live process of this job
+    return found
+
+
+def kill_job(proc: subprocess.Popen, tag: str) -> None:
+    """SIGCONT + SIGTERM every process of the job (stopped ranks included), SIGKILL what is left."""
+    procs = _job_processes(tag)
+    if proc.poll() is None and proc.pid not in {p.pid for p in procs}:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(proc.pid))  # torchrun itself, however its environment reads
+    for p in procs:
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+    _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S)
+    for p in alive + [p for p in _job_processes(tag) if p not in alive]:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+    proc.wait()
+
+
+def run_job(cmd: list[str], log_path: Path, timeout_s: float, env_extra: dict[str, str] | None = None) -> int | None:
+    """Run ``cmd`` as a tagged job with stdout and stderr to ``log_path``; its exit code, None on timeout.
+
+    Whatever happens (clean exit, crash, timeout, Ctrl-C), no process of the job outlives this
+    call; a KeyboardInterrupt is re-raised after the job is killed.
+    """
+    tag = new_tag()
+    env = job_env(tag, env_extra)
+    with open(log_path, "w") as log:
+        proc = None
+        try:
+            with _sigint_deferred():
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            if proc is not None:
+                kill_job(proc, tag)

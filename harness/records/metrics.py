@@ -1,0 +1,125 @@
+"""The record's ``metrics``, typed: one TypedDict per part, merged into :class:`CellMetrics`.
+
+The worker builds the measured parts (:mod:`harness.run.record_metrics`), the sweep adds
+:class:`RunMetrics` (wall time, the plan's memory estimate, parity) in the same module, and
+every reader (report, compare) reads these keys. ``docs/records.md`` lists exactly these keys;
+``tests/unit/test_records_schema.py`` holds the two against each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class StepTimeStats(TypedDict):
+    """Summary of the measured steps (:class:`harness.measure.stats.Stats`), seconds."""
+
+    n: int
+    median: float
+    p10: float
+    p90: float
+    mean: float
+    std: float
+    cv: float
+
+
+class TimingMetrics(TypedDict):
+    conventions: dict[str, str]
+    step_time_s: StepTimeStats
+    unstable: bool
+    unstable_reason: str | None
+    tokens_per_step: int
+
+
+class ThroughputMetrics(TypedDict):
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    tflops_per_device: float
+
+
+class MfuMetrics(TypedDict):
+    peak_tflops: float | None
+    mfu_pct: float | None
+    mfu_reason: str | None
+
+
+class CalibratedMfuMetrics(TypedDict):
+    calibrated_tflops: float | None
+    mfu_calibrated_pct: float | None
+    mfu_calibrated_reason: str | None
+
+
+class MemoryMetrics(TypedDict, total=False):
+    threads_per_rank: int | None
+    peak_mem_gib: float
+    peak_mem_gib_per_rank: list[float]
+    peak_mem_kind: str
+    peak_mem_reserved_gib: float
+    """CUDA only."""
+    mem_capacity_pct: float
+    """CUDA only."""
+    model_state_bytes_per_rank: int
+    model_state_bytes_by_rank: list[int]
+    model_state_breakdown_rank0: dict[str, int]
+
+
+class CommMetrics(TypedDict):
+    comm: dict[str, dict[str, int]]
+    comm_by_rank: list[dict[str, dict[str, int]]]
+    comm_bytes_per_step: int
+
+
+class LossMetrics(TypedDict):
+    loss: list[float]
+    final_loss: float | None
+    entropy_floor: float
+    target_loss: float
+    target_margin_nats: float | None
+    steps_to_target: int | None
+    time_to_target_s: float | None
+    target_reason: str | None
+    lr: float
+
+
+class PrecisionMetrics(TypedDict, total=False):
+    precision: dict[str, Any]
+    fp16_skipped_steps: int
+    """fp16 cells only."""
+    fp16_final_scale: float
+    """fp16 cells only."""
+
+
+class InstrumentMetrics(TypedDict, total=False):
+    gns: dict[str, Any]
+    pipeline: dict[str, Any]
+    """Pipeline strategies only."""
+    monitor: dict[str, Any]
+    energy_j_per_token: float
+    """NVML energy counter only."""
+    trace: dict[str, Any]
+    """With ``--profile`` only."""
+
+
+class WorkerMetrics(TimingMetrics, ThroughputMetrics, MfuMetrics, MemoryMetrics, CommMetrics, LossMetrics,
+                    PrecisionMetrics, InstrumentMetrics, total=False):
+    """What rank 0 measures and writes to ``result.json``."""
+
+    worker_wall_s: float
+
+
+class RunMetrics(TypedDict, total=False):
+    """What the sweep adds when the cell's record is written (failed cells carry only these)."""
+
+    wall_s: float
+    est_mem_gib: float | None
+    parity_max_rel_diff: float | None
+    parity: dict[str, Any]
+
+
+class CellMetrics(WorkerMetrics, CalibratedMfuMetrics, RunMetrics, total=False):
+    """``record["metrics"]`` of a ``kind: "cell"`` record."""
+
+
+def metric_keys() -> frozenset[str]:
+    """Every top-level key a cell record's ``metrics`` may hold."""
+    return CellMetrics.__required_keys__ | CellMetrics.__optional_keys__

@@ -1,0 +1,124 @@
+"""Records -> one DataFrame row per cell: the numbers every table and plot of the report reads.
+
+Pure: returns DataFrames, never prints or plots. Absent metrics are NaN, so a record from any
+version of the schema (``schema_version`` 1) loads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from harness.units import MIB
+
+FRAME_COLUMNS = [
+    "cell_id", "size", "strategy", "precision", "world_size", "global_batch", "scaling",
+    "lr_rule", "status", "error", "tokens_per_s", "tokens_per_s_per_device",
+    "step_time_median_s", "step_time_cv", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
+    "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
+    "parity_max_rel_diff", "final_loss", "target_loss", "steps_to_target", "time_to_target_s",
+    "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
+    "mfu_reason",
+]
+
+
+def get(d: dict[str, Any] | None, *keys: str) -> Any:
+    """Nested lookup that returns None when any level is missing or null."""
+    for key in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(key)
+    return d
+
+
+def num(value: Any) -> float:
+    """Float of a metric; missing, null or non-numeric -> NaN."""
+    if isinstance(value, bool) or value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
+    """Flatten one cell record into a frame row; absent metrics become NaN."""
+    cfg, m = r.get("config") or {}, r.get("metrics") or {}
+    world_size = num(cfg.get("world_size"))
+    tokens_per_s = num(m.get("tokens_per_s"))
+    if math.isnan(tokens_per_s):
+        tokens_per_s = num(m.get("tokens_per_s_per_device")) * world_size
+    return {
+        "cell_id": r.get("cell_id"), "size": cfg.get("size"), "strategy": cfg.get("strategy"),
+        "precision": cfg.get("precision"), "world_size": world_size,
+        "global_batch": num(cfg.get("global_batch")), "scaling": cfg.get("scaling"),
+        "lr_rule": cfg.get("lr_rule"), "status": r.get("status"), "error": r.get("error"),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": num(m.get("tokens_per_s_per_device")),
+        "step_time_median_s": num(get(m, "step_time_s", "median")),
+        "step_time_cv": num(get(m, "step_time_s", "cv")),
+        "tflops_per_device": num(m.get("tflops_per_device")),
+        "mfu_pct": num(m.get("mfu_pct")),
+        "mfu_calibrated_pct": num(m.get("mfu_calibrated_pct")),
+        "peak_mem_gib": num(m.get("peak_mem_gib")),
+        "model_state_mib_per_rank": num(m.get("model_state_bytes_per_rank")) / MIB,
+        "comm_mib_per_step": num(m.get("comm_bytes_per_step")) / MIB,
+        "overlap_pct": num(get(m, "trace", "overlap_pct")),
+        "parity_max_rel_diff": num(m.get("parity_max_rel_diff")),
+        "final_loss": num(m.get("final_loss")), "target_loss": num(m.get("target_loss")),
+        "steps_to_target": num(m.get("steps_to_target")),
+        "time_to_target_s": num(m.get("time_to_target_s")),
+        "gns_b_simple": num(get(m, "gns", "b_simple")), "scaling_efficiency": math.nan,
+        "device_kind": cfg.get("device_kind"), "device_name": get(r, "env", "device_name"),
+        "unstable_reason": m.get("unstable_reason"), "mfu_reason": m.get("mfu_reason"),
+    }
+
+
+def _scaling_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["size"], row["precision"], row["scaling"], row["lr_rule"])
+
+
+def _fill_scaling_efficiency(rows: list[dict[str, Any]]) -> None:
+    """scaling efficiency = tokens/s(N) / (N x tokens/s(1)).
+
+    The 1-device reference is an ok world_size 1 cell with the same size, precision,
+    scaling and LR rule: the same strategy if measured, else the fastest such cell.
+    """
+    singles = [r for r in rows if r["status"] == "ok" and r["world_size"] == 1
+               and np.isfinite(r["tokens_per_s"])]
+    for row in rows:
+        if row["status"] != "ok" or not np.isfinite(row["tokens_per_s"]):
+            continue
+        refs = [s for s in singles if _scaling_key(s) == _scaling_key(row)]
+        same = [s for s in refs if s["strategy"] == row["strategy"]]
+        pool = same or refs
+        if pool:
+            ref = max(s["tokens_per_s"] for s in pool)
+            row["scaling_efficiency"] = row["tokens_per_s"] / (row["world_size"] * ref)
+
+
+def cells_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """One row per ``kind == "cell"`` record, columns :data:`FRAME_COLUMNS`."""
+    rows = [_cell_row(r) for r in records if r.get("kind", "cell") == "cell"]
+    _fill_scaling_efficiency(rows)
+    return pd.DataFrame(rows, columns=FRAME_COLUMNS)
+
+
+def text(value: Any) -> str:
+    """A string field of the frame; None and NaN (pandas fills both) become ``""``."""
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+def device_title(df: pd.DataFrame) -> str:
+    """Device kinds and names that produced the cells, e.g. ``cuda (NVIDIA H200)``."""
+    names = []
+    for kind, name in df[["device_kind", "device_name"]].itertuples(index=False):
+        label = text(kind) or "unknown"
+        label += f" ({text(name)})" if text(name) else ""
+        if label not in names:
+            names.append(label)
+    return ", ".join(names) if names else "unknown"

@@ -1,1 +1,0 @@
-"""Results: environment capture, records, atomic store."""

@@ -1,0 +1,156 @@
+"""The record's metrics, built in one place from typed parts (:mod:`harness.records.metrics`).
+
+Rank 0 of the worker summarises what every rank measured into :class:`WorkerMetrics`
+(:func:`worker_metrics`); the sweep completes it with the calibrated MFU and
+:class:`RunMetrics` when it writes the record (:func:`cell_metrics`). Nothing else writes a
+metric key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.measure import gns
+from harness.measure.stats import Stats
+from harness.parallel.presets import expected_bubble, stages_per_rank
+from harness.records.metrics import (
+    CalibratedMfuMetrics, CellMetrics, CommMetrics, InstrumentMetrics, LossMetrics, MemoryMetrics, RunMetrics,
+    TimingMetrics, WorkerMetrics,
+)
+from harness.run.metrics import (
+    CONVENTIONS, calibrated_mfu_fields, global_loss, max_rel_diff, mfu_fields, slowest_per_step, steps_to_target,
+    throughput,
+)
+
+DEFAULT_TARGET_MARGIN = 0.5
+"""Default loss target: the data's entropy floor plus this many nats."""
+PARITY_TOL = {"fp32": 1e-4, "tf32": 5e-3, "bf16": 2e-2, "fp16": 2e-2}
+"""Max relative loss difference vs the single-device reference that still counts as parity.
+
+fp32: reductions in a different order (all-reduce, sharded matmuls, microbatch sums) change
+results by a few ulps (~1e-7 relative per op); Adam's normalised updates carry that into the
+loss at ~1e-6 over tens of steps, so 1e-4 leaves margin yet catches any real mistake (a wrong
+gradient scale moves the loss by > 1e-2 within a few steps). Low-precision modes round every
+matmul to 8 (bf16) or 11 (fp16) mantissa bits, so their curves agree only to ~1e-2.
+"""
+
+
+def _memory(gathered: list[dict], threads: int | None) -> MemoryMetrics:
+    mems = [g["mem"] for g in gathered]
+    states = [g["state_bytes"]["total"] for g in gathered]
+    m: MemoryMetrics = {
+        "threads_per_rank": threads,
+        "peak_mem_gib": max(x["peak_mem_gib"] for x in mems),
+        "peak_mem_gib_per_rank": [x["peak_mem_gib"] for x in mems],
+        "peak_mem_kind": mems[0]["peak_mem_kind"],
+        "model_state_bytes_per_rank": max(states),
+        "model_state_bytes_by_rank": states,
+        "model_state_breakdown_rank0": gathered[0]["state_bytes"],
+    }
+    if "peak_mem_reserved_gib" in mems[0]:
+        m["peak_mem_reserved_gib"] = max(x["peak_mem_reserved_gib"] for x in mems)
+        m["mem_capacity_pct"] = 100 * m["peak_mem_gib"] / mems[0]["mem_capacity_gib"]
+    return m
+
+
+def _comm(gathered: list[dict]) -> CommMetrics:
+    comm = gathered[0]["comm"]
+    return {"comm": comm, "comm_by_rank": [g["comm"] for g in gathered],
+            "comm_bytes_per_step": sum(v["bytes_per_step"] for v in comm.values())}
+
+
+def _loss(cfg, losses: list[float], all_steps: list[float], entropy_floor: float) -> LossMetrics:
+    target = cfg.target_loss if cfg.target_loss is not None else entropy_floor + DEFAULT_TARGET_MARGIN
+    s2t, t2t = steps_to_target(losses, all_steps, target) if losses else (None, None)
+    return {"loss": losses, "final_loss": losses[-1] if losses else None, "entropy_floor": entropy_floor,
+            "target_loss": target, "target_margin_nats": None if cfg.target_loss is not None else DEFAULT_TARGET_MARGIN,
+            "steps_to_target": s2t, "time_to_target_s": t2t,
+            "target_reason": None if s2t else f"not reached in {len(losses)} steps (target {target:.3f} nats)",
+            "lr": cfg.lr}
+
+
+def _gns(gathered, g_big, local_batch, cfg, dims) -> dict:
+    smalls = [g["g_small"] for g in gathered if g["g_small"] is not None]
+    if not smalls or dims.dp < 2:
+        return {"b_simple": None, "reason": "n/a: needs data-parallel replicas (ddp) to compare local and global gradients"}
+    g_small = [sum(col) / len(col) for col in zip(*smalls)]
+    return gns.b_simple(g_small, g_big, float(local_batch), float(cfg.global_batch))
+
+
+def _instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace: dict | None) -> InstrumentMetrics:
+    m: InstrumentMetrics = {"gns": _gns(gathered, g_big, local_batch, cfg, dims)}
+    if dims.pp_enabled:
+        v = stages_per_rank(cfg.pp_schedule)
+        m["pipeline"] = {"stages": dims.pp * v, "virtual_per_rank": v, "microbatches": cfg.microbatches,
+                         "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches)}
+    if monitor_result is not None:
+        m["monitor"] = monitor_result.to_record()
+        energy = monitor_result.summary.get("energy_j")
+        if energy is not None:
+            m["energy_j_per_token"] = energy / (cfg.tokens_per_step * cfg.steps)
+    if trace is not None:
+        m["trace"] = trace
+    return m
+
+
+def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: list[dict], g_big: list[float],
+                   skipped: int, scaler, entropy_floor: float, local_batch: int, threads: int, device_name: str,
+                   monitor_result, trace: dict | None) -> tuple[WorkerMetrics, dict[str, Any]]:
+    """Rank 0's metrics and raw samples from every rank's measurements (``gathered``)."""
+    per_rank_times = [g["times"] for g in gathered]
+    all_steps = slowest_per_step(per_rank_times)
+    measured = all_steps[cfg.warmup:]
+    stats = Stats.of(measured)
+    timing: TimingMetrics = {"conventions": CONVENTIONS, "step_time_s": stats.as_dict(),
+                             "unstable": stats.unstable_reason() is not None,
+                             "unstable_reason": stats.unstable_reason(), "tokens_per_step": cfg.tokens_per_step}
+    tput = throughput(stats, cfg.tokens_per_step, cfg.world_size, size.flops_per_token())
+    m: WorkerMetrics = {
+        **timing, **tput,
+        **mfu_fields(tput["tflops_per_device"], cfg.device_kind, device_name, precision.compute_dtype),
+        **_memory(gathered, threads if cfg.device_kind == "cpu" else None),
+        **_comm(gathered),
+        **_loss(cfg, global_loss([g["losses"] for g in gathered]), all_steps, entropy_floor),
+        "precision": precision.describe(data_parallel),
+        **_instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace),
+    }
+    if scaler is not None:
+        m["fp16_skipped_steps"] = skipped
+        m["fp16_final_scale"] = scaler.get_scale()
+    samples = {"step_time_s": measured, "warmup_step_time_s": all_steps[: cfg.warmup],
+               "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times]}
+    return m, samples
+
+
+def parity_key(cfg: dict) -> tuple:
+    """Cells whose loss curves must match: same work, same data, same schedule of LRs."""
+    return tuple(cfg.get(k) for k in ("size", "precision", "global_batch", "seq_len", "lr", "lr_warmup_steps",
+                                      "seed", "steps", "warmup", "scaling", "lr_rule"))
+
+
+def _parity(cell_id: str, cfg: dict, loss: list[float] | None, ref: dict | None) -> RunMetrics:
+    tol = PARITY_TOL[cfg["precision"]]
+    if cfg["strategy"] == "single":
+        return {"parity_max_rel_diff": 0.0, "parity": {"reference": cell_id, "tolerance": tol, "ok": True}}
+    if ref is not None and loss and ref["metrics"].get("loss"):
+        diff = max_rel_diff(loss, ref["metrics"]["loss"])
+        return {"parity_max_rel_diff": diff,
+                "parity": {"reference": ref["cell_id"], "tolerance": tol, "ok": diff is not None and diff <= tol}}
+    return {"parity_max_rel_diff": None,
+            "parity": {"reference": None, "tolerance": tol, "ok": None,
+                       "reason": "n/a: no single-device reference with the same global batch in this run"}}
+
+
+def failed_cell_metrics(wall_s: float, est_mem_gib: float | None) -> RunMetrics:
+    """A cell without a result: how long it ran and what the plan expected of its memory."""
+    return {"wall_s": wall_s, "est_mem_gib": est_mem_gib}
+
+
+def cell_metrics(cell_id: str, cfg: dict, worker: WorkerMetrics, wall_s: float, est_mem_gib: float | None,
+                 calibrated_tflops: float | None, device_name: str, compute_dtype: str,
+                 reference: dict | None) -> CellMetrics:
+    """The record's metrics of an ok cell: the worker's, the calibrated MFU, and the run's part."""
+    calibrated: CalibratedMfuMetrics = calibrated_mfu_fields(worker["tflops_per_device"], calibrated_tflops,
+                                                             device_name, compute_dtype)
+    return {**worker, **calibrated, **failed_cell_metrics(wall_s, est_mem_gib),
+            **_parity(cell_id, cfg, worker.get("loss"), reference)}
