@@ -29,7 +29,7 @@ bench_args = --gpus $(GPUS) \
 	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) \
 	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
 
-.PHONY: setup test bench plan trace compare report bench-ci workloads clean
+.PHONY: setup lint test bench plan trace compare report bench-ci workloads clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 setup: $(BIN)/.installed
+
+# ruff (style, imports, no function-level imports but for heavy/optional dependencies) and
+# import-linter (the one-way layers and no cycles; contracts in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check harness workloads tests scripts
+	$(BIN)/lint-imports
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

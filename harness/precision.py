@@ -16,6 +16,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from harness.errors import UsageError
 
@@ -62,8 +63,6 @@ class PrecisionPlan:
         return torch.autocast(device_type=device_kind, dtype=dtype)
 
     def fsdp_policy(self):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         low = self.autocast_dtype
         return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
 

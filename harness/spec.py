@@ -111,7 +111,7 @@ class CellConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CellConfig":
+    def from_dict(cls, d: dict) -> CellConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -162,3 +162,11 @@ class SweepSpec:
 def default_device_kind() -> str:
     """``cuda`` when a GPU is visible (and ``HARNESS_FORCE_CPU`` is not 1), else ``cpu``."""
     return "cuda" if torch.cuda.is_available() and os.environ.get("HARNESS_FORCE_CPU") != "1" else "cpu"
+
+
+def threads_per_rank(local_world: int) -> int:
+    """CPU threads each of a node's ``local_world`` ranks runs with: the cores shared out, at least one.
+
+    The worker sets it, and calibrations are keyed by it, so predictions find the matching entry.
+    """
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))

@@ -17,7 +17,7 @@ from harness.calibration import matmul
 from harness.calibration.collectives import COMM_MAX_BYTES, COMM_MIN_BYTES, calibrate_comm
 from harness.calibration.workload import lookup_workload
 from harness.jobs import run_job
-from harness.spec import SweepSpec
+from harness.spec import SweepSpec, threads_per_rank
 from workloads.sizes import get_size
 
 CHILD_TIMEOUT_S = 3600.0
@@ -36,7 +36,7 @@ def _say(line: str) -> None:
 
 
 def _matmul(spec: SweepSpec, dtypes: list[str]) -> None:
-    threads = sorted({matmul.threads_per_rank(g) for g in {*spec.gpus, 1}}) if spec.device_kind == "cpu" else [0]
+    threads = sorted({threads_per_rank(g) for g in {*spec.gpus, 1}}) if spec.device_kind == "cpu" else [0]
     for dt in dtypes:
         for th in threads:
             if matmul.lookup(spec.device_kind, dt, th) is not None:
@@ -52,7 +52,7 @@ def _matmul(spec: SweepSpec, dtypes: list[str]) -> None:
 
 def _workloads(spec: SweepSpec, dtypes: list[str]) -> None:
     # (threads per rank, ranks computing at once) as each device count of the sweep runs them
-    runs = sorted({(matmul.threads_per_rank(w), w) for w in {*spec.gpus, 1}}) if spec.device_kind == "cpu" else [(0, 1)]
+    runs = sorted({(threads_per_rank(w), w) for w in {*spec.gpus, 1}}) if spec.device_kind == "cpu" else [(0, 1)]
     for name in spec.sizes:
         seq = spec.seq_len or get_size(name).seq_len
         for dt in dtypes:

@@ -42,6 +42,7 @@ from harness.calibration import store
 from harness.jobs import free_port, run_job
 from harness.measure.comm import BUS_FACTOR
 from harness.records.atomic import write_json_atomic
+from harness.spec import threads_per_rank
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 WARMUP_CALLS = 5
@@ -100,7 +101,7 @@ def sizes(min_bytes: int, max_bytes: int, world_size: int) -> list[int]:
 
 
 def fingerprint(device_kind: str, world_size: int, nnodes: int = 1, threads: int | None = None) -> dict:
-    """What makes a measurement reusable; ``threads`` defaults to :func:`harness.calibration.matmul.threads_per_rank` on CPU."""
+    """What makes a measurement reusable; ``threads`` defaults to :func:`harness.spec.threads_per_rank` on CPU."""
     cpu = device_kind == "cpu"
     return {
         "device_kind": device_kind,
@@ -109,7 +110,7 @@ def fingerprint(device_kind: str, world_size: int, nnodes: int = 1, threads: int
         "world_size": world_size,
         "nnodes": nnodes,
         "torch": torch.__version__,
-        "threads_per_rank": (threads or calibrate.threads_per_rank(world_size)) if cpu else None,
+        "threads_per_rank": (threads or threads_per_rank(world_size)) if cpu else None,
         "machine": platform.machine(),
     }
 

@@ -9,7 +9,6 @@ something; on GPU, what the chip really sustains (Bekman's MAMF finder).
 
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 import time
@@ -19,20 +18,13 @@ import torch
 
 from harness.calibration import store
 from harness.records.env import cpu_model
+from harness.spec import threads_per_rank
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_SHAPES = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (1024, 4096, 1024)]
 MAX_REP_S = 0.5
 """Stop growing the shapes once one product takes this long: bigger ones will not be faster."""
 GPU_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 16384, 4096), (16384, 8192, 4096), (8192, 8192, 16384)]
-
-
-def threads_per_rank(local_world: int) -> int:
-    """CPU threads each of a node's ``local_world`` ranks runs with: the cores shared out, at least one.
-
-    The worker sets it, and calibrations are keyed by it, so predictions find the matching entry.
-    """
-    return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
 def device_name(device_kind: str) -> str:

@@ -7,9 +7,9 @@ is launched or written. Precedence: CLI flags > sweep file (TOML) > defaults.
 from __future__ import annotations
 
 import argparse
-import tomllib
 from pathlib import Path
 
+import tomllib
 import torch
 
 from harness.errors import UsageError

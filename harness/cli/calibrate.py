@@ -11,7 +11,13 @@ from tabulate import tabulate
 
 from harness.calibration import matmul, store
 from harness.calibration.collectives import (
-    COLLECTIVES, COMM_MAX_BYTES, COMM_MIN_BYTES, bus_factor, calibrate_comm, human_bytes, parse_size,
+    COLLECTIVES,
+    COMM_MAX_BYTES,
+    COMM_MIN_BYTES,
+    bus_factor,
+    calibrate_comm,
+    human_bytes,
+    parse_size,
 )
 from harness.calibration.workload import calibrate_workload
 from harness.cli.args import csv_list, int_arg

@@ -6,7 +6,16 @@ import argparse
 from pathlib import Path
 
 from harness.cli.args import (
-    RUN_DEVICES, add_sweep_args, csv_list, degrees_arg, device_line, fraction, int_arg, ints, merged, spec_from_args,
+    RUN_DEVICES,
+    add_sweep_args,
+    csv_list,
+    degrees_arg,
+    device_line,
+    fraction,
+    int_arg,
+    ints,
+    merged,
+    spec_from_args,
 )
 from harness.errors import UsageError
 from harness.model.hardware import get_device

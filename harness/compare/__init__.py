@@ -25,12 +25,22 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
+from harness.compare.stats import (  # noqa: F401  (re-exported: the gate's verdicts and options)
+    CANNOT_JUDGE,
+    INCONCLUSIVE,
+    MISSING,
+    NORMALIZE_CHOICES,
+    NOT_COMPARABLE,
+    PASS,
+    REGRESSION,
+    SKIPPED,
+    UNCHANGED_FAILURES,
+    CompareOptions,
+    PairResult,
+    judge_samples,
+)
 from harness.errors import UsageError
 from harness.records.reader import load_any
-from harness.compare.stats import (  # noqa: F401  (re-exported: the gate's verdicts and options)
-    CANNOT_JUDGE, INCONCLUSIVE, MISSING, NORMALIZE_CHOICES, NOT_COMPARABLE, PASS, REGRESSION, SKIPPED,
-    UNCHANGED_FAILURES, CompareOptions, PairResult, judge_samples,
-)
 
 COLUMNS = [
     "cell_id", "verdict", "base_median_tok_per_s", "cand_median_tok_per_s", "ratio",

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 
 def two_batch_estimates(g_small_sq: float, g_big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
@@ -38,11 +39,11 @@ def b_simple(g_small_sq: list[float], g_big_sq: list[float], b_small: float, b_b
         raise ValueError("need at least one step with finite gradient norms")
     g_small_sq, g_big_sq = [p[0] for p in pairs], [p[1] for p in pairs]
     e_g2 = e_tr = 0.0
-    for i, (s, b) in enumerate(zip(g_small_sq, g_big_sq), start=1):
+    for s, b in zip(g_small_sq, g_big_sq):
         g2, tr = two_batch_estimates(s, b, b_small, b_big)
         e_g2 = ema * e_g2 + (1 - ema) * g2
         e_tr = ema * e_tr + (1 - ema) * tr
-    corr = 1 - ema**i
+    corr = 1 - ema ** len(g_small_sq)
     g2_hat, tr_hat = e_g2 / corr, e_tr / corr
     value = tr_hat / g2_hat if g2_hat > 0 else None
     return {
@@ -73,8 +74,6 @@ class LocalGradNorm:
 
 def local_norm_allreduce_hook(state: LocalGradNorm, bucket):
     """Record the local squared gradient norm of the bucket, then average as DDP's default does."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     sq = bucket.buffer().detach().float().pow(2).sum()
     state.sq = sq if state.sq is None else state.sq + sq
     return allreduce_hook(state.process_group, bucket)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from harness.units import GIB
-
 import resource
 
 import torch
 from torch import nn
 
+from harness.units import GIB
 
 
 def reset_peak(device_kind: str) -> None:

@@ -29,6 +29,7 @@ from harness.measure.nvml_sampler import NvmlUnavailable, open_nvml_sampler
 from harness.measure.sampling import MonitorResult, Sampler, SamplerKind, column_stats
 from harness.units import MIB
 
+
 class Monitor:
     """Samples ``sampler`` every ``1 / rate_hz`` s on a background thread between start/stop.
 

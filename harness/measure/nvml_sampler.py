@@ -22,10 +22,12 @@ from __future__ import annotations
 import functools
 import operator
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
+import torch
 
 from harness.measure.sampling import SamplerKind, column_stats, counter_delta
 from harness.units import MIB
@@ -237,8 +239,6 @@ def resolve_devices(
 
 def _torch_cuda_uuids(local_indices: list[int]) -> list[str] | None:
     """``GPU-<uuid>`` of each local index as CUDA sees it, or None without CUDA/uuid support."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     uuids = [getattr(torch.cuda.get_device_properties(i), "uuid", None) for i in local_indices]
@@ -251,7 +251,7 @@ def _torch_cuda_uuids(local_indices: list[int]) -> list[str] | None:
 def open_nvml_sampler(local_indices: list[int]) -> tuple[NvmlSampler, str | None]:
     """Initialise NVML and build the sampler; raises ``NvmlUnavailable`` with the reason."""
     try:
-        import pynvml
+        import pynvml  # noqa: PLC0415  (optional: NVML is absent on CPU machines)
     except ImportError as exc:
         raise NvmlUnavailable(f"pynvml not importable ({type(exc).__name__})") from exc
     try:

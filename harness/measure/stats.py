@@ -46,7 +46,7 @@ class Stats:
     """std / mean."""
 
     @classmethod
-    def of(cls, xs: list[float]) -> "Stats":
+    def of(cls, xs: list[float]) -> Stats:
         if not xs:
             raise ValueError("Stats.of needs at least one sample, got none")
         s = sorted(xs)

@@ -33,7 +33,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from harness.model.inventory import (
-    ParamSpec, RankCoord, coords, fsdp_padded_numel, group_of, n_stages, rank_layers, rank_params, stage_of,
+    ParamSpec,
+    RankCoord,
+    coords,
+    fsdp_padded_numel,
+    group_of,
+    n_stages,
+    rank_layers,
+    rank_params,
+    stage_of,
     stages_of_rank,
     tp_local_shape,
 )

@@ -27,7 +27,6 @@ from harness.model.inventory import rank_layers, stages_of_rank
 from harness.model.shape import CellShape
 
 
-
 @dataclass(frozen=True)
 class ComputeRates:
     """Per-pass cost model of one device (or CPU rank) for one size, dtype and thread count."""

@@ -30,14 +30,14 @@ not modelled; at this harness's message sizes (MB to GB) the bandwidth term domi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from harness.errors import UsageError
+from harness.measure.comm import BUS_FACTOR
 from harness.measure.peaks import datasheet_peaks
 from harness.parallel.dims import ParallelDims
 from harness.units import GIB, MIB
-
 
 MAMF_FRACTION = 700.9 / 989.5
 """Achievable matmul fraction of the datasheet peak: calibrated bf16 matmul peak 700.9 TFLOP/s over
@@ -182,8 +182,6 @@ def link_for(device: Device, where: GroupPlacement) -> tuple[float, float, str]:
 
 def collective_time_s(device: Device, collective: str, nbytes: float, where: GroupPlacement) -> float:
     """``latency + nbytes * busbw_factor / link_bw`` for one call; 0 for a group of one."""
-    from harness.measure.comm import BUS_FACTOR
-
     if where.size <= 1:
         return 0.0
     gbps, latency, _ = link_for(device, where)

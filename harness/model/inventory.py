@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from harness.parallel.dims import ParallelDims
+from harness.parallel.pipeline import layer_ranges
 from workloads.sizes import ModelSize
 
 COL, ROW, REPLICATE = "col", "row", "replicate"
@@ -92,8 +93,6 @@ def n_stages(dims: ParallelDims, virtual: int) -> int:
 @functools.lru_cache(maxsize=256)
 def _layer_owner(n_layers: int, stages: int) -> tuple[int, ...]:
     """Stage of each layer (:func:`harness.parallel.pipeline.layer_ranges`)."""
-    from harness.parallel.pipeline import layer_ranges
-
     return tuple(s for s, r in enumerate(layer_ranges(n_layers, stages)) for _ in r)
 
 

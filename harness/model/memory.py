@@ -23,7 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.model.inventory import (
-    coords, fsdp_local_numel, fsdp_padded_numel, rank_layers, rank_params, tp_local_shape,
+    coords,
+    fsdp_local_numel,
+    fsdp_padded_numel,
+    rank_layers,
+    rank_params,
+    tp_local_shape,
 )
 from harness.model.shape import CellShape
 

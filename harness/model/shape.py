@@ -27,7 +27,7 @@ class CellShape:
     """Activation recomputation: ``none``, ``selective`` (attention core) or ``full`` (per block)."""
 
     @classmethod
-    def of(cls, cfg) -> "CellShape":
+    def of(cls, cfg) -> CellShape:
         """From a planned :class:`~harness.spec.CellConfig`."""
         size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
         dims = resolve(cfg.strategy, cfg.world_size, cfg.degrees).dims

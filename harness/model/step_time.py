@@ -15,8 +15,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from harness.model import comm as comm_model
 from harness.model.compute import ComputeRates, pass_time_s, stage_shares

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def apply_ddp(model: nn.Module, dp_mesh, device_kind: str, comm_hook=None, comm_state=None) -> nn.Module:
@@ -12,8 +14,6 @@ def apply_ddp(model: nn.Module, dp_mesh, device_kind: str, comm_hook=None, comm_
     ``comm_hook``/``comm_state`` optionally replace the all-reduce hook (used to read the
     local gradient before reduction for the gradient noise scale).
     """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     device_ids = [torch.cuda.current_device()] if device_kind == "cuda" else None
     ddp = DDP(model, process_group=dp_mesh.get_group(), device_ids=device_ids, broadcast_buffers=False)
     if comm_hook is not None:
@@ -28,8 +28,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mp_policy
     the all-gather of block i+1 overlap the compute of block i. ``reshard_after_forward=False``
     keeps gathered parameters until backward: ZeRO-2-like (no second all-gather, more memory).
     """
-    from torch.distributed.fsdp import fully_shard
-
     for block in model.blocks.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     # The root's parameters are needed again at the start of backward (the head); keeping them

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from torch.distributed.device_mesh import init_device_mesh
+
 from harness.errors import UsageError
 
 # Mesh dimension order, outermost first: pipeline stages talk least often, tensor parallel most,
@@ -71,8 +73,6 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """Build the device mesh over all dimensions (size-1 ones included, so names always resolve)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         shape = tuple(getattr(self, n) for n in MESH_ORDER)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
         object.__setattr__(self, "_mesh", mesh)

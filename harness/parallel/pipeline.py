@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from harness.parallel.presets import stages_per_rank
 
@@ -77,8 +78,6 @@ def build_pipeline(stage_modules: dict[int, nn.Module], n_stages: int, pp_group,
     ``scale_grads=True`` divides gradients by the microbatch count, so the update equals the
     one from the mean loss over the whole batch (numerical parity with one device).
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
     stages = [
         PipelineStage(mod, stage_index=sid, num_stages=n_stages, device=device, group=pp_group)
         for sid, mod in sorted(stage_modules.items())

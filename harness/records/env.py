@@ -45,7 +45,7 @@ def driver_version() -> str | None:
     if not torch.cuda.is_available():
         return None
     try:
-        import pynvml
+        import pynvml  # noqa: PLC0415  (optional: NVML is absent on CPU machines)
     except ImportError:
         return "n/a: nvidia-ml-py not installed"
     try:

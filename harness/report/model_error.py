@@ -6,11 +6,9 @@ slower step / more bytes / more memory). The sweep's mean and max are over absol
 
 from __future__ import annotations
 
-from harness.units import MIB
-
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from tabulate import tabulate
 
 from harness.records.reader import RECORDS_FILENAME, load_records
 from harness.report.frame import get, num
-
+from harness.units import MIB
 
 # (column, predicted key, measured key path) for the quantities held against the model
 QUANTITIES = {

@@ -7,18 +7,18 @@ Each plot is skipped, not written, when it has no data. Figures are built with
 from __future__ import annotations
 
 import io
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402  (backend must be chosen first)
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
 
 from harness.records.atomic import write_bytes_atomic  # noqa: E402
 from harness.report.frame import device_title  # noqa: E402

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.jobs import free_port, run_job
-from harness.spec import CellConfig
 from harness.records.atomic import write_json_atomic
+from harness.spec import CellConfig
+
 
 @dataclass(frozen=True)
 class Rendezvous:

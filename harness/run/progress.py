@@ -9,6 +9,8 @@ import sys
 import time
 from typing import TextIO
 
+from tqdm import tqdm
+
 
 def _hms(s: float) -> str:
     s = int(s)
@@ -24,8 +26,6 @@ class Progress:
         self.tty = self.stream.isatty() if tty is None else tty
         self._bar = None
         if self.tty and total:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total, file=self.stream, unit="cell", dynamic_ncols=True)
 
     def eta_s(self) -> float | None:

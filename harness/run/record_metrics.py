@@ -14,11 +14,24 @@ from harness.measure import gns
 from harness.measure.stats import Stats
 from harness.parallel.presets import expected_bubble, stages_per_rank
 from harness.records.metrics import (
-    CalibratedMfuMetrics, CellMetrics, CommMetrics, InstrumentMetrics, LossMetrics, MemoryMetrics, RunMetrics,
-    TimingMetrics, WorkerMetrics,
+    CalibratedMfuMetrics,
+    CellMetrics,
+    CommMetrics,
+    InstrumentMetrics,
+    LossMetrics,
+    MemoryMetrics,
+    RunMetrics,
+    TimingMetrics,
+    WorkerMetrics,
 )
 from harness.run.metrics import (
-    CONVENTIONS, calibrated_mfu_fields, global_loss, max_rel_diff, mfu_fields, slowest_per_step, steps_to_target,
+    CONVENTIONS,
+    calibrated_mfu_fields,
+    global_loss,
+    max_rel_diff,
+    mfu_fields,
+    slowest_per_step,
+    steps_to_target,
     throughput,
 )
 

@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from harness.spec import CellConfig
-from harness.calibration.matmul import threads_per_rank
 from harness.measure import gns
 from harness.measure.comm import CommCounter
 from harness.measure.memory import model_state_bytes, peak_memory, reset_peak
@@ -39,8 +37,9 @@ from harness.records.env import capture
 from harness.records.record import clean
 from harness.run import train
 from harness.run.record_metrics import worker_metrics
-from harness.units import GIB
 from harness.scaling import lr_at
+from harness.spec import CellConfig, threads_per_rank
+from harness.units import GIB
 from workloads.data import MarkovData
 from workloads.model import GPT, lm_loss
 from workloads.sizes import get_size

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.run import train
 from harness.measure.nvtx_ranges import Ranges
 from harness.parallel.parallelize import Parallelized
 from harness.precision import PrecisionPlan
+from harness.run import train
 from workloads.data import MarkovData
 from workloads.model import GPT, lm_loss
 from workloads.sizes import get_size

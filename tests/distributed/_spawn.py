@@ -25,8 +25,8 @@ def _free_port() -> int:
 def _rank_main(rank: int, world: int, port: int, cells: list[dict], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    from harness.spec import CellConfig
     from harness.run.worker import run_cell
+    from harness.spec import CellConfig
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)

@@ -6,13 +6,13 @@ on a one-rank group. fp32 tolerance: harness.run.record_metrics.PARITY_TOL["fp32
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from harness.run.metrics import max_rel_diff
 from harness.run.record_metrics import PARITY_TOL
 from tests.distributed._spawn import cell, run_cells
-from dataclasses import replace
-
 from workloads.sizes import get_size
 
 pytestmark = pytest.mark.distributed
@@ -156,10 +156,10 @@ def bf16_world4(tmp_path_factory):
 
 
 def _predicted(cell_id: str, res: dict):
-    from harness.spec import CellConfig
     from harness.model.comm import comm_by_rank
     from harness.model.memory import state_bytes_by_rank
     from harness.model.shape import CellShape
+    from harness.spec import CellConfig
 
     cfg = CellConfig.from_dict(res["config"])
     assert cfg.cell_id == cell_id
@@ -187,3 +187,16 @@ def test_model_predicts_counted_comm_and_states_world4(world4):
 
 def test_model_predicts_counted_comm_and_states_bf16_world4(bf16_world4):
     _check_model(bf16_world4)
+
+
+def test_worker_metrics_follow_the_typed_schema(world2, world4, reference):
+    """Every metric rank 0 writes is a declared WorkerMetrics key, and every required one is there."""
+    from harness.records.metrics import WorkerMetrics
+
+    declared = WorkerMetrics.__required_keys__ | WorkerMetrics.__optional_keys__
+    for results in (reference, world2, world4):
+        for cid, res in results.items():
+            keys = set(res["metrics"])
+            assert keys <= declared, f"{cid}: undeclared metrics {sorted(keys - declared)}"
+            assert WorkerMetrics.__required_keys__ <= keys, \
+                f"{cid}: missing {sorted(WorkerMetrics.__required_keys__ - keys)}"

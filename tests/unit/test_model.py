@@ -8,8 +8,8 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from harness.model import comm, memory
 from harness.measure.stats import fit_line
+from harness.model import comm, memory
 from harness.model.compute import ComputeRates, pass_time_s, stage_shares
 from harness.model.inventory import coords, fsdp_local_numel, fsdp_padded_numel, param_specs
 from harness.model.shape import CellShape

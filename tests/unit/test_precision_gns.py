@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.run import train
 from harness.measure.gns import b_simple, two_batch_estimates
-from harness.run.metrics import max_rel_diff
 from harness.precision import PrecisionPlan
+from harness.run import train
+from harness.run.metrics import max_rel_diff
 from harness.run.record_metrics import PARITY_TOL
 from tests.bench.conftest import make_context
 

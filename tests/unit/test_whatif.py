@@ -12,14 +12,22 @@ from harness.cli import main
 from harness.errors import UsageError
 from harness.measure.peaks import datasheet_peak_tflops
 from harness.model.hardware import (
-    DEFAULT_EFFICIENCY, DEVICES, GIB, KERNEL_EFFICIENCY, MAMF_FRACTION, GroupPlacement, collective_time_s,
-    comm_time_fn, get_device, placement,
+    DEFAULT_EFFICIENCY,
+    DEVICES,
+    GIB,
+    KERNEL_EFFICIENCY,
+    MAMF_FRACTION,
+    GroupPlacement,
+    collective_time_s,
+    comm_time_fn,
+    get_device,
+    placement,
 )
 from harness.model.inventory import param_specs
 from harness.model.memory import state_bytes_by_rank
 from harness.model.whatif import plan_at_scale, predict_row, recompute_factor, scenario, shape_for
-from harness.report.model_error import model_error
 from harness.parallel.dims import ParallelDims
+from harness.report.model_error import model_error
 from workloads.sizes import get_size
 
 H100 = DEVICES["h100"]

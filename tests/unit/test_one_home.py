@@ -1,0 +1,165 @@
+"""One home per concern: the calibration store, the fingerprint, the records reader, the resolved
+strategy, and the predictions the planner attaches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+
+import pytest
+
+from harness.calibration import matmul, store
+from harness.errors import UsageError
+from harness.parallel.presets import STRATEGIES, Layout, degrees_for, resolve
+from harness.plan import expand
+from harness.records.fingerprint import digest
+from harness.records.reader import TornTail, load_records
+from harness.run.rundir import existing_records
+from harness.spec import SweepSpec
+from workloads.sizes import get_size
+
+# ---------------------------------------------------------------- fingerprint and store keys
+
+
+def test_digest_is_sha256_of_sorted_json():
+    fields = {"b": 1, "a": [2, "x"]}
+    assert digest(fields) == hashlib.sha256(b'{"a": [2, "x"], "b": 1}').hexdigest()[:16]
+
+
+def test_store_keys_keep_existing_caches_valid():
+    fp = {"device_kind": "cpu", "dtype": "fp32"}
+    assert store.key("matmul", fp) == digest(fp)  # matmul keys predate kinds
+    assert store.key("comm", fp) == digest({"kind": "comm", **fp})
+    assert store.key("workload", {"kind": "workload", **fp}) == digest({"kind": "workload", **fp})
+    with pytest.raises(ValueError, match="unknown calibration kind 'gemm'"):
+        store.key("gemm", fp)
+
+
+def test_store_get_checks_the_kind(tmp_path):
+    path = tmp_path / "cal.json"
+    fp = {"x": 1}
+    store.put("comm", fp, {"sync_s": 1e-3}, path)
+    assert store.get("comm", fp, path) == {"sync_s": 1e-3, "fingerprint": fp, "kind": "comm"}
+    assert store.get("workload", fp, path) is None
+    path.write_text(json.dumps({store.key("matmul", fp): {"kind": "comm", "fingerprint": fp}}))
+    assert store.get("matmul", fp, path) is None  # a comm entry under a matmul key is not a matmul entry
+
+
+def _put_many(path: str, worker: int, n: int) -> None:
+    from pathlib import Path
+
+    from harness.calibration import store as s
+
+    for i in range(n):
+        s.put("comm", {"worker": worker, "i": i}, {"value": i}, Path(path))
+
+
+def test_concurrent_writers_keep_every_entry(tmp_path):
+    """Four processes read-modify-write the same file at once; the lock keeps all 4 x 25 entries."""
+    path = tmp_path / "cal.json"
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_put_many, args=(str(path), w, 25)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    entries = json.loads(path.read_text())
+    assert len(entries) == 100
+    assert all(store.get("comm", {"worker": w, "i": i}, path)["value"] == i for w in range(4) for i in range(25))
+
+
+# ---------------------------------------------------------------- the one records reader
+
+
+def _line(cell_id: str) -> str:
+    return json.dumps({"schema_version": 1, "kind": "cell", "cell_id": cell_id, "run_id": "r", "status": "ok"}) + "\n"
+
+
+def test_torn_last_line_is_refused_then_set_aside_by_resume(tmp_path, capsys):
+    path = tmp_path / "records.jsonl"
+    whole = _line("a") + _line("b")
+    torn = _line("c")[:25]
+    path.write_text(whole + torn)
+    with pytest.raises(TornTail) as info:
+        load_records(tmp_path)
+    assert info.value.offset == len(whole.encode())
+    assert str(info.value).startswith(f"{path}: line 3 is not valid JSON")
+    recs = existing_records(tmp_path)
+    assert [r["cell_id"] for r in recs] == ["a", "b"]
+    assert path.read_text() == whole, "the whole records stay byte for byte"
+    assert (tmp_path / "records.jsonl.torn").read_text() == torn + "\n", "the torn bytes are kept, not lost"
+    assert "moved it to" in capsys.readouterr().err
+
+
+def test_corrupt_line_in_the_middle_is_refused_and_left_alone(tmp_path):
+    path = tmp_path / "records.jsonl"
+    text = _line("a") + "{not json\n" + _line("b")
+    path.write_text(text)
+    for read in (load_records, existing_records):
+        with pytest.raises(UsageError, match="line 2 is not valid JSON.*corrupt at that line") as info:
+            read(tmp_path)
+        assert not isinstance(info.value, TornTail)
+    assert path.read_text() == text and not (tmp_path / "records.jsonl.torn").exists()
+
+
+# ---------------------------------------------------------------- the strategy resolved once
+
+FSDP_APPLIED = {"fsdp", "zero2", "hsdp", "fsdp+tp", "pp+fsdp"}
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "pp+fsdp+tp"])
+def test_layout_says_where_fsdp_applies_and_what_syncs(strategy):
+    world = 1 if strategy == "single" else 4
+    layout = resolve(strategy, world)
+    assert layout.dims == degrees_for(strategy, world)
+    assert layout.fsdp == (strategy in FSDP_APPLIED)
+    synced = layout.options.synced_dims
+    for dim in ("dp_replicate", "dp_shard"):
+        if getattr(layout.dims, dim) > 1:
+            assert dim in synced, f"{strategy} would train diverging replicas over {dim}"
+
+
+def test_fsdp_on_one_rank_still_wraps_but_fsdp_tp_without_dp_does_not():
+    assert Layout("fsdp", degrees_for("single", 1)).fsdp
+    assert not resolve("fsdp+tp", 2, {"tp": 2}).fsdp
+
+
+def test_override_that_leaves_a_replica_unsynced_is_refused():
+    with pytest.raises(UsageError, match=r"strategy tp does not synchronise gradients over dp_shard \(2\)"):
+        resolve("tp", 4, {"tp": 2, "dp_shard": 2})
+
+
+# ---------------------------------------------------------------- predictions at plan time
+
+
+def _spec(**kw) -> SweepSpec:
+    base = dict(sizes=("tiny",), strategies=("ddp", "tp", "pp+fsdp+tp"), precisions=("fp32",), gpus=(2,),
+                device_kind="cpu", batch=8, steps=3, warmup=1)
+    return SweepSpec(**{**base, **kw})
+
+
+def test_plan_attaches_predictions_from_the_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARNESS_CALIBRATION", str(tmp_path / "cal.json"))
+    cells = expand(_spec())
+    valid = [c for c in cells if c.valid]
+    assert {c.raw["strategy"] for c in valid} == {"single", "ddp", "tp"}
+    invalid = [c for c in cells if not c.valid]
+    assert [c.raw["strategy"] for c in invalid] == ["pp+fsdp+tp"] and invalid[0].predicted is None
+    for c in valid:
+        assert c.predicted["step_time_s"] is None and "n/a: no calibration" in c.predicted["notes"][-1]
+        assert c.est_mem_gib == c.predicted["peak_mem_gib"] > 0
+        assert c.calibrated_tflops is None
+    # a matmul entry appears: the same plan now predicts a step time from the roofline and knows the peak
+    threads = matmul.threads_for("cpu", 2)
+    store.put("matmul", matmul.fingerprint("cpu", "fp32", threads), {"tflops": 0.5, "shapes": []})
+    ddp = next(c for c in expand(_spec()) if c.raw["strategy"] == "ddp")
+    assert ddp.calibrated_tflops == 0.5
+    size = get_size("tiny")
+    rows = 4  # global batch 8 over 2 replicas
+    bd = ddp.predicted["breakdown"]
+    assert bd["basis"] == "matmul peak"
+    assert bd["compute_s"] == pytest.approx(rows * size.flops_per_token() * size.seq_len / 0.5e12, rel=1e-12)
+    assert ddp.predicted["step_time_s"] is None  # no comm calibration yet: the model says so instead of guessing
+    assert "no comm calibration for all_reduce over 2 ranks" in " ".join(ddp.predicted["notes"])
