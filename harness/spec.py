@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from harness.errors import UsageError
-from harness.parallel.presets import PP_SCHEDULES, STRATEGIES
+from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, Layout, resolve
 from harness.precision import PRECISIONS
 from harness.scaling import LR_RULES, SCALINGS
 
@@ -100,6 +100,11 @@ class CellConfig:
     @property
     def cell_id(self) -> str:
         return cell_id_of(asdict(self))
+
+    @property
+    def layout(self) -> Layout:
+        """The strategy resolved at this world size (:func:`harness.parallel.presets.resolve`)."""
+        return resolve(self.strategy, self.world_size, self.degrees)
 
     @property
     def tokens_per_step(self) -> int:

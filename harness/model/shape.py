@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import Layout, resolve
+from harness.parallel.presets import Layout
 from workloads.sizes import ModelSize, get_size
 
 LOW_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -30,7 +30,7 @@ class CellShape:
     def of(cls, cfg) -> CellShape:
         """From a planned :class:`~harness.spec.CellConfig`."""
         size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
-        dims = resolve(cfg.strategy, cfg.world_size, cfg.degrees).dims
+        dims = cfg.layout.dims
         return cls(size=size, dims=dims, strategy=cfg.strategy, precision=cfg.precision,
                    global_batch=cfg.global_batch, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches,
                    pp_schedule=cfg.pp_schedule, device_kind=cfg.device_kind)

@@ -11,21 +11,10 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 
-class StepTimeStats(TypedDict):
-    """Summary of the measured steps (:class:`harness.measure.stats.Stats`), seconds."""
-
-    n: int
-    median: float
-    p10: float
-    p90: float
-    mean: float
-    std: float
-    cv: float
-
-
 class TimingMetrics(TypedDict):
     conventions: dict[str, str]
-    step_time_s: StepTimeStats
+    step_time_s: dict[str, float]
+    """``{"n","median","p10","p90","mean","std","cv"}`` of the measured steps (``Stats.as_dict()``), seconds."""
     unstable: bool
     unstable_reason: str | None
     tokens_per_step: int

@@ -30,7 +30,6 @@ from harness.measure.nvtx_ranges import Ranges
 from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_traces
 from harness.parallel.parallelize import parallelize
-from harness.parallel.presets import resolve_cell
 from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
 from harness.records.env import capture
@@ -96,8 +95,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     threads = torch.get_num_threads()
 
     size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
-    layout, _ = resolve_cell(cfg.strategy, cfg.world_size, cfg.degrees, size, cfg.precision, cfg.pp_schedule,
-                             cfg.microbatches, cfg.grad_accum, cfg.global_batch)
+    layout = cfg.layout  # validated by the planner (resolve_cell) before the cell was launched
     dims = layout.dims
     dims.build_mesh(device.type)
     precision = PrecisionPlan(cfg.precision)
