@@ -60,21 +60,22 @@ def degrees_arg(s: str | None) -> dict | None:
     return out
 
 
-def positive_float(name: str, v) -> float:
+def _number(name: str, v, expected: str) -> float:
     try:
-        x = float(v)
+        return float(v)
     except (TypeError, ValueError):
-        raise UsageError(f"--{name} {v!r}: expected a number") from None
+        raise UsageError(f"--{name} {v!r}: expected {expected}") from None
+
+
+def positive_float(name: str, v) -> float:
+    x = _number(name, v, "a number")
     if x <= 0:
         raise UsageError(f"--{name} {v!r}: must be > 0")
     return x
 
 
 def fraction(name: str, v) -> float:
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        raise UsageError(f"--{name} {v!r}: expected a fraction in (0, 1], e.g. 0.4") from None
+    x = _number(name, v, "a fraction in (0, 1], e.g. 0.4")
     if not 0 < x <= 1:
         raise UsageError(f"--{name} {v!r}: must be a fraction of the datasheet peak in (0, 1], e.g. 0.4")
     return x
