@@ -43,21 +43,52 @@ def job_env(tag: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: schedulers (Slurm, CI timeouts, ``kill``) send it, not SIGINT."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 @contextlib.contextmanager
-def _sigint_deferred():
-    """Hold Ctrl-C while the job starts, then deliver it: an interrupt inside Popen (after the
-    fork, before ``proc`` is bound) would orphan the job's new session."""
+def sigterm_as_interrupt():
+    """While inside, SIGTERM raises :class:`Terminated` (a KeyboardInterrupt), so every ``finally``
+    that kills a job runs for it as it does for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold Ctrl-C and SIGTERM while the job starts, then deliver them: an interrupt inside Popen
+    (after the fork, before ``proc`` is bound) would orphan the job's new session."""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread handles signals
         return
     pending: list[tuple] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append((signum, frame)))
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append((signum, frame))) for s in INTERRUPTS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if pending and callable(previous):
-            previous(*pending[0])  # the default handler raises KeyboardInterrupt here
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            signum, frame = pending[0]
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)  # KeyboardInterrupt or Terminated is raised here
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)  # the default action, as if it had not been held
 
 
 def _job_processes(tag: str) -> list[psutil.Process]:
@@ -97,15 +128,15 @@ def kill_job(proc: subprocess.Popen, tag: str) -> None:
 def run_job(cmd: list[str], log_path: Path, timeout_s: float, env_extra: dict[str, str] | None = None) -> int | None:
     """Run ``cmd`` as a tagged job with stdout and stderr to ``log_path``; its exit code, None on timeout.
 
-    Whatever happens (clean exit, crash, timeout, Ctrl-C), no process of the job outlives this
-    call; a KeyboardInterrupt is re-raised after the job is killed.
+    Whatever happens (clean exit, crash, timeout, Ctrl-C, SIGTERM under :func:`sigterm_as_interrupt`),
+    no process of the job outlives this call; the interrupt is re-raised after the job is killed.
     """
     tag = new_tag()
     env = job_env(tag, env_extra)
     with open(log_path, "w") as log:
         proc = None
         try:
-            with _sigint_deferred():
+            with _interrupts_deferred():
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -25,11 +25,26 @@ from harness.records.atomic import write_json_atomic
 from harness.records.fingerprint import digest
 
 KINDS = ("matmul", "comm", "workload")
+ENV = "HARNESS_CALIBRATION"
+"""Names the calibration file instead of ``~/.cache/harness/calibration.json``."""
 
 
 def default_path() -> Path:
-    env = os.environ.get("HARNESS_CALIBRATION")
+    env = os.environ.get(ENV)
     return Path(env) if env else Path.home() / ".cache" / "harness" / "calibration.json"
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the store at ``path`` cannot be written (its folder or lock file), or None when it can."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a"):
+            pass
+        if path.exists() and not os.access(path, os.W_OK):
+            return f"{path} is read-only"
+    except OSError as e:
+        return f"{e.strerror}: {e.filename}"
+    return None
 
 
 def key(kind: str, fp: dict) -> str:

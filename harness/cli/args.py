@@ -7,9 +7,10 @@ is launched or written. Precedence: CLI flags > sweep file (TOML) > defaults.
 from __future__ import annotations
 
 import argparse
+import difflib
+import tomllib
 from pathlib import Path
 
-import tomllib
 import torch
 
 from harness.errors import UsageError
@@ -34,17 +35,17 @@ def ints(name: str, s: str, minimum: int = 1) -> tuple[int, ...]:
     out = []
     for x in csv_list(str(s)):
         if not x.lstrip("-").isdigit() or int(x) < minimum:
-            raise UsageError(f"--{name} {s!r}: each value must be an integer >= {minimum}, e.g. --{name} 2 or 1,2,4")
+            raise UsageError(f"{name} {s!r}: each value must be an integer >= {minimum}, e.g. 2 or 1,2,4")
         out.append(int(x))
     if not out:
-        raise UsageError(f"--{name} is empty; give an integer >= {minimum}")
+        raise UsageError(f"{name} is empty; give an integer >= {minimum}")
     return tuple(out)
 
 
 def int_arg(name: str, v, minimum: int) -> int:
     s = str(v).strip()
     if not s.lstrip("-").isdigit() or int(s) < minimum:
-        raise UsageError(f"--{name} {v!r}: must be an integer >= {minimum}")
+        raise UsageError(f"{name} {v!r}: must be an integer >= {minimum}")
     return int(s)
 
 
@@ -64,20 +65,20 @@ def _number(name: str, v, expected: str) -> float:
     try:
         return float(v)
     except (TypeError, ValueError):
-        raise UsageError(f"--{name} {v!r}: expected {expected}") from None
+        raise UsageError(f"{name} {v!r}: expected {expected}") from None
 
 
 def positive_float(name: str, v) -> float:
     x = _number(name, v, "a number")
     if x <= 0:
-        raise UsageError(f"--{name} {v!r}: must be > 0")
+        raise UsageError(f"{name} {v!r}: must be > 0")
     return x
 
 
 def fraction(name: str, v) -> float:
     x = _number(name, v, "a fraction in (0, 1], e.g. 0.4")
     if not 0 < x <= 1:
-        raise UsageError(f"--{name} {v!r}: must be a fraction of the datasheet peak in (0, 1], e.g. 0.4")
+        raise UsageError(f"{name} {v!r}: must be a fraction of the datasheet peak in (0, 1], e.g. 0.4")
     return x
 
 
@@ -126,21 +127,52 @@ def sweep_arg_values(args: argparse.Namespace) -> dict:
     return {a.dest: getattr(args, a.dest) for a in sweep_actions() if getattr(args, a.dest, None) is not None}
 
 
-def merged(args: argparse.Namespace) -> dict:
-    """CLI > sweep file > defaults."""
+class Settings(dict):
+    """Merged settings (CLI > sweep file > defaults) that remember which keys the sweep file gave,
+    so an error names the file's key, not a flag the user never typed."""
+
+    def __init__(self, values: dict, file: Path | None = None, from_file: frozenset[str] = frozenset()) -> None:
+        super().__init__(values)
+        self.file = file
+        self.from_file = from_file
+
+    def label(self, key: str) -> str:
+        """``--seq-len`` for a flag or default, ``FILE: seq_len`` for a sweep file's key."""
+        return f"{self.file}: {key}" if key in self.from_file else f"--{key.replace('_', '-')}"
+
+
+WHATIF_KEYS = ("recompute", "efficiency", "error_from")
+"""Keys a sweep file may also hold for ``harness plan --device PRESET``."""
+
+
+def _read_sweep_file(path: Path, known: set[str]) -> dict:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise UsageError(f"--sweep {path}: cannot read TOML ({e}); fix the file") from None
+    values = {}
+    for key, value in raw.items():
+        dest = key.replace("-", "_")
+        if dest not in known:
+            close = difflib.get_close_matches(dest, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(known))}"
+            raise UsageError(f"unknown key {key!r} in {path}; {hint}")
+        if isinstance(value, dict):
+            raise UsageError(f"{path}: {key} is a table; give a value or a list, e.g. {key} = [1, 2]")
+        values[dest] = ",".join(map(str, value)) if isinstance(value, list) else value
+    return values
+
+
+def merged(args: argparse.Namespace) -> Settings:
+    """CLI > sweep file > defaults. A sweep file's unknown key is an error, with the closest valid key."""
     file_vals: dict = {}
-    if getattr(args, "sweep", None):
-        try:
-            file_vals = tomllib.loads(args.sweep.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise UsageError(f"--sweep {args.sweep}: cannot read TOML ({e}); fix the file") from None
-        file_vals = {k.replace("-", "_"): v for k, v in file_vals.items()}
+    path = getattr(args, "sweep", None)
+    if path:
+        known = {a.dest for a in sweep_actions()} - {"sweep"}
+        known |= {k for k in WHATIF_KEYS if hasattr(args, k)}
+        file_vals = _read_sweep_file(path, known)
     cli = {k: v for k, v in vars(args).items() if v is not None}
-    out = {**file_vals, **cli}
-    for k, v in list(out.items()):
-        if isinstance(v, list):
-            out[k] = ",".join(map(str, v))
-    return out
+    return Settings({**file_vals, **cli}, path, frozenset(k for k in file_vals if k not in cli))
 
 
 def spec_from_args(args: argparse.Namespace) -> SweepSpec:
@@ -156,7 +188,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA GPU is visible; use --device cpu or auto")
     d = DEFAULTS[device]
-    gpus = ints("gpus", v.get("gpus", 1))
+    gpus = ints(v.label("gpus"), v.get("gpus", 1))
     strategies = v.get("strategies") or ("single" if max(gpus) == 1 else ",".join(STRATEGIES))
     return SweepSpec(
         sizes=csv_list(v.get("sizes", d["sizes"])),
@@ -164,24 +196,24 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         precisions=csv_list(v.get("precision", d["precision"])),
         gpus=gpus,
         device_kind=device,
-        batch=int_arg("batch", v.get("batch", d["batch"]), 1),
-        steps=int_arg("steps", v.get("steps", d["steps"]), 1),
-        warmup=int_arg("warmup", v.get("warmup", d["warmup"]), 0),
+        batch=int_arg(v.label("batch"), v.get("batch", d["batch"]), 1),
+        steps=int_arg(v.label("steps"), v.get("steps", d["steps"]), 1),
+        warmup=int_arg(v.label("warmup"), v.get("warmup", d["warmup"]), 0),
         scalings=csv_list(v.get("scaling", "strong")),
         lr_rules=csv_list(v.get("lr_rule", "none")),
-        seq_len=int_arg("seq-len", v["seq_len"], 1) if "seq_len" in v else None,
-        microbatches=int_arg("microbatches", v["microbatches"], 1) if "microbatches" in v else None,
+        seq_len=int_arg(v.label("seq_len"), v["seq_len"], 1) if "seq_len" in v else None,
+        microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedule=v.get("pp_schedule", "1f1b"),
-        grad_accum=int_arg("grad-accum", v.get("grad_accum", 1), 1),
-        base_lr=positive_float("base-lr", v.get("base_lr", 1e-3)),
-        base_batch=int_arg("base-batch", v["base_batch"], 1) if "base_batch" in v else None,
-        lr_warmup_steps=int_arg("warmup-steps", v.get("warmup_steps", 0), 0),
-        seed=int_arg("seed", v.get("seed", 0), 0),
-        target_loss=positive_float("target-loss", v["target_loss"]) if "target_loss" in v else None,
-        nnodes=int_arg("nnodes", v.get("nnodes", 1), 1),
+        grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),
+        base_lr=positive_float(v.label("base_lr"), v.get("base_lr", 1e-3)),
+        base_batch=int_arg(v.label("base_batch"), v["base_batch"], 1) if "base_batch" in v else None,
+        lr_warmup_steps=int_arg(v.label("warmup_steps"), v.get("warmup_steps", 0), 0),
+        seed=int_arg(v.label("seed"), v.get("seed", 0), 0),
+        target_loss=positive_float(v.label("target_loss"), v["target_loss"]) if "target_loss" in v else None,
+        nnodes=int_arg(v.label("nnodes"), v.get("nnodes", 1), 1),
         nvtx=v.get("nvtx", "on") == "on",
         profile=bool(v.get("profile", False)),
-        mem_cap_gib=positive_float("mem-cap-gib", v["mem_cap_gib"]) if "mem_cap_gib" in v else None,
+        mem_cap_gib=positive_float(v.label("mem_cap_gib"), v["mem_cap_gib"]) if "mem_cap_gib" in v else None,
         degrees=degrees_arg(v.get("degrees")),
         reference=not v.get("no_reference", False),
     )

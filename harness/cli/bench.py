@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
+from harness.calibration import store
 from harness.calibration.auto import ensure_calibrated
 from harness.calibration.normaliser import calibration_record
 from harness.cli.args import add_sweep_args, device_line, spec_from_args, sweep_arg_values
 from harness.errors import UsageError
+from harness.jobs import Terminated, sigterm_as_interrupt
 from harness.plan import PlannedCell, expand, predict_cells
-from harness.records.atomic import append_jsonl
-from harness.records.reader import RECORDS_FILENAME
+from harness.records.reader import RECORDS_FILENAME, append_record
 from harness.report import write_report
 from harness.run.launch import Rendezvous
-from harness.run.rundir import recorded_sweep_args, save_sweep_args, start_run
-from harness.run.sweep import SweepOptions, run_sweep
+from harness.run.rundir import existing_records, recorded_sweep_args, save_sweep_args, start_run
+from harness.run.sweep import SweepOptions, cells_to_run, finished_cells, run_sweep
 
 
 def check_valid_any(cells: list[PlannedCell]) -> None:
@@ -36,6 +39,17 @@ def _restore_sweep_args(out: Path, args: argparse.Namespace) -> None:
             setattr(args, key, Path(value) if key == "sweep" else value)
 
 
+def _calibration_store(out: Path) -> None:
+    """A calibration store that cannot be written falls back to the run directory, said in one line."""
+    why = store.unwritable(store.default_path())
+    if why is None:
+        return
+    fallback = out / "calibration.json"
+    print(f"calibration store {store.default_path()} is not writable ({why}); using {fallback} for this run "
+          f"(set HARNESS_CALIBRATION to a writable file to keep calibrations across runs)", flush=True)
+    os.environ[store.ENV] = str(fallback)  # the calibration children inherit it
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.resume is not None:
         _restore_sweep_args(args.resume, args)  # `--resume DIR` alone re-plans the run's cells; flags given win
@@ -50,26 +64,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.cell_timeout is not None and args.cell_timeout <= 0:
         raise UsageError(f"--cell-timeout {args.cell_timeout}: must be > 0 seconds")
     node_rank = args.node_rank or 0
-    out, run_id, resume = start_run(args.out, args.resume, node_rank)
-    if node_rank == 0 and not resume:
+    run = start_run(args.out, args.resume, node_rank)
+    try:
+        with sigterm_as_interrupt():
+            return _bench(args, spec, cells, run, node_rank)
+    finally:
+        run.lock.release()
+
+
+def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_rank: int) -> int:
+    out = run.out
+    if node_rank == 0 and not run.resume:
         save_sweep_args(out, sweep_arg_values(args))
+    todo = cells_to_run(cells, finished_cells(existing_records(out)) if run.resume else set(), node_rank == 0)
     print(device_line(spec), flush=True)
-    print(f"run {run_id}: {sum(c.valid for c in cells)} cells to run, {sum(not c.valid for c in cells)} invalid -> {out}",
-          flush=True)
+    print(f"run {run.run_id}: {sum(c.valid for c in todo)} cells to run, {sum(not c.valid for c in todo)} invalid "
+          f"-> {out}", flush=True)
     rdzv = Rendezvous(nnodes=spec.nnodes, node_rank=node_rank, endpoint=args.rdzv_endpoint)
-    opts = SweepOptions(out=out, run_id=run_id, cell_timeout_s=args.cell_timeout, rdzv=rdzv, resume=resume)
+    opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout, rdzv=rdzv, resume=run.resume)
     try:
         if node_rank == 0:
             if not args.no_calibrate:
-                ensure_calibrated(spec)
+                _calibration_store(out)
+                ensure_calibrated(spec, [c for c in todo if c.valid])
                 cells = predict_cells(cells)  # the predictions from everything just measured
-            if not resume:
-                append_jsonl(out / RECORDS_FILENAME, calibration_record(run_id, spec.device_kind))
+            if not run.resume:
+                append_record(out / RECORDS_FILENAME, calibration_record(run.run_id, spec.device_kind))
         records = run_sweep(cells, opts, spec.device_kind)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: finished records are kept in {out}/{RECORDS_FILENAME}; "
-              f"finish with: harness bench --resume {out}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        print(f"\ninterrupted ({name}): finished records are kept in {out}/{RECORDS_FILENAME}, the running cell "
+              f"has none; finish with: harness bench --resume {out}", file=sys.stderr)
+        return code
     if node_rank == 0:
         print(write_report(out))
         print(f"\nrecords: {out / RECORDS_FILENAME}\nsummary: {out / 'summary.md'}")

@@ -19,7 +19,7 @@ from harness.calibration.collectives import (
     human_bytes,
     parse_size,
 )
-from harness.calibration.workload import calibrate_workload
+from harness.calibration.workload import calibrate_workload, lookup_workload
 from harness.cli.args import csv_list, int_arg
 from harness.errors import UsageError
 from harness.spec import default_device_kind
@@ -41,7 +41,7 @@ def _workload_args(args: argparse.Namespace) -> list[tuple[str, int]]:
             size = get_size(name)
         except ValueError as e:
             raise UsageError(f"--workloads: {e}") from None
-        seq = int_arg("seq-len", args.seq_len, 1) if args.seq_len is not None else size.seq_len
+        seq = int_arg("--seq-len", args.seq_len, 1) if args.seq_len is not None else size.seq_len
         if seq > size.seq_len:
             raise UsageError(f"--seq-len {seq} exceeds {name}'s position table ({size.seq_len}); use <= {size.seq_len}")
         out.append((name, seq))
@@ -53,7 +53,7 @@ def _comm_args(args: argparse.Namespace, device: str) -> tuple[int, int, int] | 
     cuda = device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA GPU is visible; use --device cpu or auto")
-    n = int_arg("gpus", args.gpus, 1) if args.gpus is not None else torch.cuda.device_count() if cuda else 2
+    n = int_arg("--gpus", args.gpus, 1) if args.gpus is not None else torch.cuda.device_count() if cuda else 2
     if cuda and n > torch.cuda.device_count():
         raise UsageError(f"--gpus {n}: only {torch.cuda.device_count()} CUDA devices are visible; "
                          f"choose --gpus <= {torch.cuda.device_count()}")
@@ -64,12 +64,17 @@ def _comm_args(args: argparse.Namespace, device: str) -> tuple[int, int, int] | 
     return None if n == 1 else (n, lo, hi)
 
 
-def _print_workload(e: dict, threads: int) -> None:
+def _origin(cached: bool, e: dict) -> str:
+    """Whether a calibration was served from the store or measured now."""
+    return f"(cached, measured {e.get('measured_at', '?')})" if cached else "(measured now)"
+
+
+def _print_workload(e: dict, threads: int, origin: str) -> None:
     passes = ", ".join(f"{r}: {t * 1e3:.1f} ms" for r, t in zip(e["rows"], e["pass_s"]))
     print(f"workload {e['size']} seq {e['seq_len']} {e['dtype']} threads={threads} x {e['fingerprint']['concurrent']} "
           f"at once: forward+backward {passes}; "
           f"fit alpha {e['alpha_s'] * 1e3:.1f} ms + {e['beta_s_per_row'] * 1e3:.1f} ms/sequence; "
-          f"AdamW step {e['optimizer_s'] * 1e3:.1f} ms for {e['params']:,} params")
+          f"AdamW step {e['optimizer_s'] * 1e3:.1f} ms for {e['params']:,} params {origin}")
 
 
 def _print_comm(e: dict, n: int) -> None:
@@ -95,21 +100,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise UsageError(f"--dtype {dt!r}: choose from fp32,bf16,fp16 (tf32 on GPU only)")
     comm = None if args.no_comm else _comm_args(args, device)
     workloads = _workload_args(args)
-    concurrent = int_arg("concurrent", args.concurrent, 1) if args.concurrent is not None else 1
+    concurrent = int_arg("--concurrent", args.concurrent, 1) if args.concurrent is not None else 1
+    path = store.default_path()
+    why = store.unwritable(path)
+    if why is not None:
+        raise UsageError(f"calibration store {path} is not writable ({why}); set {store.ENV}=FILE to a writable "
+                         f"path, e.g. {store.ENV}=./calibration.json")
     for dt in csv_list(args.dtype):
+        cached = not args.force and matmul.lookup(device, dt, threads) is not None
         e = matmul.calibrate(device, dt, threads, force=args.force)
         median = e.get("median_tflops") or statistics.median(s["tflops"] for s in e["shapes"])  # older cache entries
         print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s max, "
               f"{median:.4g} median over {len(e['shapes'])} shapes (best shape {e['best_shape']}) "
-              f"-> {store.default_path()}")
+              f"{_origin(cached, e)} -> {path}")
     for name, seq in workloads:
         for dt in csv_list(args.dtype):
-            e = calibrate_workload(device, name, seq, dt, threads if device == "cpu" else 0, concurrent,
-                                   force=args.force)
-            _print_workload(e, threads)
+            th = threads if device == "cpu" else 0
+            cached = not args.force and lookup_workload(device, name, seq, dt, th, concurrent) is not None
+            e = calibrate_workload(device, name, seq, dt, th, concurrent, force=args.force)
+            _print_workload(e, threads, _origin(cached, e))
     if comm is not None:
         n, lo, hi = comm
-        _print_comm(calibrate_comm(device, n, lo, hi, force=args.force), n)
+        e = calibrate_comm(device, n, lo, hi, force=args.force)
+        _print_comm(e, n)
     elif not args.no_comm:
         print("comm: n/a: bus bandwidth needs >= 2 ranks")
     return 0

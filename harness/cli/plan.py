@@ -50,17 +50,17 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
         raise UsageError(f"--device {device.name} predicts at a device count: give --gpus N, e.g. --gpus 64")
     if v.get("scaling", "strong") != "strong":
         raise UsageError(f"--scaling {v['scaling']}: the what-if takes --batch as the global batch; drop --scaling")
-    efficiency = fraction("efficiency", v["efficiency"]) if "efficiency" in v else None
+    efficiency = fraction(v.label("efficiency"), v["efficiency"]) if "efficiency" in v else None
     sizes = csv_list(v.get("sizes", "xl"))
     strategies = csv_list(v["strategies"]) if v.get("strategies") else None
-    opts = dict(global_batch=int_arg("batch", v["batch"], 1) if "batch" in v else None,
-                seq_len=int_arg("seq-len", v["seq_len"], 1) if "seq_len" in v else None,
+    opts = dict(global_batch=int_arg(v.label("batch"), v["batch"], 1) if "batch" in v else None,
+                seq_len=int_arg(v.label("seq_len"), v["seq_len"], 1) if "seq_len" in v else None,
                 recompute=v.get("recompute", "none"),
-                microbatches=int_arg("microbatches", v["microbatches"], 1) if "microbatches" in v else None,
+                microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
                 efficiency=efficiency, pp_schedule=v.get("pp_schedule", "1f1b"),
-                grad_accum=int_arg("grad-accum", v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")))
+                grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")))
     sections = [(size, prec, gpus) for size in sizes for prec in csv_list(v.get("precision", "bf16"))
-                for gpus in ints("gpus", v["gpus"])]
+                for gpus in ints(v.label("gpus"), v["gpus"])]
     for size, prec, gpus in sections:  # every value is checked before anything is printed
         scenario(size, device, gpus, prec, **opts)
     run_dir = args.error_from or ERROR_FROM

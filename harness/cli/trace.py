@@ -9,6 +9,7 @@ from pathlib import Path
 
 from harness.cli.args import add_sweep_args, device_line, spec_from_args
 from harness.errors import UsageError
+from harness.jobs import sigterm_as_interrupt
 from harness.measure import nsys as nsys_mod
 from harness.plan import expand
 from harness.run.launch import Rendezvous
@@ -35,7 +36,15 @@ def _pick(cells, cell_id: str | None):
 def cmd_trace(args) -> int:
     spec = spec_from_args(args)
     cell = _pick(expand(replace(spec, reference=False)), args.cell)
-    out, run_id, _ = start_run(args.out, None, 0)
+    run = start_run(args.out, None, 0)
+    try:
+        with sigterm_as_interrupt():
+            return _trace(args, spec, cell, run.out, run.run_id)
+    finally:
+        run.lock.release()
+
+
+def _trace(args, spec, cell, out: Path, run_id: str) -> int:
     print(device_line(spec))
     nsys = nsys_mod.nsys_available() if spec.device_kind == "cuda" else None
     prefix = None

@@ -40,7 +40,7 @@ from harness.compare.stats import (  # noqa: F401  (re-exported: the gate's verd
     judge_samples,
 )
 from harness.errors import UsageError
-from harness.records.reader import load_any
+from harness.records.reader import latest_per_cell, load_any
 
 COLUMNS = [
     "cell_id", "verdict", "base_median_tok_per_s", "cand_median_tok_per_s", "ratio",
@@ -118,9 +118,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _index_cells(records: Sequence[dict[str, Any]], label: str) -> dict[str, dict[str, Any]]:
-    """Cells by fingerprint. A cell measured twice (resumed run) keeps its last record."""
+    """Cells by fingerprint, each cell id's latest record (a resumed run's earlier attempts are history)."""
     by_fp: dict[str, dict[str, Any]] = {}
-    for record in records:
+    for record in latest_per_cell(list(records))[0]:
         if record.get("kind", "cell") != "cell":
             continue
         fp = record.get("fingerprint")
@@ -283,7 +283,7 @@ def run_compare(
     try:
         opts = CompareOptions(threshold=threshold, alpha=alpha, n_bootstrap=n_bootstrap,
                               seed=seed, normalize=normalize)
-        df = compare(load_any(base), load_any(cand), opts, base_label=base, cand_label=cand)
+        df = compare(load_any(base, err), load_any(cand, err), opts, base_label=base, cand_label=cand)
     except UsageError as exc:
         print(f"harness compare: error: {exc}", file=err)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import subprocess
@@ -71,7 +72,7 @@ def capture(device_kind: str) -> dict:
         "device_count": torch.cuda.device_count() if cuda else 1,
         "driver": driver_version() if cuda else None,
         "cpu_model": cpu_model(),
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
     }

@@ -2,17 +2,22 @@
 
 Everything downstream (report, plots, compare, resume) consumes ``list[dict]`` records only;
 this module is the single place that reads them, with one policy for malformed lines
-(:func:`load_records`). Malformed input raises
-:class:`harness.errors.UsageError` with one line naming the file, the line and the fix.
+(:func:`read_records`): a torn last line is reported and skipped, anything else malformed
+raises :class:`harness.errors.UsageError` with one line naming the file, the line and the fix.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from harness.errors import UsageError
+from harness.records.atomic import append_jsonl
 from harness.records.fingerprint import digest
 from harness.records.record import SCHEMA_VERSION
 
@@ -31,51 +36,132 @@ def resolve_records_path(path: str | Path) -> Path:
     return p
 
 
-class TornTail(UsageError):
-    """The last line is not a record and has no newline: the append that wrote it was interrupted."""
+@dataclass(frozen=True)
+class TornTail:
+    """A last line that is not a record: an append that was interrupted (a crash, a power cut)."""
 
-    def __init__(self, message: str, path: Path, offset: int) -> None:
-        super().__init__(message)
-        self.path = path
-        self.offset = offset
-        """Byte offset where the torn line starts: everything before it is whole records."""
+    path: Path
+    lineno: int
+    offset: int
+    """Byte offset where the torn line starts: everything before it is whole records."""
+
+    def warning(self) -> str:
+        return (f"warning: {self.path}: line {self.lineno} is a torn write (an interrupted append) and is "
+                f"ignored; the next append sets it aside in {self.path.name}.torn-<time>")
 
 
-def load_records(path: str | Path) -> list[dict[str, Any]]:
-    """Load every record of a records.jsonl file or run directory, in file order.
+def _parse(line: bytes) -> Any:
+    return json.loads(line.decode("utf-8", errors="replace"))
+
+
+def read_records(path: str | Path) -> tuple[list[dict[str, Any]], TornTail | None]:
+    """Every complete record in file order, and the torn last line if there is one.
 
     The one policy, for every reader (report, compare, resume): each non-blank line must be one
-    JSON object, or the file is refused with a UsageError naming the file, the line and the fix.
-    A torn last line (not JSON and no newline at its end: an append that was interrupted) raises
-    :class:`TornTail`, which says where the whole records end; ``harness bench --resume`` sets
-    that tail aside (:func:`harness.run.rundir.set_aside_torn_tail`) and re-runs its cell.
-    Records are never skipped silently.
+    JSON object. A last line that is not (no newline at its end, or not JSON: an interrupted
+    append) is a torn tail: it is not a record, the records before it are read, and it is
+    returned so the caller can say so. Any other line that is not a record is corruption:
+    UsageError naming the file, the line and the fix. Records are never skipped silently.
     """
     p = resolve_records_path(path)
     data = p.read_bytes()
+    lines = data.splitlines(keepends=True)
     records: list[dict[str, Any]] = []
     offset = 0
-    for lineno, raw in enumerate(data.splitlines(keepends=True), start=1):
+    for lineno, raw in enumerate(lines, start=1):
         start, offset = offset, offset + len(raw)
-        line = raw.decode("utf-8", errors="replace")
-        if not line.strip():
+        if not raw.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = _parse(raw)
         except json.JSONDecodeError as exc:
-            where = f"{p}: line {lineno} is not valid JSON ({exc.msg} at column {exc.colno})"
-            if offset == len(data) and not raw.endswith(b"\n"):
-                raise TornTail(f"{where}; a write was interrupted there: finish the run with "
-                               f"harness bench --resume {p.parent} (the torn line is set aside)", p, start) from exc
-            raise UsageError(f"{where}; the file is corrupt at that line: restore it from a copy, "
-                             "or remove that line and rerun its cell") from exc
+            if lineno == len(lines) and (records or not raw.endswith(b"\n")):
+                return records, TornTail(p, lineno, start)
+            what = "not a records file (one JSON record per line, docs/records.md)" if not records else \
+                "corrupt at that line: restore it from a copy, or remove that line and rerun its cell"
+            raise UsageError(f"{p}: line {lineno} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                             f"the file is {what}") from exc
         if not isinstance(obj, dict):
             raise UsageError(
                 f"{p}: line {lineno} is a JSON {type(obj).__name__}, expected one record object "
                 "per line (docs/records.md)"
             )
         records.append(obj)
+    return records, None
+
+
+def load_records(path: str | Path, warn: TextIO | None = None) -> list[dict[str, Any]]:
+    """:func:`read_records`, with a one-line warning about a torn tail on ``warn`` (default stderr)."""
+    records, torn = read_records(path)
+    if torn is not None:
+        print(torn.warning(), file=warn or sys.stderr, flush=True)
     return records
+
+
+def set_aside_torn_tail(path: Path) -> Path | None:
+    """Before an append: move a torn last line to ``records.jsonl.torn-<time>`` and cut the file
+    back to its last complete record, so the next record starts on a line of its own. Returns the
+    side file, or None when the file ends with a whole record (the usual case: nothing is read
+    but the file's last line)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - TAIL_PROBE))
+        tail = f.read()
+        if tail.endswith(b"\n") and _last_line_parses(tail[:-1]):
+            return None
+        _, torn = read_records(path)
+        if torn is None:
+            return None
+        f.seek(torn.offset)
+        bad = f.read()
+        side = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        with open(side, "xb") as s:
+            s.write(bad)
+            s.flush()
+            os.fsync(s.fileno())
+        f.truncate(torn.offset)
+        f.flush()
+        os.fsync(f.fileno())
+    return side
+
+
+TAIL_PROBE = 1 << 20
+"""Bytes read from the end of records.jsonl to check its last line (a record is far smaller)."""
+
+
+def _last_line_parses(body: bytes) -> bool:
+    last = body.rsplit(b"\n", 1)[-1]
+    if not last.strip():
+        return True
+    try:
+        return isinstance(_parse(last), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def append_record(path: Path, record: dict[str, Any]) -> Path | None:
+    """Append one record (flush + fsync) after setting a torn tail aside; the side file, if any."""
+    side = set_aside_torn_tail(path)
+    append_jsonl(path, record)
+    return side
+
+
+def latest_per_cell(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Latest wins: each cell's last record (in file order, at the place of its first), and the
+    number of records (attempts) of every cell id. Earlier attempts stay in the file."""
+    attempts: dict[str, int] = {}
+    latest: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+    for i, r in enumerate(records):
+        key = r.get("cell_id") if r.get("kind", "cell") == "cell" else f"\0{r.get('kind')}-{i}"
+        if key not in latest:
+            order.append(key)
+        latest[key] = r
+        if r.get("kind", "cell") == "cell":
+            attempts[key] = attempts.get(key, 0) + 1
+    return [latest[k] for k in order], attempts
 
 
 def is_benchmark_json(path: str | Path) -> bool:
@@ -149,8 +235,8 @@ def _benchmark_to_record(
     }
 
 
-def load_any(path: str | Path) -> list[dict[str, Any]]:
+def load_any(path: str | Path, warn: TextIO | None = None) -> list[dict[str, Any]]:
     """Load records from a records.jsonl, a run directory or a pytest-benchmark JSON file."""
     if is_benchmark_json(path):
         return load_benchmark_json(path)
-    return load_records(path)
+    return load_records(path, warn)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from harness.records.reader import latest_per_cell
 from harness.units import MIB
 
 FRAME_COLUMNS = [
@@ -22,7 +23,7 @@ FRAME_COLUMNS = [
     "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
     "parity_max_rel_diff", "final_loss", "target_loss", "steps_to_target", "time_to_target_s",
     "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
-    "mfu_reason",
+    "mfu_reason", "attempts",
 ]
 
 
@@ -102,8 +103,10 @@ def _fill_scaling_efficiency(rows: list[dict[str, Any]]) -> None:
 
 
 def cells_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
-    """One row per ``kind == "cell"`` record, columns :data:`FRAME_COLUMNS`."""
-    rows = [_cell_row(r) for r in records if r.get("kind", "cell") == "cell"]
+    """One row per cell, its latest record (:func:`~harness.records.reader.latest_per_cell`);
+    columns :data:`FRAME_COLUMNS`, ``attempts`` counting the cell's records."""
+    latest, attempts = latest_per_cell(list(records))
+    rows = [{**_cell_row(r), "attempts": attempts[r.get("cell_id")]} for r in latest if r.get("kind", "cell") == "cell"]
     _fill_scaling_efficiency(rows)
     return pd.DataFrame(rows, columns=FRAME_COLUMNS)
 

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 from tabulate import tabulate
 
-from harness.records.reader import RECORDS_FILENAME, load_records
+from harness.records.reader import RECORDS_FILENAME, latest_per_cell, load_records
 from harness.report.frame import get, num
 from harness.units import MIB
 
@@ -35,9 +35,9 @@ def error_pct(predicted: float, measured: float) -> float:
 
 
 def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
-    """One row per ok cell with a prediction: predicted, measured and error % per quantity."""
+    """One row per ok cell with a prediction (its latest record): predicted, measured and error % per quantity."""
     rows = []
-    for r in records:
+    for r in latest_per_cell(list(records))[0]:
         if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not r.get("predicted"):
             continue
         p, m = r["predicted"], r.get("metrics") or {}

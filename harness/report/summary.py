@@ -206,9 +206,11 @@ def _outcome_table(df: pd.DataFrame) -> str:
 
 
 def _flags(df: pd.DataFrame) -> list[str]:
-    """Notes: unstable timing per cell, and MFU that could not be computed honestly."""
-    flags = [f"- `{row['cell_id']}`: {text(row['unstable_reason'])}"
-             for _, row in df.iterrows() if text(row["unstable_reason"])]
+    """Notes: cells run more than once, unstable timing per cell, and MFU that could not be computed honestly."""
+    flags = [f"- `{row['cell_id']}`: {row['attempts']:.0f} attempts; the tables show the latest ({row['status']})"
+             for _, row in df.iterrows() if row["attempts"] > 1]
+    flags += [f"- `{row['cell_id']}`: {text(row['unstable_reason'])}"
+              for _, row in df.iterrows() if text(row["unstable_reason"])]
     no_mfu = df[(df["status"] == "ok") & df["mfu_pct"].isna()]
     reasons = no_mfu["mfu_reason"].map(text)
     for reason, group in no_mfu.groupby(reasons, sort=False):

@@ -1,28 +1,34 @@
-"""A run directory: created or resumed, never overwritten; its sweep flags kept for ``--resume``."""
+"""A run directory: created or resumed, never overwritten, one writer at a time; its sweep flags
+kept for ``--resume``.
+
+One harness per node holds an exclusive ``flock`` on the directory's lock file for the run's
+lifetime, with its pid, host and start time in it: a second ``bench`` or ``--resume`` on the
+same directory is refused (exit 2) naming the holder. The kernel drops the lock when its
+process dies, so a lock left by a killed run is taken over, with a warning.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from harness.errors import UsageError
 from harness.records.atomic import write_json_atomic
-from harness.records.reader import RECORDS_FILENAME, TornTail, load_records
+from harness.records.reader import RECORDS_FILENAME, load_records
 from harness.records.record import new_run_id
 
 SWEEP_ARGS_FILE = "sweep_args.json"
 """A run's sweep flags, so that ``harness bench --resume DIR`` alone re-plans the same cells."""
 
 
-def prepare_out(out: Path, resume: bool, node_rank: int) -> Path:
-    """A run directory is never overwritten: refuse a used one unless resuming it."""
-    records = out / RECORDS_FILENAME
-    if node_rank == 0 and not resume and records.exists() and records.stat().st_size > 0:
-        raise UsageError(f"--out {out} already holds records; pass a new --out, or --resume {out} to finish it")
-    if resume and not records.exists():
-        raise UsageError(f"--resume {out}: no records.jsonl there; start a new run with --out {out}")
+def _writable(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -30,36 +36,58 @@ def prepare_out(out: Path, resume: bool, node_rank: int) -> Path:
         probe.unlink()
     except OSError as e:
         raise UsageError(f"--out {out} is not writable ({e.strerror}); choose a writable directory") from None
-    return out
 
 
-def set_aside_torn_tail(torn: TornTail) -> Path:
-    """Move a torn last line to ``records.jsonl.torn`` (appended, nothing lost) and cut it from the records."""
-    side = torn.path.with_name(torn.path.name + ".torn")
-    with open(torn.path, "r+b") as f:
-        f.seek(torn.offset)
-        tail = f.read()
-        with open(side, "ab") as s:
-            s.write(tail + b"\n")
-            s.flush()
-            os.fsync(s.fileno())
-        f.truncate(torn.offset)
-        f.flush()
-        os.fsync(f.fileno())
-    return side
+@dataclass
+class RunLock:
+    """The held lock of one run directory (released by :meth:`release`, or by the process's death)."""
+
+    path: Path
+    file: IO[str]
+
+    def release(self) -> None:
+        self.file.truncate(0)  # a cleanly released lock leaves no holder to report
+        self.file.flush()
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def _holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}"
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "a process that has not written its pid yet"
+
+
+def lock_run(out: Path, node_rank: int = 0) -> RunLock:
+    """Hold ``out``'s lock for this process (one per node rank), or refuse with the holder named."""
+    path = out / (".harness.lock" if node_rank == 0 else f".harness.lock-node{node_rank}")
+    f = open(path, "a+")  # held open for the run's lifetime: the flock lives on this file
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = _holder(f.read())
+        f.close()
+        raise UsageError(f"{out} is in use by another harness run ({holder}); wait for it to finish, "
+                         f"or choose another --out") from None
+    f.seek(0)
+    stale = f.read().strip()
+    if stale:
+        print(f"warning: {out}: taking over the lock of a run that is gone ({_holder(stale)})",
+              file=sys.stderr, flush=True)
+    f.seek(0)
+    f.truncate(0)
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+    f.flush()
+    return RunLock(path, f)
 
 
 def existing_records(out: Path) -> list[dict]:
-    """The records of a run being resumed; a torn last line is set aside first (its cell re-runs)."""
-    if not (out / RECORDS_FILENAME).exists():
-        return []
-    try:
-        return load_records(out)
-    except TornTail as torn:
-        side = set_aside_torn_tail(torn)
-        print(f"resume: the last line of {torn.path} was torn by an interrupted write; moved it to {side}",
-              file=sys.stderr, flush=True)
-        return load_records(out)
+    """The records of a run being resumed (a torn last line is reported, and set aside by the next append)."""
+    return load_records(out) if (out / RECORDS_FILENAME).exists() else []
 
 
 def save_sweep_args(out: Path, values: dict) -> None:
@@ -79,12 +107,34 @@ def recorded_sweep_args(out: Path) -> dict:
         raise UsageError(f"{path} is unreadable ({e}); give the sweep flags again with --resume {out}") from None
 
 
-def start_run(out: Path | None, resume: Path | None, node_rank: int) -> tuple[Path, str, bool]:
-    """(run directory, run id, resuming): a resumed run keeps its run id."""
-    if resume is not None:
-        recs = existing_records(resume)
-        run_id = recs[0]["run_id"] if recs else new_run_id()
-        return prepare_out(resume, True, node_rank), run_id, True
+@dataclass
+class Run:
+    out: Path
+    run_id: str
+    resume: bool
+    lock: RunLock
+
+
+def start_run(out: Path | None, resume: Path | None, node_rank: int) -> Run:
+    """Create (or reopen, for ``--resume``) the run directory and hold its lock.
+
+    The lock is taken before the directory's records are looked at, so two runs started at once
+    into one ``--out`` cannot both find it empty. A resumed run keeps its run id.
+    """
     run_id = new_run_id()
-    out = out or Path("results") / run_id
-    return prepare_out(out, False, node_rank), run_id, False
+    out = resume if resume is not None else out or Path("results") / run_id
+    records = out / RECORDS_FILENAME
+    if resume is not None and not records.exists():
+        raise UsageError(f"--resume {out}: no records.jsonl there; start a new run with --out {out}")
+    _writable(out)
+    lock = lock_run(out, node_rank)
+    try:
+        if resume is None and node_rank == 0 and records.exists() and records.stat().st_size > 0:
+            raise UsageError(f"--out {out} already holds records; pass a new --out, or --resume {out} to finish it")
+        if resume is not None:
+            recs = existing_records(out)
+            run_id = recs[0]["run_id"] if recs else run_id
+    except BaseException:
+        lock.release()
+        raise
+    return Run(out, run_id, resume is not None, lock)

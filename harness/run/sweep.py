@@ -1,7 +1,9 @@
 """Run a planned sweep: one job per cell, one record per cell, nothing measured ever lost.
 
-Records are appended (flush + fsync) as each cell finishes. ``--resume DIR`` re-runs only
-cells without an ``ok`` record. Parity is computed as records land, against the group's
+Records are appended (flush + fsync, a torn tail set aside first) as each cell finishes; a cell
+interrupted by Ctrl-C or SIGTERM gets no record. ``--resume DIR`` runs only the cells whose
+latest record is neither ``ok`` nor ``invalid``: the latest record of a cell wins, and earlier
+attempts stay in the file. Parity is computed as records land, against the group's
 single-device reference, which the planner orders first. Each record carries the prediction
 the planner attached to its cell.
 """
@@ -14,9 +16,8 @@ from pathlib import Path
 
 from harness.plan import PlannedCell
 from harness.precision import PrecisionPlan
-from harness.records.atomic import append_jsonl
 from harness.records.env import capture
-from harness.records.reader import RECORDS_FILENAME
+from harness.records.reader import RECORDS_FILENAME, append_record, latest_per_cell
 from harness.records.record import make_record
 from harness.run.launch import Outcome, Rendezvous, run_cell_job
 from harness.run.progress import Progress
@@ -44,18 +45,16 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
     """Run every valid cell not already ``ok``; return the records written in this call."""
     writer = opts.rdzv.node_rank == 0
     existing = existing_records(opts.out) if opts.resume else []
-    done_ok = {r["cell_id"] for r in existing if r.get("status") == "ok"}
-    references = {parity_key(r["config"]): r for r in existing
+    done = finished_cells(existing)
+    references = {parity_key(r["config"]): r for r in latest_per_cell(existing)[0]
                   if r.get("status") == "ok" and r["config"].get("strategy") == "single"}
     env = capture(device_kind)
-    todo = [c for c in cells if c.cell_id not in done_ok and not _other_node_skips(c, writer)]
+    todo = {c.cell_id for c in cells_to_run(cells, done, writer)}
     progress = progress or Progress(total=len(todo), stream=sys.stdout)
     written: list[dict] = []
     records_path = opts.out / RECORDS_FILENAME
     for index, cell in enumerate(cells):
-        if cell.cell_id in done_ok:
-            continue
-        if _other_node_skips(cell, writer):
+        if cell.cell_id not in todo:
             continue
         progress.start(cell.cell_id)
         if not cell.valid:
@@ -71,16 +70,25 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
             if rec["status"] == "ok" and cfg.strategy == "single":
                 references[parity_key(rec["config"])] = rec
         if writer:
-            append_jsonl(records_path, rec)
+            side = append_record(records_path, rec)
+            if side is not None:
+                print(f"{records_path}: its torn last line was moved to {side}", file=sys.stderr, flush=True)
         written.append(rec)
         progress.finish(cell.cell_id, rec["status"], _short(rec))
     progress.close()
     return written
 
 
-def _other_node_skips(cell: PlannedCell, writer: bool) -> bool:
-    """A one-node cell (the single-device reference) runs on node 0 only."""
-    return not writer and cell.valid and cell.config.nnodes == 1
+def finished_cells(existing: list[dict]) -> set[str]:
+    """Cells a resume leaves alone: their latest record is ``ok``, or ``invalid`` (nothing to run)."""
+    return {r["cell_id"] for r in latest_per_cell(existing)[0]
+            if r.get("kind", "cell") == "cell" and r.get("status") in ("ok", "invalid")}
+
+
+def cells_to_run(cells: list[PlannedCell], done: set[str], writer: bool = True) -> list[PlannedCell]:
+    """The cells this node runs (or records as invalid): not finished, and not one-node cells
+    on a node other than 0 (the single-device reference runs on node 0 only)."""
+    return [c for c in cells if c.cell_id not in done and not (not writer and c.valid and c.config.nnodes == 1)]
 
 
 def _rdzv_id(opts: SweepOptions, index: int) -> str:
@@ -90,7 +98,7 @@ def _rdzv_id(opts: SweepOptions, index: int) -> str:
 
 def _short(rec: dict) -> str:
     if rec["status"] != "ok":
-        return (rec.get("error") or "").splitlines()[0][:100] if rec.get("error") else ""
+        return (rec.get("error") or "").splitlines()[0] if rec.get("error") else ""
     m = rec["metrics"]
     tps = m.get("tokens_per_s_per_device")
     return f"{tps:,.0f} tok/s/dev" if tps else ""

@@ -160,3 +160,52 @@ def test_entries_without_a_sync_cost_are_not_reused(tmp_path):
     del old["sync_s"]
     cc.store_comm(old, cache)
     assert cc.lookup_comm("cpu", 2, cache=cache) is None
+
+
+def test_calibrate_says_whether_it_measured_or_served_the_store(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HARNESS_CALIBRATION", str(tmp_path / "cal.json"))
+    fake = {"tflops": 0.25, "median_tflops": 0.2, "best_shape": [8, 8, 8], "shapes": [{"tflops": 0.25}]}
+    monkeypatch.setattr(calibrate, "measure", lambda device_kind, dtype: fake)
+    args = ["calibrate", "--device", "cpu", "--dtype", "fp32", "--threads", "1", "--no-comm"]
+    assert main(args) == 0
+    assert "0.25 TFLOP/s max" in (first := capsys.readouterr().out) and "(measured now)" in first
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("a stored entry was measured again"))
+    assert main(args) == 0
+    assert "(cached, measured 20" in capsys.readouterr().out
+
+
+def test_unwritable_store_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("HARNESS_CALIBRATION", str(blocker / "cal.json"))  # its folder is a file
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: pytest.fail("measured with nowhere to keep it"))
+    rc = main(["calibrate", "--device", "cpu", "--no-comm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"calibration store {blocker / 'cal.json'} is not writable" in err[0]
+    assert "HARNESS_CALIBRATION=" in err[0]
+
+
+def test_bench_falls_back_to_the_run_directory_when_the_store_is_unwritable(tmp_path, capsys, monkeypatch):
+    from harness.cli.bench import _calibration_store
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("HARNESS_CALIBRATION", str(blocker / "cal.json"))
+    _calibration_store(tmp_path / "run")
+    assert store.default_path() == tmp_path / "run" / "calibration.json"
+    assert "is not writable" in capsys.readouterr().out
+
+
+def test_only_valid_cells_are_calibrated_for():
+    from harness.calibration.auto import needs
+    from harness.plan import expand
+    from harness.spec import SweepSpec
+
+    spec = SweepSpec(sizes=("tiny",), strategies=("tp",), precisions=("fp32",), gpus=(3,), device_kind="cpu",
+                     batch=6, steps=3, warmup=1, reference=False)
+    cells = expand(spec)
+    assert not any(c.valid for c in cells)  # tp 3 does not divide 4 heads
+    assert needs(spec, [c for c in cells if c.valid]) == (set(), set(), set()), "no 3-rank collectives to measure"
+    spec4 = SweepSpec(**{**spec.__dict__, "gpus": (4,), "batch": 8, "reference": True})
+    matmuls, workloads, comms = needs(spec4, [c for c in expand(spec4) if c.valid])
+    assert comms == {4, 2} and {k for *_, k in workloads} == {1, 4}

@@ -40,3 +40,32 @@ def test_unwritable_out_exits_2(tmp_path, capsys):
     rc = main(["bench", "--device", "cpu", "--no-calibrate", "--out", str(blocker / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "is not writable" in err[0] and "choose a writable directory" in err[0]
+
+
+@pytest.mark.parametrize("toml,message", [
+    ("stpes = 5\n", "unknown key 'stpes' in {f}; did you mean 'steps'?"),
+    ("bogus_key = 1\n", "unknown key 'bogus_key' in {f}; valid keys: base_batch,"),
+    ('steps = "five"\n', "{f}: steps 'five': must be an integer >= 1"),
+    ("gpus = [2, 0]\n", "{f}: gpus '2,0': each value must be an integer >= 1"),
+])
+def test_sweep_file_is_strict_and_names_its_own_keys(toml, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(toml)
+    out = tmp_path / "run"
+    rc = main(["bench", "--device", "cpu", "--no-calibrate", "--sweep", str(sweep), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message.format(f=sweep) in err[0], err
+    assert not out.exists()
+
+
+def test_sweep_file_keys_and_flags_merge_cli_first(tmp_path, monkeypatch):
+    from harness.cli import build_parser
+    from harness.cli.args import spec_from_args
+
+    monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('steps = 7\nwarmup = 2\nstrategies = ["ddp", "fsdp"]\nlr-rule = "sqrt"\n')
+    spec = spec_from_args(build_parser().parse_args(["plan", "--device", "cpu", "--gpus", "2", "--sweep", str(sweep),
+                                                     "--steps", "9"]))
+    assert (spec.steps, spec.warmup, spec.strategies, spec.lr_rules) == (9, 2, ("ddp", "fsdp"), ("sqrt",))

@@ -214,16 +214,29 @@ def test_missing_cell_exit_3_and_regression_wins(tmp_path: Path) -> None:
     assert run(base, with_regression)[0] == 1
 
 
-def test_truncated_file_exit_2_names_file_and_line(tmp_path: Path) -> None:
+def test_torn_last_line_is_reported_and_the_complete_records_compared(tmp_path: Path) -> None:
     good = json.dumps(make_record(step_times=noisy_times(0.1, 1)))
     truncated = tmp_path / "cand.jsonl"
     truncated.write_text(good + "\n" + good[: len(good) // 2])
     base = write_jsonl(tmp_path / "base.jsonl", [make_record(step_times=noisy_times(0.1, 1))])
     code, out, err = run(base, truncated)
-    assert (code, out) == (2, "")
+    assert code == 0 and "PASS" in out
     assert err.count("\n") == 1
-    assert f"{truncated}: line 2 is not valid JSON" in err
-    assert "a write was interrupted there: finish the run with harness bench --resume" in err
+    assert f"{truncated}: line 2 is a torn write (an interrupted append) and is ignored" in err
+
+
+def test_corrupt_or_foreign_files_exit_2_naming_the_line(tmp_path: Path) -> None:
+    good = json.dumps(make_record(step_times=noisy_times(0.1, 1)))
+    base = write_jsonl(tmp_path / "base.jsonl", [make_record(step_times=noisy_times(0.1, 1))])
+    corrupt = tmp_path / "corrupt.jsonl"
+    corrupt.write_text(good + "\n{oops\n" + good + "\n")
+    code, out, err = run(base, corrupt)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert f"{corrupt}: line 2 is not valid JSON" in err and "corrupt at that line" in err
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("these are my notes\nnot records\n")
+    code, out, err = run(base, foreign)
+    assert (code, out) == (2, "") and "not a records file" in err and "interrupted" not in err
 
 
 def test_nonexistent_file_exit_2(tmp_path: Path) -> None:

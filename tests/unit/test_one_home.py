@@ -14,7 +14,7 @@ from harness.errors import UsageError
 from harness.parallel.presets import STRATEGIES, Layout, degrees_for, resolve
 from harness.plan import expand
 from harness.records.fingerprint import digest
-from harness.records.reader import TornTail, load_records
+from harness.records.reader import TornTail, append_record, latest_per_cell, load_records, read_records
 from harness.run.rundir import existing_records
 from harness.spec import SweepSpec
 from workloads.sizes import get_size
@@ -77,20 +77,29 @@ def _line(cell_id: str) -> str:
     return json.dumps({"schema_version": 1, "kind": "cell", "cell_id": cell_id, "run_id": "r", "status": "ok"}) + "\n"
 
 
-def test_torn_last_line_is_refused_then_set_aside_by_resume(tmp_path, capsys):
+def test_torn_last_line_is_reported_then_set_aside_at_the_next_append(tmp_path, capsys):
     path = tmp_path / "records.jsonl"
     whole = _line("a") + _line("b")
     torn = _line("c")[:25]
     path.write_text(whole + torn)
-    with pytest.raises(TornTail) as info:
-        load_records(tmp_path)
-    assert info.value.offset == len(whole.encode())
-    assert str(info.value).startswith(f"{path}: line 3 is not valid JSON")
-    recs = existing_records(tmp_path)
-    assert [r["cell_id"] for r in recs] == ["a", "b"]
-    assert path.read_text() == whole, "the whole records stay byte for byte"
-    assert (tmp_path / "records.jsonl.torn").read_text() == torn + "\n", "the torn bytes are kept, not lost"
-    assert "moved it to" in capsys.readouterr().err
+    records, tail = read_records(tmp_path)
+    assert [r["cell_id"] for r in records] == ["a", "b"]
+    assert tail == TornTail(path, 3, len(whole.encode()))
+    assert [r["cell_id"] for r in load_records(tmp_path)] == ["a", "b"]
+    assert "line 3 is a torn write" in capsys.readouterr().err
+    side = append_record(path, json.loads(_line("d")))
+    assert path.read_text() == whole + _line("d"), "the torn bytes are cut, the new record starts its own line"
+    assert side.name.startswith("records.jsonl.torn-") and side.read_text() == torn, "the torn bytes are kept"
+    assert append_record(path, json.loads(_line("e"))) is None  # a whole last record: nothing to set aside
+    assert [r["cell_id"] for r in load_records(tmp_path)] == ["a", "b", "d", "e"]
+
+
+def test_a_last_line_that_ends_but_does_not_parse_is_set_aside_too(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text(_line("a") + "garbage\n")
+    assert [r["cell_id"] for r in load_records(tmp_path)] == ["a"]
+    side = append_record(path, json.loads(_line("b")))
+    assert side.read_text() == "garbage\n" and path.read_text() == _line("a") + _line("b")
 
 
 def test_corrupt_line_in_the_middle_is_refused_and_left_alone(tmp_path):
@@ -98,10 +107,18 @@ def test_corrupt_line_in_the_middle_is_refused_and_left_alone(tmp_path):
     text = _line("a") + "{not json\n" + _line("b")
     path.write_text(text)
     for read in (load_records, existing_records):
-        with pytest.raises(UsageError, match="line 2 is not valid JSON.*corrupt at that line") as info:
+        with pytest.raises(UsageError, match="line 2 is not valid JSON.*corrupt at that line"):
             read(tmp_path)
-        assert not isinstance(info.value, TornTail)
-    assert path.read_text() == text and not (tmp_path / "records.jsonl.torn").exists()
+    assert path.read_text() == text
+
+
+def test_latest_record_per_cell_wins_and_attempts_are_counted():
+    recs = [{"kind": "calibration", "cell_id": "calibration"}, {"cell_id": "a", "status": "timeout"},
+            {"cell_id": "b", "status": "ok"}, {"cell_id": "a", "status": "ok"}]
+    latest, attempts = latest_per_cell(recs)
+    assert [(r.get("cell_id"), r.get("status")) for r in latest] == \
+        [("calibration", None), ("a", "ok"), ("b", "ok")]
+    assert attempts == {"a": 2, "b": 1}
 
 
 # ---------------------------------------------------------------- the strategy resolved once
@@ -163,3 +180,18 @@ def test_plan_attaches_predictions_from_the_store(tmp_path, monkeypatch):
     assert bd["compute_s"] == pytest.approx(rows * size.flops_per_token() * size.seq_len / 0.5e12, rel=1e-12)
     assert ddp.predicted["step_time_s"] is None  # no comm calibration yet: the model says so instead of guessing
     assert "no comm calibration for all_reduce over 2 ranks" in " ".join(ddp.predicted["notes"])
+
+
+def test_resume_runs_neither_finished_nor_invalid_cells_again(tmp_path, monkeypatch):
+    from harness.run.sweep import cells_to_run, finished_cells
+
+    monkeypatch.setenv("HARNESS_CALIBRATION", str(tmp_path / "cal.json"))
+    cells = expand(_spec())
+    by_strategy = {c.raw["strategy"]: c.cell_id for c in cells}
+    existing = [{"cell_id": by_strategy["single"], "status": "ok"},
+                {"cell_id": by_strategy["pp+fsdp+tp"], "status": "invalid"},
+                {"cell_id": by_strategy["ddp"], "status": "ok"},
+                {"cell_id": by_strategy["ddp"], "status": "timeout"},  # the latest attempt failed: run it again
+                {"cell_id": by_strategy["tp"], "status": "crashed"}]
+    todo = cells_to_run(cells, finished_cells(existing))
+    assert sorted(c.raw["strategy"] for c in todo) == ["ddp", "tp"]

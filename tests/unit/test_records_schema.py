@@ -56,3 +56,68 @@ def test_committed_records_load_and_use_only_known_metrics(run_dir):
         assert not missing, f"{r['cell_id']}: ok record lacks {sorted(missing)}"
     df = cells_frame(records)
     assert len(df) == len(cells) and df["tokens_per_s_per_device"].notna().sum() == len(ok)
+
+
+def _documented_keys(section: str | None) -> set[str]:
+    """Top-level quoted keys of one object in docs/records.md's record sketch (None: the record itself).
+
+    Comments (``# ...``) and values (a quoted word after a colon) are not keys; nested objects are
+    skipped. A documented key that no record has, or a record key left undocumented, fails a test.
+    """
+    text = (REPO / "docs" / "records.md").read_text()
+    sketch = text[text.index("```\n{") + 4:text.index("\n}\n```") + 2]
+    sketch = "\n".join(line.split("#")[0] for line in sketch.splitlines())
+    start = 0 if section is None else sketch.index(f'"{section}": {{') + len(section) + 4
+    keys, depth, i = set(), 0, start
+    while i < len(sketch):
+        ch = sketch[i]
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                break
+        elif ch == '"':
+            end = sketch.index('"', i + 1)
+            before = sketch[start:i].rstrip()
+            if depth == 1 and not before.endswith(":") and not before.endswith("|"):
+                keys.add(sketch[i + 1:end])
+            i = end
+        i += 1
+    return keys
+
+
+def _seen(section: str | None, kind: str = "cell") -> set[str]:
+    seen: set[str] = set()
+    for run_dir in RUNS:
+        for r in load_records(run_dir):
+            if r.get("kind", "cell") != kind:
+                continue
+            obj = r if section is None else r.get(section)
+            if isinstance(obj, dict):
+                seen |= set(obj)
+    return seen
+
+
+@pytest.mark.parametrize("section", [None, "fingerprint_fields", "config", "env", "workload", "predicted", "samples"])
+def test_documented_record_fields_are_the_fields_records_have(section):
+    documented = _documented_keys(section)
+    assert documented, f"docs/records.md documents no keys for {section}"
+    assert documented == _seen(section), \
+        f"{section or 'record'}: documented but in no record {sorted(documented - _seen(section))}; " \
+        f"in records but undocumented {sorted(_seen(section) - documented)}"
+
+
+def test_documented_config_is_the_cell_config():
+    from dataclasses import fields
+
+    from harness.spec import CellConfig
+
+    assert _documented_keys("config") == {f.name for f in fields(CellConfig)} | {"degrees"}
+
+
+def test_reference_readme_lists_exactly_the_runs_there():
+    readme = (REPO / "results" / "reference" / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([\w.+-]+)/` \|", readme, re.M))
+    present = {p.name for p in (REPO / "results" / "reference").iterdir() if p.is_dir()}
+    assert listed == present, f"listed but absent {sorted(listed - present)}; present but unlisted {sorted(present - listed)}"

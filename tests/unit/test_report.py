@@ -226,14 +226,28 @@ def test_plots_skipped_without_data(tmp_path: Path) -> None:
     assert [p.name for p in written] == [THROUGHPUT_PNG]
 
 
-def test_load_records_truncated_line(tmp_path: Path, records: list[dict[str, Any]]) -> None:
+def test_load_records_truncated_line(tmp_path: Path, records: list[dict[str, Any]], capsys) -> None:
     run_dir = write_run(tmp_path, records)
     path = run_dir / "records.jsonl"
+    before = load_records(run_dir)
+    assert len(before) == len(records) and capsys.readouterr().err == ""
     path.write_text(path.read_text() + '{"kind": "cell", "cell_id": "tr')
-    with pytest.raises(UsageError) as info:
-        load_records(run_dir)
-    message = str(info.value)
-    assert message.startswith(f"{path}: line 6 is not valid JSON")
-    assert "\n" not in message
+    assert load_records(run_dir) == before, "a torn tail hides no complete record"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: {path}: line {len(records) + 1} is a torn write")
     with pytest.raises(UsageError, match="no such records file"):
         load_records(tmp_path / "missing")
+
+
+def test_latest_record_of_a_resumed_cell_wins_and_its_attempts_are_counted(records) -> None:
+    timed_out = cell("fsdp", "bf16", 2, None, status="timeout", error="no result within the cell timeout (300 s)")
+    retried = cell("fsdp", "bf16", 2, 2000.0, peak_mem_gib=1.1)
+    history = [*records, timed_out, retried]  # fsdp/bf16: oom, then timeout, then ok on the last resume
+    df = frame.cells_frame(history)
+    assert len(df) == len(records), "one row per cell"
+    row = df[df["cell_id"] == retried["cell_id"]].iloc[0]
+    assert (row["status"], row["tokens_per_s"], row["attempts"]) == ("ok", 2000.0, 3)
+    assert df[df["cell_id"] != retried["cell_id"]]["attempts"].eq(1).all()
+    md = summary.summary_markdown(history)
+    assert f"- `{retried['cell_id']}`: 3 attempts; the tables show the latest (ok)" in md
+    assert "timeout" not in md.split("**Flags**")[0], "an earlier attempt is history, not a row"

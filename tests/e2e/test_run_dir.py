@@ -1,0 +1,55 @@
+"""A run directory has one writer, and SIGTERM (what schedulers send) is handled like Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+DDP = ["--gpus", "2", "--strategies", "ddp", "--no-reference"]
+
+
+def test_two_runs_into_one_out_exactly_one_runs(harness_cli, e2e):
+    out = harness_cli.tmp / "run"
+    procs = [harness_cli.popen("bench", *e2e.TINY, *DDP, "--out", str(out), log=f"run{i}") for i in range(2)]
+    rcs = [p.wait(timeout=300) for p in procs]
+    assert sorted(rcs) == [0, 2], [harness_cli.stderr(f"run{i}")[-1500:] for i in range(2)]
+    refused = harness_cli.stderr(f"run{rcs.index(2)}").strip().splitlines()
+    assert len(refused) == 1 and f"{out} is in use by another harness run (pid " in refused[0], refused
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len({r["run_id"] for r in records}) == 1, "a second run wrote into the directory"
+    assert [r["cell_id"] for r in records if r["kind"] == "cell"] == ["tiny-ddp-fp32-w2-gb4-strong"]
+    assert (out / ".harness.lock").read_text() == "", "a cleanly finished run leaves no holder behind"
+    # the lock of a run that is gone is taken over, with a warning
+    (out / ".harness.lock").write_text(json.dumps({"pid": 999999, "host": "elsewhere", "started": "then"}))
+    res = harness_cli.run("bench", "--resume", str(out), "--no-calibrate", timeout=300, log="again")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "taking over the lock of a run that is gone (pid 999999 on elsewhere, started then)" in res.stderr
+
+
+def test_sigterm_mid_cell_kills_the_job_and_leaves_the_cell_unrecorded(harness_cli, e2e):
+    out = harness_cli.tmp / "run"
+    proc = harness_cli.popen("bench", *e2e.TINY[:-5], "--steps", "400", "--warmup", "1", "--batch", "4",
+                             "--no-calibrate", *DDP, "--out", str(out), log="term")
+    try:
+        deadline = time.monotonic() + 240
+        while not [p for p in e2e.survivors(str(out), grace_s=0) if "harness.run.worker" in p]:
+            assert proc.poll() is None, harness_cli.stderr("term")[-2000:]
+            assert time.monotonic() < deadline, "no worker started"
+            time.sleep(0.2)
+        time.sleep(2)  # the ranks are inside the training loop
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = harness_cli.stderr("term")
+    assert rc == 143, err[-2000:]
+    assert "interrupted (SIGTERM)" in err and f"harness bench --resume {out}" in err
+    assert "Traceback" not in err
+    assert e2e.survivors(str(out)) == [], "torchrun or a worker outlived the harness"
+    assert e2e.read_records(out) == [], "the interrupted cell must have no record, so --resume re-runs it"
