@@ -21,6 +21,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from harness.records.atomic import write_bytes_atomic  # noqa: E402
+from harness.records.reader import latest_per_cell  # noqa: E402
 from harness.report.frame import device_title  # noqa: E402
 
 THROUGHPUT_PNG = "throughput_tokens_per_s_per_device.png"
@@ -101,9 +102,9 @@ def scaling_figure(df: pd.DataFrame) -> Figure | None:
 
 
 def _loss_curves(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """ok cells with a loss curve, by size, keeping only sizes with more than one LR rule."""
+    """ok cells (their latest record) with a loss curve, by size, keeping only sizes with more than one LR rule."""
     by_size: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
+    for r in latest_per_cell(list(records))[0]:
         loss = (r.get("metrics") or {}).get("loss")
         if r.get("kind", "cell") == "cell" and r.get("status") == "ok" and loss:
             size = str((r.get("config") or {}).get("size") or "unknown size")

@@ -87,10 +87,13 @@ def test_precision_mismatch_is_not_comparable(runs):
     assert r.returncode == 3, r.stdout + r.stderr
 
 
-def test_truncated_json_is_a_usage_error(runs):
+def test_torn_tail_is_reported_and_the_complete_records_compared(runs):
     broken = runs["tmp"] / "truncated.jsonl"
     text = (runs["base"] / "records.jsonl").read_text()
-    broken.write_text(text[: len(text) - 200])  # cut inside the last record
+    broken.write_text(text[: len(text) - 200])  # cut inside the last record, the run's only cell
     r = _harness(runs["tmp"], "compare", str(runs["base"]), str(broken), *GATE)
+    # the torn tail is reported and skipped; what is left (the calibration record) holds no cell to judge
     assert r.returncode == 2, r.stdout + r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "truncated.jsonl" in r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 2 and "truncated.jsonl: line 2 is a torn write" in err[0], err
+    assert "truncated.jsonl: no cell records" in err[1]
