@@ -29,7 +29,7 @@ bench_args = --gpus $(GPUS) \
 	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) \
 	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
 
-.PHONY: setup lint test bench plan trace compare report bench-ci workloads clean
+.PHONY: setup lint test bench plan trace compare gate report bench-ci workloads clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,11 @@ report: setup
 
 compare: setup
 	$(BIN)/harness compare $(BASE) $(CAND) $(ARGS)
+
+# The CI gate as an A/B on this machine: BASE (a git ref, default the previous commit) checked out
+# in a worktree, its CI cells and this checkout's run in turn (ABBA), judged per round.
+gate: setup
+	$(BIN)/harness gate --base $(or $(BASE),HEAD~1) $(ARGS)
 
 bench-ci: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/bench/test_ci_cells.py --benchmark-only \

@@ -9,7 +9,7 @@ from pathlib import Path
 from harness.compare import compare, exit_code, format_table, verdict_summary
 from harness.compare.stats import CompareOptions
 from harness.errors import UsageError
-from harness.jobs import REPO
+from harness.jobs import REPO, sigterm_as_interrupt
 from harness.run.ab import run_ab, worktree
 
 
@@ -18,7 +18,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if not cand.is_dir():
         raise UsageError(f"--cand {args.cand}: not a directory; give a checkout of the harness")
     opts = CompareOptions(threshold=args.threshold, alpha=args.alpha, seed=args.seed)
-    with worktree(args.base) as base:
+    with sigterm_as_interrupt(), worktree(args.base) as base:  # a killed gate still removes its worktree
         print(f"A/B gate: base {args.base} ({base}) vs candidate {cand}, {args.rounds} rounds ABBA, "
               f"threshold {args.threshold:.0%}", flush=True)
         base_records, cand_records = run_ab(base, cand, args.rounds)
@@ -34,7 +34,7 @@ def register(sub) -> None:
                                     "alternately on this machine (exit 0 pass, 1 regression, 3 n/c)")
     g.add_argument("--base", default="HEAD~1", help="git ref of the base (default HEAD~1, the previous commit)")
     g.add_argument("--cand", help="checkout to measure as the candidate (default: this one)")
-    g.add_argument("--rounds", type=int, default=8, help="A/B rounds (ABBA order), one median per side each, >= 5 (default 8)")
+    g.add_argument("--rounds", type=int, default=6, help="A/B rounds (ABBA order), one median per side each, >= 5 (default 6)")
     g.add_argument("--threshold", type=float, default=0.10, help="relative slowdown that matters (default 0.10)")
     g.add_argument("--alpha", type=float, default=0.05, help="Mann-Whitney U significance level")
     g.add_argument("--seed", type=int, default=0, help="bootstrap seed")

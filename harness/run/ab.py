@@ -27,6 +27,10 @@ from harness.records.reader import load_benchmark_json
 
 CI_CELLS = "tests/bench/test_ci_cells.py"
 CELL_TIMEOUT_S = 600.0
+THREADS = 1
+"""Threads per measured process. One: a neighbour on one core then slows a step in proportion,
+instead of stalling a team of threads at every barrier (measured with 2 threads and a busy
+neighbour on this 2-core machine: unchanged reruns at ratios 0.77-1.31)."""
 
 
 def _git(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -54,7 +58,7 @@ def measure(tree: Path, out_json: Path) -> list[dict]:
     """One pass of ``tree``'s CI cells, imported from ``tree``; their records (calibration excluded)."""
     if not (tree / CI_CELLS).is_file():
         raise UsageError(f"{tree} has no {CI_CELLS}; the A/B gate needs it on both sides")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(THREADS)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", CI_CELLS, "--benchmark-only",
            "-k", "not calibration", f"--benchmark-json={out_json}"]
     res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=CELL_TIMEOUT_S)
