@@ -19,9 +19,11 @@ SLOW = Path(__file__).resolve().parent / "inject_slow"
 CELL = ["--device", "cpu", "--gpus", "1", "--sizes", "tiny", "--strategies", "single", "--batch", "4",
         "--steps", "12", "--warmup", "2", "--no-calibrate"]
 # Separate runs on a shared 2-core machine differ by up to ~35% as a whole (measured: an unchanged
-# rerun at 0.66 normalised), so this end-to-end test uses a 40% threshold and a candidate that
-# does ~2.5x the work; the gate's statistical power at 10% / CV 3% is tested in tests/unit.
-GATE = ["--normalize", "calibration", "--threshold", "0.4"]
+# rerun at 0.66 normalised), so this end-to-end test of the committed-baseline mode uses a 40%
+# threshold and a candidate that does ~2.5x the work. It does not normalise: the calibration
+# workload, measured once per run, amplified noise (an unchanged rerun judged "slower by 54.8%"
+# in a CI run of this suite); CI's own gate is the A/B mode (tests/e2e/test_gate_ab.py).
+GATE = ["--threshold", "0.4"]
 
 
 def _env(tmp: Path, extra_forwards: int = 0) -> dict:
