@@ -89,8 +89,17 @@ class InstrumentMetrics(TypedDict, total=False):
     """With ``--profile`` only."""
 
 
+class ProbeMetrics(TypedDict, total=False):
+    """Step 1 in numbers (:mod:`harness.measure.probe`); absent from records before they were added."""
+
+    grad_norm_step1: float | None
+    """Global L2 norm of the gradient the optimizer saw at step 1 (unscaled); null if a parameter had none."""
+    param_norm_step1: float
+    """Global L2 norm of the parameters after step 1's update."""
+
+
 class WorkerMetrics(TimingMetrics, ThroughputMetrics, MfuMetrics, MemoryMetrics, CommMetrics, LossMetrics,
-                    PrecisionMetrics, InstrumentMetrics, total=False):
+                    ProbeMetrics, PrecisionMetrics, InstrumentMetrics, total=False):
     """What rank 0 measures and writes to ``result.json``."""
 
     worker_wall_s: float

@@ -8,9 +8,12 @@ metric key.
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from harness.measure import gns
+from harness.measure.probe import merge
 from harness.measure.stats import Stats
 from harness.parallel.presets import expected_bubble, stages_per_rank
 from harness.records.metrics import (
@@ -37,15 +40,39 @@ from harness.run.metrics import (
 
 DEFAULT_TARGET_MARGIN = 0.5
 """Default loss target: the data's entropy floor plus this many nats."""
-PARITY_TOL = {"fp32": 1e-4, "tf32": 5e-3, "bf16": 2e-2, "fp16": 2e-2}
-"""Max relative loss difference vs the single-device reference that still counts as parity.
 
-fp32: reductions in a different order (all-reduce, sharded matmuls, microbatch sums) change
-results by a few ulps (~1e-7 relative per op); Adam's normalised updates carry that into the
-loss at ~1e-6 over tens of steps, so 1e-4 leaves margin yet catches any real mistake (a wrong
-gradient scale moves the loss by > 1e-2 within a few steps). Low-precision modes round every
-matmul to 8 (bf16) or 11 (fp16) mantissa bits, so their curves agree only to ~1e-2.
-"""
+
+@dataclass(frozen=True)
+class ParityTolerance:
+    """Largest relative difference from the single-device reference that still counts as parity.
+
+    ``grad_norm``: the global gradient norm after step 1's backward. Different reduction orders
+    (all-reduce, sharded matmuls, microbatch sums) change fp32 results by a few ulps per op,
+    <= 1e-8 relative here; 1e-6 leaves two orders of margin, and a wrong gradient scale is off
+    by O(1) (x2 for a sum instead of a mean). ``params``: each parameter tensor's norm after step
+    1's update, over the tensors that have a gradient (a tensor left out of the update, or
+    updated from the wrong gradient, moves by ~1e-2 of its norm; reduction-order noise stays
+    ~1e-6, where an element's gradient is near Adam's eps). ``loss``: the loss curve over every
+    step; AdamW's normalised update carries the ulps into the loss at ~1e-6 over tens of steps,
+    but cannot see a gradient scale, hence the two step-1 checks. Low-precision modes round
+    every matmul to 8 (bf16) or 11 (fp16) mantissa bits (10 for tf32 on GPUs), so their numbers
+    agree to ~1e-2 only: still far from the x2 of a scale bug.
+    """
+
+    loss: float
+    grad_norm: float
+    params: float
+
+
+PARITY_TOL = {
+    "fp32": ParityTolerance(loss=1e-4, grad_norm=1e-6, params=1e-5),
+    "tf32": ParityTolerance(loss=5e-3, grad_norm=5e-3, params=2e-2),
+    "bf16": ParityTolerance(loss=2e-2, grad_norm=5e-3, params=2e-2),
+    "fp16": ParityTolerance(loss=2e-2, grad_norm=5e-3, params=2e-2),
+}
+"""Measured on tiny, CPU, 2 ranks, against these (tests/distributed/test_parity.py holds its own
+copies): fp32 gradient norm <= 1e-8 and parameter norms <= 1.1e-6 (ddp, fsdp, tp, tp-sp, pp,
+ddp with grad_accum 2); bf16 <= 2.2e-4 and <= 3.9e-3."""
 
 
 def _memory(gathered: list[dict], threads: int | None) -> MemoryMetrics:
@@ -127,11 +154,15 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
         "precision": precision.describe(data_parallel),
         **_instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace),
     }
+    step1 = merge([g["probe"] for g in gathered])
+    m["grad_norm_step1"] = step1["grad_norm"]
+    m["param_norm_step1"] = step1["param_norm"]
     if scaler is not None:
         m["fp16_skipped_steps"] = skipped
         m["fp16_final_scale"] = scaler.get_scale()
     samples = {"step_time_s": measured, "warmup_step_time_s": all_steps[: cfg.warmup],
-               "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times]}
+               "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times],
+               "param_norms_step1": step1["param_norms"], "grad_norms_step1": step1["grad_norms"]}
     return m, samples
 
 
@@ -141,17 +172,62 @@ def parity_key(cfg: dict) -> tuple:
                                       "seed", "steps", "warmup", "scaling", "lr_rule"))
 
 
-def _parity(cell_id: str, cfg: dict, loss: list[float] | None, ref: dict | None) -> RunMetrics:
+def _rel(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    return abs(a - b) / abs(b) if b else (0.0 if a == b else math.inf)
+
+
+DEAD_GRAD_FRACTION = 1e-6
+"""A tensor whose step-1 gradient norm is below this fraction of the global one has no gradient in
+exact arithmetic (the attention key bias: softmax ignores a shift shared by all keys); Adam turns
+its rounding noise into an update of any sign, so its norm says nothing about parity."""
+
+
+def _live_tensors(grad_norms: dict[str, float | None], total: float | None) -> set[str]:
+    if not total:
+        return set()
+    return {k for k, g in grad_norms.items() if g is not None and g >= DEAD_GRAD_FRACTION * total}
+
+
+def parity_diffs(worker: dict, samples: dict, ref: dict) -> dict[str, float | None]:
+    """Relative differences from the reference record: loss curve, step-1 gradient norm, and the
+    largest over parameter tensors (those with a gradient) of the step-1 norm difference (None:
+    not comparable)."""
+    rm, rs = ref["metrics"], ref.get("samples") or {}
+    loss = max_rel_diff(worker["loss"], rm["loss"]) if worker.get("loss") and rm.get("loss") else None
+    mine, theirs = samples.get("param_norms_step1"), rs.get("param_norms_step1")
+    params = None
+    if mine and theirs and set(mine) == set(theirs):
+        live = _live_tensors(rs.get("grad_norms_step1") or {}, rm.get("grad_norm_step1"))
+        diffs = [_rel(mine[k], theirs[k]) for k in theirs if k in live]
+        params = None if not diffs or any(d is None for d in diffs) else max(diffs)
+    return {"loss": loss, "grad_norm": _rel(worker.get("grad_norm_step1"), rm.get("grad_norm_step1")),
+            "params": params}
+
+
+_WHAT = {"loss": "loss curve", "grad_norm": "gradient norm after step 1", "params": "parameter norms after step 1"}
+
+
+def _parity(cell_id: str, cfg: dict, worker: dict, samples: dict, ref: dict | None) -> RunMetrics:
     tol = PARITY_TOL[cfg["precision"]]
     if cfg["strategy"] == "single":
-        return {"parity_max_rel_diff": 0.0, "parity": {"reference": cell_id, "tolerance": tol, "ok": True}}
-    if ref is not None and loss and ref["metrics"].get("loss"):
-        diff = max_rel_diff(loss, ref["metrics"]["loss"])
-        return {"parity_max_rel_diff": diff,
-                "parity": {"reference": ref["cell_id"], "tolerance": tol, "ok": diff is not None and diff <= tol}}
-    return {"parity_max_rel_diff": None,
-            "parity": {"reference": None, "tolerance": tol, "ok": None,
-                       "reason": "n/a: no single-device reference with the same global batch in this run"}}
+        return {"parity_max_rel_diff": 0.0, "parity": {"reference": cell_id, "tolerance": asdict(tol), "ok": True}}
+    if ref is None:
+        return {"parity_max_rel_diff": None,
+                "parity": {"reference": None, "tolerance": asdict(tol), "ok": None,
+                           "reason": "n/a: no single-device reference with the same global batch in this run"}}
+    diffs = parity_diffs(worker, samples, ref)
+    off = [f"{_WHAT[k]} differs by {d:.1e} > {getattr(tol, k):.0e}" for k, d in diffs.items()
+           if d is not None and d > getattr(tol, k)]
+    missing = [_WHAT[k] for k, d in diffs.items() if d is None]
+    parity = {"reference": ref["cell_id"], "tolerance": asdict(tol), "rel_diff": diffs,
+              "ok": not off if diffs["loss"] is not None else None}
+    if off:
+        parity["reason"] = f"vs {ref['cell_id']}: " + "; ".join(off)
+    elif missing:
+        parity["reason"] = "not compared: " + ", ".join(missing) + " (absent or not finite on one side)"
+    return {"parity_max_rel_diff": diffs["loss"], "parity": parity}
 
 
 def failed_cell_metrics(wall_s: float, est_mem_gib: float | None) -> RunMetrics:
@@ -161,9 +237,9 @@ def failed_cell_metrics(wall_s: float, est_mem_gib: float | None) -> RunMetrics:
 
 def cell_metrics(cell_id: str, cfg: dict, worker: WorkerMetrics, wall_s: float, est_mem_gib: float | None,
                  calibrated_tflops: float | None, device_name: str, compute_dtype: str,
-                 reference: dict | None) -> CellMetrics:
+                 reference: dict | None, samples: dict) -> CellMetrics:
     """The record's metrics of an ok cell: the worker's, the calibrated MFU, and the run's part."""
     calibrated: CalibratedMfuMetrics = calibrated_mfu_fields(worker["tflops_per_device"], calibrated_tflops,
                                                              device_name, compute_dtype)
     return {**worker, **calibrated, **failed_cell_metrics(wall_s, est_mem_gib),
-            **_parity(cell_id, cfg, worker.get("loss"), reference)}
+            **_parity(cell_id, cfg, worker, samples, reference)}

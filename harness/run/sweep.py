@@ -113,7 +113,7 @@ def _record(cell: PlannedCell, outcome: Outcome, run_id: str, env: dict, referen
     res = outcome.result
     metrics = cell_metrics(cell.cell_id, cfg, res["metrics"], outcome.wall_s, cell.est_mem_gib, cell.calibrated_tflops,
                            res["env"]["device_name"], PrecisionPlan(cell.config.precision).compute_dtype,
-                           references.get(parity_key(cfg)))
+                           references.get(parity_key(cfg)), res["samples"])
     return make_record(run_id=run_id, cell_id=cell.cell_id, status="ok", config=cfg, env=res["env"],
                        degrees=res["degrees"], workload=res["workload"], metrics=metrics, samples=res["samples"],
                        predicted=cell.predicted)

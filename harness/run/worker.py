@@ -27,6 +27,7 @@ from harness.measure.comm import CommCounter
 from harness.measure.memory import model_state_bytes, peak_memory, reset_peak
 from harness.measure.monitor import make_monitor
 from harness.measure.nvtx_ranges import Ranges
+from harness.measure.probe import tensor_sq_norms
 from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_traces
 from harness.parallel.parallelize import parallelize
@@ -130,6 +131,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     timer = StepTimer(cfg.device_kind)
     total = cfg.warmup + cfg.steps
     times, losses, skipped, g_big = [], [], 0, []
+    probe: dict = {}
     monitor = None
     reset_peak(cfg.device_kind)
     for step in range(total):
@@ -143,6 +145,8 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
             timer.start()
             loss, was_skipped = train.train_step(ctx, x, y, lr)
             times.append(timer.stop())
+        if step == 0:  # after the clock stopped: the probe's gathers are never timed
+            probe = tensor_sq_norms(par.parts)
         skipped += int(was_skipped)
         losses.append(float(loss) if loss is not None else None)
         if gns_state is not None:
@@ -171,6 +175,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
         "state_bytes": state_bytes,
         "comm": comm,
         "trace": trace_paths,
+        "probe": probe,
     }
     gathered = _gather_json(local, device if cfg.device_kind == "cuda" else torch.device("cpu"))
     if rank != 0:

@@ -6,6 +6,7 @@ themselves go through the same ``harness.run.worker.run_cell`` torchrun uses.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -22,12 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, cells: list[dict], out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, cells: list[dict], out: str, inject: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from harness.run.worker import run_cell
     from harness.spec import CellConfig
 
+    if inject is not None:  # a test's fault, installed in this rank before any cell runs
+        module, fn = inject.split(":")
+        getattr(importlib.import_module(module), fn)(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     results = {}
@@ -44,10 +48,15 @@ def _rank_main(rank: int, world: int, port: int, cells: list[dict], out: str) ->
     dist.destroy_process_group()
 
 
-def run_cells(cells: list[dict], world: int, out: Path) -> dict:
-    """Run ``cells`` (CellConfig dicts, all with this world size) and return rank 0's results by cell id."""
+def run_cells(cells: list[dict], world: int, out: Path, inject: str | None = None) -> dict:
+    """Run ``cells`` (CellConfig dicts, all with this world size) and return rank 0's results by cell id.
+
+    ``inject``: ``"module:function"``, called with the rank in every rank process before the
+    cells run (test-only faults: the harness has no such hook).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank_main, args=(world, _free_port(), cells, str(out)), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank_main, args=(world, _free_port(), cells, str(out), inject), nprocs=world,
+                       start_method="spawn")
     return json.loads((out / "results.json").read_text())
 
 

@@ -1,0 +1,63 @@
+"""What one optimizer step did to the model, in numbers that can be compared across strategies.
+
+Loss parity cannot see a wrong gradient scale: AdamW normalises its update by the gradient's
+own magnitude, so gradients doubled by a sum-instead-of-mean reduction move the loss curve by
+about 1e-6. The gradient norm after the first step sees it at once (x2), and the norm of every
+parameter tensor after the first update sees a tensor that was not updated, or updated wrongly.
+
+Each rank reports, per parameter name, the squared norms of the *full* tensor (a DTensor shard
+or TP slice is gathered with ``full_tensor()``), so the numbers mean the same under every
+strategy. Rank 0 merges the ranks' reports by name (pipeline stages hold different names,
+replicas the same ones) with :func:`merge`. Gathering costs collectives, so the worker probes
+once, after the first step's timer has stopped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _sq(t: torch.Tensor | None) -> float | None:
+    if t is None:
+        return None
+    return float(_full(t.detach()).double().pow(2).sum())
+
+
+def tensor_sq_norms(parts: list[nn.Module]) -> dict[str, list[float | None]]:
+    """``{name: [||param||^2, ||grad||^2 or None]}`` of every parameter this rank holds.
+
+    Every rank of a DTensor's mesh must call this (the gather is a collective); parts and their
+    parameters are walked in module order, which is the same on every rank of that mesh.
+    """
+    out: dict[str, list[float | None]] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            if name not in out:
+                out[name] = [_sq(p), _sq(p.grad)]
+    return out
+
+
+def merge(per_rank: list[dict[str, list[float | None]]]) -> dict:
+    """One model's numbers from every rank's report: the global ``grad_norm`` and ``param_norm``,
+    and per tensor ``param_norms`` and ``grad_norms``.
+
+    A name held by several ranks (data-parallel replicas, TP ranks after the gather) is taken
+    from the lowest rank. ``grad_norm`` is None when some parameter had no gradient.
+    """
+    names: dict[str, list[float | None]] = {}
+    for report in per_rank:
+        for name, v in report.items():
+            names.setdefault(name, v)
+    grads = [g for _, g in names.values()]
+    grad_norm = math.sqrt(sum(grads)) if grads and all(g is not None for g in grads) else None
+    return {"grad_norm": grad_norm,
+            "param_norm": math.sqrt(sum(p for p, _ in names.values())),
+            "param_norms": {name: math.sqrt(p) for name, (p, _) in sorted(names.items())},
+            "grad_norms": {name: None if g is None else math.sqrt(g) for name, (_, g) in sorted(names.items())}}
