@@ -69,7 +69,7 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
         except ValueError as e:  # unknown size: a usage error for the whole sweep, before anything runs
             raise UsageError(f"--sizes: {e}") from None
     strategies = list(spec.strategies)
-    added_reference = spec.reference and "single" not in strategies and "strong" in spec.scalings
+    added_reference = spec.reference and "single" not in strategies
     if added_reference:
         strategies.insert(0, "single")
     cells: dict[str, PlannedCell] = {}
@@ -81,7 +81,7 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
     ordered = sorted(cells.values(), key=lambda c: (c.raw["size"], c.raw["precision"], c.raw["scaling"],
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
                                                     c.raw["world_size"], _order(c.raw["strategy"])))
-    return predict_cells(ordered)
+    return predict_cells(ordered, force=spec.force)
 
 
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
@@ -109,7 +109,7 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
     except UsageError as e:
         return PlannedCell(cell_id=cell_id_of(raw), config=None, raw=raw, valid=False, reason=str(e))
     return PlannedCell(cell_id=cfg.cell_id, config=cfg, raw=raw, valid=True, reason=None,
-                       capacity_gib=device_capacity_gib(spec.device_kind, gpus))
+                       capacity_gib=device_capacity_gib(spec.device_kind, max(1, world // raw["nnodes"])))
 
 
 def calibration_inputs(cfg: CellConfig) -> CalibrationInputs:
@@ -132,11 +132,13 @@ def calibration_inputs(cfg: CellConfig) -> CalibrationInputs:
         comm=lambda group: lookup_comm(cfg.device_kind, group, nnodes=1 if group <= 1 else cfg.nnodes))
 
 
-def predict_cells(cells: list[PlannedCell]) -> list[PlannedCell]:
+def predict_cells(cells: list[PlannedCell], force: bool = False) -> list[PlannedCell]:
     """The cells with ``predicted`` and ``calibrated_tflops`` from the calibration store as it is now.
 
-    ``harness bench`` calls it again after its automatic calibration, so each record carries the
-    prediction made from everything measured before the cell ran.
+    A cell predicted to need more memory per rank than a rank has is made invalid, before
+    anything is launched or calibrated for it, unless ``force``. ``harness bench`` calls this
+    again after its automatic calibration, so each record carries the prediction made from
+    everything measured before the cell ran.
     """
     out = []
     for c in cells:
@@ -144,12 +146,20 @@ def predict_cells(cells: list[PlannedCell]) -> list[PlannedCell]:
             out.append(c)
             continue
         cal = calibration_inputs(c.config)
-        out.append(replace(c, predicted=predict_cell(c.config, cal), calibrated_tflops=cal.matmul_tflops))
+        c = replace(c, predicted=predict_cell(c.config, cal), calibrated_tflops=cal.matmul_tflops)
+        out.append(c if force or c.fits is not False else replace(c, valid=False, reason=_unfit_reason(c)))
     return out
 
 
-def device_capacity_gib(device_kind: str, gpus_per_node: int) -> float | None:
-    """Memory one rank may use: the GPU's memory, or host RAM shared by the node's ranks."""
+def _unfit_reason(c: PlannedCell) -> str:
+    where = ("GPU memory" if c.config.device_kind == "cuda" else
+             f"available RAM / {max(1, c.config.world_size // c.config.nnodes)} rank(s) on the node")
+    return (f"predicted {c.est_mem_gib:.3g} GiB per rank > {c.capacity_gib:.3g} GiB available ({where}); "
+            f"use a smaller size or batch, more ranks, or --force to run it anyway")
+
+
+def device_capacity_gib(device_kind: str, ranks_per_node: int) -> float | None:
+    """Memory one rank may use: the GPU's memory, or the host RAM available now shared by the node's ranks."""
     if device_kind == "cuda":
         try:
             import pynvml  # noqa: PLC0415  (optional: NVML is absent on CPU machines)
@@ -160,4 +170,4 @@ def device_capacity_gib(device_kind: str, gpus_per_node: int) -> float | None:
             return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total / GIB
         except pynvml.NVMLError:
             return None
-    return psutil.virtual_memory().total / GIB / max(1, gpus_per_node)
+    return psutil.virtual_memory().available / GIB / max(1, ranks_per_node)

@@ -160,7 +160,10 @@ class SweepSpec:
     mem_cap_gib: float | None = None
     degrees: dict | None = None
     reference: bool = True
-    """Add the single-device fp32/bf16... reference of each strong-scaling group for parity."""
+    """Add the single-device cell of each group when the strategies leave it out: the parity
+    reference (strong scaling) and the one-device baseline of scaling efficiency."""
+    force: bool = False
+    """Run cells the model predicts will not fit in a rank's memory (they are invalid otherwise)."""
     extra: dict = field(default_factory=dict)
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from harness.calibration import matmul
 from harness.calibration.collectives import COMM_MAX_BYTES, COMM_MIN_BYTES, calibrate_comm
 from harness.calibration.matmul import threads_for
-from harness.calibration.workload import lookup_workload
+from harness.calibration.workload import check_fits, lookup_workload
+from harness.errors import UsageError
 from harness.jobs import run_job
 from harness.precision import PrecisionPlan
 from harness.spec import SweepSpec
@@ -70,6 +71,11 @@ def _matmul(spec: SweepSpec, matmuls: set[tuple[str, int]]) -> None:
 def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int]]) -> None:
     for name, seq, dt, th, k in sorted(workloads):
         if lookup_workload(spec.device_kind, name, seq, dt, th, k) is not None:
+            continue
+        try:
+            check_fits(name, seq, dt, spec.device_kind, k)
+        except UsageError as e:  # never start a calibration that cannot fit (cells run with --force)
+            print(f"skipped: {e}", file=sys.stderr, flush=True)
             continue
         rc, output = calibrate_in_child(["--device", spec.device_kind, "--dtype", dt, "--threads", str(max(1, th)),
                                          "--no-comm", "--workloads", name, "--seq-len", str(seq),

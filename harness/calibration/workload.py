@@ -23,9 +23,13 @@ import torch.distributed as dist
 
 from harness.calibration import store
 from harness.calibration.matmul import device_name
+from harness.errors import UsageError
 from harness.jobs import free_port
 from harness.measure.stats import fit_line
 from harness.model.compute import WRAPPERS
+from harness.model.memory import peak_bytes
+from harness.model.predict import CPU_BASE_GIB
+from harness.model.shape import CellShape
 from harness.parallel.data_parallel import apply_fsdp
 from harness.parallel.dims import ParallelDims
 from harness.parallel.tp import apply_tp
@@ -185,6 +189,34 @@ def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, th
     return out
 
 
+def need_gib(size: str, seq_len: int, dtype: str, device_kind: str, concurrent: int) -> float:
+    """The model's peak for the calibration's largest pass, times the copies sharing one memory.
+
+    Each copy is a one-device model at ``max(PROBE_ROWS)`` sequences (the wrapped passes use
+    fewer); CPU copies share the host's RAM, GPU copies run one per device.
+    """
+    shape = CellShape(size=replace(get_size(size), seq_len=seq_len), dims=ParallelDims(world_size=1),
+                      strategy="single", precision=dtype, global_batch=max(PROBE_ROWS), device_kind=device_kind)
+    base = CPU_BASE_GIB * GIB if device_kind == "cpu" else 0.0
+    return peak_bytes(shape, base) / GIB * (concurrent if device_kind == "cpu" else 1)
+
+
+def available_gib(device_kind: str) -> float:
+    """Memory the calibration may use now: host RAM available, or the first GPU's free memory."""
+    if device_kind == "cuda":
+        return torch.cuda.mem_get_info(0)[0] / GIB
+    return psutil.virtual_memory().available / GIB
+
+
+def check_fits(size: str, seq_len: int, dtype: str, device_kind: str, concurrent: int) -> None:
+    """Refuse, before anything is allocated, a workload calibration the memory cannot hold."""
+    need, have = need_gib(size, seq_len, dtype, device_kind, concurrent), available_gib(device_kind)
+    if need > have:
+        raise UsageError(f"workload calibration of {size} (seq {seq_len}, {dtype}, {concurrent} cop"
+                         f"{'ies' if concurrent > 1 else 'y'}) needs ~{need:.3g} GiB, {have:.3g} GiB is available; "
+                         f"its cells are predicted from the matmul peak instead")
+
+
 def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
                        cache: Path | None = None, force: bool = False) -> dict:
     """Measure (or reuse) the workload rates and keep them in the calibration store."""
@@ -192,6 +224,7 @@ def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, th
         hit = lookup_workload(device_kind, size, seq_len, dtype, threads, concurrent, cache)
         if hit is not None:
             return hit
+    check_fits(size, seq_len, dtype, device_kind, concurrent)
     fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent)
     entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
              **measure_concurrent(size, seq_len, dtype, device_kind, threads, concurrent)}

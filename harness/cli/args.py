@@ -112,6 +112,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mem-cap-gib", help="CPU: cap each rank's memory growth; over it the cell is oom")
     g.add_argument("--no-reference", action="store_true", default=None,
                    help="do not add the single-device reference cell used for parity")
+    g.add_argument("--force", action="store_true", default=None,
+                   help="run cells the model predicts will not fit in a rank's memory (invalid otherwise)")
     g.add_argument("--nnodes", help="machines in the job (torchrun rendezvous at --rdzv-endpoint, node rank 0 hosts it)")
 
 
@@ -189,7 +191,8 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
             raise UsageError("--device cuda but no CUDA GPU is visible; use --device cpu or auto")
     d = DEFAULTS[device]
     gpus = ints(v.label("gpus"), v.get("gpus", 1))
-    strategies = v.get("strategies") or ("single" if max(gpus) == 1 else ",".join(STRATEGIES))
+    # Several devices: every multi-device strategy; the planner adds the single-device reference.
+    strategies = v.get("strategies") or ("single" if max(gpus) == 1 else ",".join(s for s in STRATEGIES if s != "single"))
     return SweepSpec(
         sizes=csv_list(v.get("sizes", d["sizes"])),
         strategies=csv_list(strategies),
@@ -216,6 +219,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         mem_cap_gib=positive_float(v.label("mem_cap_gib"), v["mem_cap_gib"]) if "mem_cap_gib" in v else None,
         degrees=degrees_arg(v.get("degrees")),
         reference=not v.get("no_reference", False),
+        force=bool(v.get("force", False)),
     )
 
 

@@ -26,10 +26,14 @@ def check_valid_any(cells: list[PlannedCell]) -> None:
     """Nothing is launched when no cell the user asked for is valid (the parity reference doesn't count)."""
     asked = [c for c in cells if not c.reference_only]
     if not any(c.valid for c in asked):
-        bad = [c for c in asked if not c.valid]
-        if len(bad) == 1:
-            raise UsageError(bad[0].reason)
-        raise UsageError("no valid cell to run: " + "; ".join(f"{c.cell_id}: {c.reason}" for c in bad))
+        by_reason: dict[str, list[str]] = {}
+        for c in asked:
+            by_reason.setdefault(c.reason, []).append(c.cell_id)
+        if len(asked) == 1:
+            raise UsageError(asked[0].reason)
+        raise UsageError("no valid cell to run: " + "; ".join(
+            f"{ids[0] if len(ids) == 1 else f'{len(ids)} cells ({ids[0]}, ...)'}: {reason}"
+            for reason, ids in by_reason.items()))
 
 
 def _restore_sweep_args(out: Path, args: argparse.Namespace) -> None:
@@ -87,7 +91,7 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
             if not args.no_calibrate:
                 _calibration_store(out)
                 ensure_calibrated(spec, [c for c in todo if c.valid])
-                cells = predict_cells(cells)  # the predictions from everything just measured
+                cells = predict_cells(cells, force=spec.force)  # the predictions from everything just measured
             if not run.resume:
                 append_record(out / RECORDS_FILENAME, calibration_record(run.run_id, spec.device_kind))
         records = run_sweep(cells, opts, spec.device_kind)

@@ -19,6 +19,10 @@ CASES = {
     "gpus0": (["--gpus", "0"], "--gpus '0': each value must be an integer >= 1"),
     "gpusx": (["--gpus", "x"], "--gpus 'x': each value must be an integer >= 1"),
     "steps0": (["--steps", "0"], "--steps '0': must be an integer >= 1"),
+    # Every requested cell invalid: exit 2, though the added single-device reference is valid.
+    "only-reference-valid": (["--gpus", "2", "--degrees", "pp=3"],
+                             "no valid cell to run: 10 cells (tiny-ddp-fp32-w2-gb8-strong, ...): dp_replicate (1) x "
+                             "dp_shard (1) x tp (1) x pp (3) = 3 must equal the world size (2)"),
 }
 
 
@@ -69,3 +73,51 @@ def test_sweep_file_keys_and_flags_merge_cli_first(tmp_path, monkeypatch):
     spec = spec_from_args(build_parser().parse_args(["plan", "--device", "cpu", "--gpus", "2", "--sweep", str(sweep),
                                                      "--steps", "9"]))
     assert (spec.steps, spec.warmup, spec.strategies, spec.lr_rules) == (9, 2, ("ddp", "fsdp"), ("sqrt",))
+
+
+def _ram(monkeypatch, available_gib: float) -> None:
+    """This machine with ``available_gib`` of RAM available (the planner's CPU capacity)."""
+    import psutil
+
+    from harness.units import GIB
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=int(available_gib * GIB)))
+
+
+def test_cell_predicted_over_memory_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """tiny under ddp on 2 ranks needs ~0.4 GiB per rank (the model's peak); give the node 0.5 GiB."""
+    monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
+    _ram(monkeypatch, 0.5)
+    out = tmp_path / "run"
+    rc = main(["bench", "--device", "cpu", "--no-calibrate", "--gpus", "2", "--strategies", "ddp", "--no-reference",
+               "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "GiB per rank > 0.25 GiB available (available RAM / 2 rank(s) on the node)" in err[0], err
+    assert "--force to run it anyway" in err[0]
+    assert not out.exists()
+
+
+def test_force_plans_the_cell_the_memory_check_refuses(monkeypatch):
+    from harness.cli import build_parser, spec_from_args
+    from harness.plan import expand
+
+    monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
+    _ram(monkeypatch, 0.5)
+    argv = ["plan", "--device", "cpu", "--gpus", "2", "--strategies", "ddp", "--no-reference"]
+    refused = expand(spec_from_args(build_parser().parse_args(argv)))
+    forced = expand(spec_from_args(build_parser().parse_args([*argv, "--force"])))
+    assert [c.valid for c in refused] == [False] and "predicted" in refused[0].reason
+    assert [c.valid for c in forced] == [True] and forced[0].fits is False
+
+
+def test_workload_calibration_refuses_a_size_that_cannot_fit(monkeypatch):
+    from harness.calibration import workload
+    from harness.errors import UsageError
+
+    _ram(monkeypatch, 1.0)
+    need = workload.need_gib("small", 128, "fp32", "cpu", 4)
+    assert need > 1.0 and need == pytest.approx(4 * workload.need_gib("small", 128, "fp32", "cpu", 1))
+    with pytest.raises(UsageError, match=r"workload calibration of small .*needs ~.* GiB, 1 GiB is available"):
+        workload.calibrate_workload("cpu", "small", 128, "fp32", 1, concurrent=4, cache=None, force=True)
