@@ -1,4 +1,4 @@
-"""Command line: ``harness {bench,plan,report,compare,gate,calibrate,workloads,trace,slurm}``.
+"""Command line: ``harness {bench,plan,fit,report,compare,gate,calibrate,workloads,trace,slurm}``.
 
 One module per subcommand, each with a ``register(sub)``; the sweep flags they share are in
 :mod:`harness.cli.args`. Nothing in the harness imports this package: it is the top layer.
@@ -9,11 +9,13 @@ is launched or written.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
-from harness.cli import bench, calibrate, compare, gate, plan, report, slurm, trace
+from harness.cli import bench, calibrate, compare, fit, gate, plan, report, slurm, trace
 from harness.cli.args import EXIT_USAGE, spec_from_args
 from harness.errors import UsageError
+from harness.jobs import Terminated
 
 __all__ = ["build_parser", "main", "spec_from_args"]
 
@@ -21,7 +23,7 @@ __all__ = ["build_parser", "main", "spec_from_args"]
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for module in (bench, plan, report, compare, gate, calibrate, trace, slurm):
+    for module in (bench, plan, fit, report, compare, gate, calibrate, trace, slurm):
         module.register(sub)
     return ap
 
@@ -34,3 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"harness {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt as e:  # any moment a command did not handle itself: one line, no traceback
+        name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, Terminated) else ("Ctrl-C", 128 + signal.SIGINT)
+        print(f"\nharness {args.cmd}: interrupted ({name})", file=sys.stderr)
+        return code

@@ -120,6 +120,19 @@ def survivors(marker: str, grace_s: float = 10.0) -> list[str]:
         time.sleep(0.2)
 
 
+def job_processes(harness_pid: int) -> list[str]:
+    """Live processes of every job the harness ``harness_pid`` started (their tag starts with its pid)."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("HARNESS_JOB_TAG", "").startswith(f"{harness_pid}-") \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"pid {p.pid}: {' '.join(p.cmdline())[:200]}")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 def kill_all(marker: str) -> None:
     """Test cleanup: SIGCONT + SIGKILL every process that mentions ``marker``."""
     for p in _matching(marker):
@@ -138,6 +151,7 @@ class E2E:
     CLI = HarnessCLI
     read_records = staticmethod(read_records)
     survivors = staticmethod(survivors)
+    job_processes = staticmethod(job_processes)
     kill_all = staticmethod(kill_all)
 
     @staticmethod

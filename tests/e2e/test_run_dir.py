@@ -1,4 +1,8 @@
-"""A run directory has one writer, and SIGTERM (what schedulers send) is handled like Ctrl-C."""
+"""A run directory has one writer; Ctrl-C and SIGTERM (what schedulers send) end a run in one line.
+
+Whatever the harness was doing (a calibration's process pool, a cell's ranks), no process it
+started outlives it: every job carries a tag naming the harness's pid (``HARNESS_JOB_TAG``).
+"""
 
 from __future__ import annotations
 
@@ -53,3 +57,57 @@ def test_sigterm_mid_cell_kills_the_job_and_leaves_the_cell_unrecorded(harness_c
     assert "Traceback" not in err
     assert e2e.survivors(str(out)) == [], "torchrun or a worker outlived the harness"
     assert e2e.read_records(out) == [], "the interrupted cell must have no record, so --resume re-runs it"
+
+
+def _interrupt_when(proc, harness_cli, log: str, ready, what: str) -> int:
+    deadline = time.monotonic() + 240
+    try:
+        while not ready():
+            assert proc.poll() is None, harness_cli.stderr(log)[-2000:]
+            assert time.monotonic() < deadline, f"never reached: {what}"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # the harness alone, as a terminal's Ctrl-C reaches it first
+        return proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _one_line_and_nothing_left(harness_cli, e2e, proc, log: str, out) -> None:
+    err = harness_cli.stderr(log)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err, err[-3000:]
+    assert lines == [f"interrupted (Ctrl-C): finished records are kept in {out}/records.jsonl, the running cell "
+                     f"has none; finish with: harness bench --resume {out}"], lines
+    deadline = time.monotonic() + 10
+    while e2e.job_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert e2e.job_processes(proc.pid) == [], "a process the harness started outlived it"
+    assert e2e.survivors(str(out)) == []
+
+
+def test_ctrl_c_during_calibration_leaves_no_process_and_one_line(harness_cli, e2e):
+    """Interrupted while the workload calibration's pool (2 copies, as 2 ranks compute) is running."""
+    out = harness_cli.tmp / "run"
+    proc = harness_cli.popen("bench", *e2e.TINY[:-1], *DDP, "--out", str(out), log="calib")
+    # the calibrate child and its two pool workers: 3 processes of one job
+    def pool_running() -> bool:
+        procs = e2e.job_processes(proc.pid)
+        return len(procs) >= 3 and any("--workloads" in p for p in procs)
+
+    rc = _interrupt_when(proc, harness_cli, "calib", pool_running, "the workload calibration's pool")
+    assert rc == 130, harness_cli.stderr("calib")[-2000:]
+    _one_line_and_nothing_left(harness_cli, e2e, proc, "calib", out)
+
+
+def test_ctrl_c_during_a_cell_leaves_no_process_and_one_line(harness_cli, e2e):
+    out = harness_cli.tmp / "run"
+    proc = harness_cli.popen("bench", *e2e.TINY[:-5], "--steps", "400", "--warmup", "1", "--batch", "4",
+                             "--no-calibrate", *DDP, "--out", str(out), log="cell")
+    rc = _interrupt_when(proc, harness_cli, "cell",
+                         lambda: len([p for p in e2e.job_processes(proc.pid) if "harness.run.worker" in p]) == 2,
+                         "both ranks of the cell")
+    assert rc == 130, harness_cli.stderr("cell")[-2000:]
+    _one_line_and_nothing_left(harness_cli, e2e, proc, "cell", out)
+    assert e2e.read_records(out) == []
