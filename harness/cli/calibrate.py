@@ -110,8 +110,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cached = not args.force and matmul.lookup(device, dt, threads) is not None
         e = matmul.calibrate(device, dt, threads, force=args.force)
         median = e.get("median_tflops") or statistics.median(s["tflops"] for s in e["shapes"])  # older cache entries
+        ref = e.get("reference_tflops")
+        plain = f", plain {'x'.join(map(str, e['reference_shape']))} {ref:.4g}" if ref else ""
         print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s max, "
-              f"{median:.4g} median over {len(e['shapes'])} shapes (best shape {e['best_shape']}) "
+              f"{median:.4g} median over {len(e['shapes'])} shapes (best shape {e['best_shape']}{plain}) "
               f"{_origin(cached, e)} -> {path}")
     for name, seq in workloads:
         for dt in csv_list(args.dtype):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -104,12 +105,52 @@ def test_matmul_lookup_ignores_entries_with_a_kind(tmp_path):
     assert calibrate.lookup("cpu", "fp32", 2, cache) is None
 
 
-def test_median_tflops(monkeypatch):
-    times = {8: 1e-6, 16: 4e-6, 32: 1e-4}  # TFLOP/s: 1.024e-3, 2.048e-3, 6.5536e-4; all under MAX_REP_S
-    monkeypatch.setattr(calibrate, "_time_matmul", lambda a, b, cuda, min_time_s: times[a.shape[0]])
-    out = calibrate.measure("cpu", "fp32", shapes=[(8, 8, 8), (16, 16, 16), (32, 32, 32)])
-    assert out["tflops"] == pytest.approx(2.048e-3, rel=1e-9, abs=0)
-    assert out["median_tflops"] == pytest.approx(1.024e-3, rel=1e-9, abs=0)
+def _landscape(peak: tuple[int, int, int], top: float = 800.0):
+    """A synthetic TFLOP/s surface, single-peaked at ``peak`` (falls 1% per 256 off it on each axis)."""
+    def rate(shape):
+        return top * 0.99 ** (sum(abs(a - b) for a, b in zip(shape, peak)) / 256)
+    return rate
+
+
+def test_search_covers_the_grid_up_to_16384_then_climbs_to_an_off_grid_peak():
+    timed = []
+    rate = _landscape((4352, 8192, 3840))
+    out = calibrate.search(lambda s: timed.append(s) or rate(s), calibrate.GPU_PLAN, max_rep_s=1e9)
+    grid = {(m, n, k) for m in calibrate.GPU_PLAN.dims for n in calibrate.GPU_PLAN.dims for k in calibrate.GPU_PLAN.dims}
+    assert max(calibrate.GPU_PLAN.dims) >= 16384 and grid <= set(timed)
+    assert len(timed) == len(set(timed)), "a shape was timed twice"
+    # from the grid's best (4096, 8192, 4096): one 256 step up on m, one down on k
+    assert out["best_shape"] == [4352, 8192, 3840] and out["tflops"] == pytest.approx(800.0)
+    assert out["median_tflops"] == pytest.approx(statistics.median(rate(s) for s in timed))
+    assert len(out["shapes"]) == len(timed)
+
+
+def test_search_stops_climbing_after_its_budget():
+    plan = calibrate.SearchPlan(dims=(256, 8192), step=256, climbs=2, reference=(256, 256, 256), warm_s=0, repeats=1)
+    out = calibrate.search(_landscape((4096, 256, 256)), plan, max_rep_s=1e9)
+    assert out["best_shape"] == [768, 256, 256]  # two climbs from 256 along m, not the far peak
+
+
+def test_search_skips_shapes_too_slow_at_the_best_rate_so_far():
+    plan = calibrate.SearchPlan(dims=(8, 16, 32), step=8, climbs=0, reference=(8, 8, 8), warm_s=0, repeats=1)
+    timed = []
+    # 1 GFLOP/s: a 32x32x32 product (65536 flop) takes 65.5 us; allow 40 us.
+    calibrate.search(lambda s: timed.append(s) or 1e-3, plan, max_rep_s=40e-6)
+    assert all(calibrate.flops(s) <= 40e-6 * 1e9 for s in timed[1:]) and (32, 32, 32) not in timed
+    assert (16, 16, 16) in timed
+
+
+def test_measure_reports_max_median_best_shape_and_the_reference_square(monkeypatch):
+    # Seconds per product by m: TFLOP/s of the (m, m, m) squares are 1.024e-3, 2.048e-3 and 6.5536e-4.
+    times = {8: 1e-6, 16: 4e-6, 32: 1e-4}
+    monkeypatch.setattr(calibrate, "_time_matmul", lambda a, b, cuda, min_time_s, repeats: times[a.shape[0]] *
+                        (a.shape[1] * b.shape[1]) / a.shape[0] ** 2)
+    plan = calibrate.SearchPlan(dims=(8, 16, 32), step=8, climbs=0, reference=(16, 16, 16), warm_s=0, repeats=1)
+    out = calibrate.measure("cpu", "fp32", plan=plan)
+    assert out["tflops"] == pytest.approx(2.048e-3, rel=1e-9, abs=0) and out["best_shape"][0] == 16
+    assert out["reference_shape"] == [16, 16, 16] and out["reference_tflops"] == pytest.approx(2.048e-3, rel=1e-9)
+    assert out["median_tflops"] == pytest.approx(statistics.median(s["tflops"] for s in out["shapes"]))
+    assert len(out["shapes"]) == 27 and out["search"]["dims"] == [8, 16, 32]
 
 
 @pytest.mark.parametrize("args,message", [
