@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 2-5 in one pass on a single GPU (run on a lent H200; ~5 minutes).
+# The GPU checks of issues 2-5 and 14 in one pass on a single GPU (run on a lent H200; ~5 minutes).
 #   bash scripts/gpu_checks.sh OUTDIR
 # Writes each phase's run directory under OUTDIR/runs and copies what matters to OUTDIR.
 set -uo pipefail
@@ -14,6 +14,17 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 command -v nsys || echo "nsys: not on PATH"
 # Issue 2: measured matmul peaks (calibrated MFU) for every compute dtype.
 $H calibrate --device cuda --dtype fp32,tf32,bf16,fp16
+# Issue 14: the MAMF-grade search's peak per dtype against the plain 8192^3 product timed in the
+# same run (bf16 must reach >= 0.95 of it).
+python3 - "$HARNESS_CALIBRATION" <<'PY' | tee "$OUT/matmul-peak-check.txt"
+import json, sys
+for e in json.load(open(sys.argv[1])).values():
+    fp = e.get("fingerprint", {})
+    if e.get("kind", "matmul") == "matmul" and e.get("reference_tflops"):
+        ratio = e["tflops"] / e["reference_tflops"]
+        print(f"{fp['dtype']}: search max {e['tflops']:.1f} TFLOP/s at {e['best_shape']}, median {e['median_tflops']:.1f}, "
+              f"plain {e['reference_shape']} {e['reference_tflops']:.1f}: ratio {ratio:.3f}")
+PY
 # Issue 2: single cells small..xl in fp32 and bf16 (medium and large come with the precision run).
 $H bench $COMMON --strategies single --sizes small,xl --precision bf16,fp32 --out "$R/sizes"
 cp "$R/sizes/summary.md" "$OUT/summary-sizes.md"
