@@ -18,12 +18,17 @@ from harness.cli.args import (
     spec_from_args,
 )
 from harness.errors import UsageError
+from harness.fit.whatif import load_fit_records, with_measured_peaks
 from harness.model.hardware import get_device
 from harness.model.whatif import plan_at_scale, scenario
 from harness.plan import expand
 from harness.report.model_error import model_error
 from harness.report.plan_text import plan_table
 from harness.report.whatif_text import BANNER, assumptions_lines, error_line, whatif_table
+from workloads.sizes import get_size
+
+FIT_BANNER = ("PREDICTIONS from the analytic model (harness/model), except peak memory where `harness fit` measured "
+              "it (--fit-from; noted per row): nothing here ran on the named hardware.")
 
 ERROR_FROM = Path("results/reference/model-cpu-w2-w4")
 
@@ -37,6 +42,9 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--error-from", type=Path, default=None,
                    help="run directory whose records carry predictions, for the model's measured error "
                         "(default results/reference/model-cpu-w2-w4)")
+    g.add_argument("--fit-from", type=Path, default=None,
+                   help="harness fit run directory: its measured peaks replace the predicted ones where a record "
+                        "matches (size, strategy, N, precision, global batch)")
 
 
 def cmd_plan_whatif(args: argparse.Namespace) -> int:
@@ -64,12 +72,17 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
     for size, prec, gpus in sections:  # every value is checked before anything is printed
         scenario(size, device, gpus, prec, **opts)
     run_dir = args.error_from or ERROR_FROM
-    print(BANNER)
+    fit_records = load_fit_records(args.fit_from) if args.fit_from else None
+    print(BANNER if fit_records is None else FIT_BANNER)
     for size, prec, gpus in sections:
         print()
         print("\n".join(assumptions_lines(scenario(size, device, gpus, prec, **opts))))
         print()
-        print(whatif_table(plan_at_scale(size, device, gpus, strategies, prec, **opts)))
+        rows = plan_at_scale(size, device, gpus, strategies, prec, **opts)
+        if fit_records is not None:
+            rows = with_measured_peaks(rows, fit_records, size, prec, opts["seq_len"] or get_size(size).seq_len,
+                                       device.hbm_gib, args.fit_from)
+        print(whatif_table(rows))
     print()
     print(error_line(model_error(run_dir), run_dir))
     return 0
@@ -78,7 +91,7 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     if merged(args).get("device", "auto") not in RUN_DEVICES:
         return cmd_plan_whatif(args)
-    for flag in ("recompute", "efficiency", "error_from"):
+    for flag in ("recompute", "efficiency", "error_from", "fit_from"):
         if getattr(args, flag, None) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
                              f"(or h100-pcie, h200, a100)")

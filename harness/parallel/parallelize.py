@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from harness.parallel.data_parallel import apply_ddp, apply_fsdp
-from harness.parallel.pipeline import Pipeline, build_pipeline, build_stage_module, stage_ids
+from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module, stage_ids
 from harness.parallel.presets import Layout, stages_per_rank
 from harness.parallel.tp import apply_tp
 
@@ -44,7 +44,9 @@ class Parallelized:
 
 def parallelize(model: nn.Module, layout: Layout, device: torch.device, precision,
                 pp_schedule: str = "1f1b", microbatches: int = 1, loss_fn=None, ddp_comm_hook=None,
-                ddp_comm_state=None) -> Parallelized:
+                ddp_comm_state=None, stage_shapes: StageShapes | None = None) -> Parallelized:
+    """Apply the layout's strategies to ``model`` in the order above (``stage_shapes``: static
+    pipeline stages, see :class:`harness.parallel.pipeline.StageShapes`)."""
     dims = layout.dims
     device_kind = device.type
     # 1. pipeline split
@@ -69,6 +71,7 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
     elif dp == "ddp":
         wrapped = apply_ddp(parts[0], dims.mesh("dp_replicate"), device_kind, ddp_comm_hook, ddp_comm_state)
     if dims.pp_enabled:
-        pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn)
+        pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn,
+                              stage_shapes)
         return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp)
     return Parallelized(parts=[parts[0]], model=wrapped or parts[0], pipeline=None, data_parallel=dp)

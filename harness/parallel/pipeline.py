@@ -49,6 +49,54 @@ def build_stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module
     return part
 
 
+@dataclass(frozen=True)
+class StageShapes:
+    """What crosses a stage boundary, so stages need no metadata exchange (``harness fit``).
+
+    Under the fake backend every receive leaves its buffer as it was, so the schedule's
+    warm-up vote and shape inference (which send metadata between stages) would read zeros.
+    With these shapes each stage is built STATIC: its receive buffers come from them.
+    """
+
+    rows: int
+    """Sequences per microbatch."""
+    seq_len: int
+    d_model: int
+    vocab_size: int
+    hidden_dtype: torch.dtype
+    """Dtype of the hidden state between stages: FSDP's low-precision ``param_dtype``, else fp32."""
+    logits_dtype: torch.dtype
+    """Dtype of the last stage's output: the autocast dtype, else fp32."""
+
+    def io(self, stage: int, n_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Meta tensors of one stage's input and output."""
+        # requires_grad: a stage's received input gets a gradient to send back, its output one to receive
+        hidden = torch.empty(self.rows, self.seq_len, self.d_model, dtype=self.hidden_dtype, device="meta",
+                             requires_grad=True)
+        tokens = torch.empty(self.rows, self.seq_len, dtype=torch.long, device="meta")
+        logits = torch.empty(self.rows, self.seq_len, self.vocab_size, dtype=self.logits_dtype, device="meta")
+        return (tokens if stage == 0 else hidden), (logits if stage == n_stages - 1 else hidden)
+
+
+class _StaticStage(PipelineStage):
+    """A stage whose shapes were given: it skips the warm-up vote, whose answer it knows (STATIC).
+
+    The vote is a point-to-point exchange (torch 2.13 ``PipelineStage._warmup_forward_vote``)
+    that a fake process group answers with zeros, i.e. "infer shapes at runtime".
+    """
+
+    def _static_vote(self) -> torch.Tensor:
+        # torch.tensor (not torch.ones): under ``harness fit``'s FakeTensorMode it stays a constant
+        # the schedule can read with ``.item()``.
+        return torch.tensor([1], dtype=torch.int32, device=self.device)
+
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
+        return self._static_vote()
+
+    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        return self._static_vote()
+
+
 @dataclass
 class Pipeline:
     schedule: object
@@ -72,16 +120,20 @@ class Pipeline:
 
 
 def build_pipeline(stage_modules: dict[int, nn.Module], n_stages: int, pp_group, device, schedule: str,
-                   microbatches: int, loss_fn) -> Pipeline:
+                   microbatches: int, loss_fn, shapes: StageShapes | None = None) -> Pipeline:
     """Wrap this rank's stage modules in ``PipelineStage`` and a schedule.
 
     ``scale_grads=True`` divides gradients by the microbatch count, so the update equals the
-    one from the mean loss over the whole batch (numerical parity with one device).
+    one from the mean loss over the whole batch (numerical parity with one device). With
+    ``shapes`` the stages are static (no metadata exchange; see :class:`StageShapes`).
     """
-    stages = [
-        PipelineStage(mod, stage_index=sid, num_stages=n_stages, device=device, group=pp_group)
-        for sid, mod in sorted(stage_modules.items())
-    ]
+    if shapes is None:
+        stages = [PipelineStage(mod, stage_index=sid, num_stages=n_stages, device=device, group=pp_group)
+                  for sid, mod in sorted(stage_modules.items())]
+    else:
+        stages = [_StaticStage(mod, stage_index=sid, num_stages=n_stages, device=device, group=pp_group,
+                               input_args=shapes.io(sid, n_stages)[0], output_args=shapes.io(sid, n_stages)[1])
+                  for sid, mod in sorted(stage_modules.items())]
     if schedule == "interleaved1f1b":
         sched = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     else:

@@ -21,8 +21,8 @@ FRAME_COLUMNS = [
     "lr_rule", "status", "error", "tokens_per_s", "tokens_per_s_per_device",
     "step_time_median_s", "step_time_cv", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
     "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
-    "parity_max_rel_diff", "final_loss", "target_loss", "steps_to_target", "time_to_target_s",
-    "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
+    "parity_max_rel_diff", "parity_ok", "parity_reason", "final_loss", "target_loss", "steps_to_target",
+    "time_to_target_s", "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
     "mfu_reason", "attempts",
 ]
 
@@ -70,6 +70,7 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
         "comm_mib_per_step": num(m.get("comm_bytes_per_step")) / MIB,
         "overlap_pct": num(get(m, "trace", "overlap_pct")),
         "parity_max_rel_diff": num(m.get("parity_max_rel_diff")),
+        "parity_ok": get(m, "parity", "ok"), "parity_reason": get(m, "parity", "reason"),
         "final_loss": num(m.get("final_loss")), "target_loss": num(m.get("target_loss")),
         "steps_to_target": num(m.get("steps_to_target")),
         "time_to_target_s": num(m.get("time_to_target_s")),

@@ -206,11 +206,13 @@ def _outcome_table(df: pd.DataFrame) -> str:
 
 
 def _flags(df: pd.DataFrame) -> list[str]:
-    """Notes: cells run more than once, unstable timing per cell, and MFU that could not be computed honestly."""
+    """Notes: cells run more than once, unstable timing, failed parity, and MFU that could not be computed honestly."""
     flags = [f"- `{row['cell_id']}`: {row['attempts']:.0f} attempts; the tables show the latest ({row['status']})"
              for _, row in df.iterrows() if row["attempts"] > 1]
     flags += [f"- `{row['cell_id']}`: {text(row['unstable_reason'])}"
               for _, row in df.iterrows() if text(row["unstable_reason"])]
+    flags += [f"- `{row['cell_id']}`: **parity failed**: {text(row['parity_reason'])}"
+              for _, row in df.iterrows() if row["parity_ok"] is False]
     no_mfu = df[(df["status"] == "ok") & df["mfu_pct"].isna()]
     reasons = no_mfu["mfu_reason"].map(text)
     for reason, group in no_mfu.groupby(reasons, sort=False):

@@ -168,6 +168,14 @@ def test_footnotes_and_unstable_flag(records: list[dict[str, Any]]) -> None:
     assert "- MFU n/a for 4 cell(s): no datasheet peak for cpu" in md
     assert "nan" not in md
     assert "### Loss outcomes" not in md  # no loss outcome data in the tiny set
+    assert "parity failed" not in md
+
+
+def test_failed_parity_is_flagged_with_its_reason(records: list[dict[str, Any]]) -> None:
+    reason = "vs tiny-single: gradient norm after step 1 differs by 1.0e+00 > 1e-06"
+    records[1]["metrics"]["parity"] = {"ok": False, "reason": reason}
+    md = summary.summary_markdown(records)
+    assert f"- `tiny-ddp-fp32-w2-gb16-strong-constant`: **parity failed**: {reason}" in md
 
 
 def test_outcome_table() -> None:

@@ -1,0 +1,53 @@
+"""Fit every cell asked for, at a fixed micro-batch or the largest that fits (``--batch auto``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from harness.fit.cell import FitCell, fit_record, run_roles
+from harness.records.reader import append_record
+from harness.search import largest_passing
+
+RECORDS = "fit.jsonl"
+"""The run directory's fit records (kept apart from the sweep's ``records.jsonl``)."""
+AUTO_LIMIT = 4096
+"""The largest micro-batch ``--batch auto`` tries."""
+
+
+def fit_cell(cell: FitCell, out_dir: Path, run_id: str, steps: int, compute: str, device_mem_gib: float) -> dict:
+    outcomes = run_roles(cell, out_dir / "cells" / cell.cell_id, steps, compute)
+    return fit_record(run_id, cell, outcomes, device_mem_gib, steps, compute)
+
+
+def fit_auto(cell: FitCell, out_dir: Path, run_id: str, steps: int, compute: str, device_mem_gib: float) -> dict:
+    """The record at the largest micro-batch whose every role fits (the smallest tried when none does),
+    with ``metrics.batch_search`` listing each micro-batch tried and whether it fit."""
+    tried: dict[int, dict] = {}
+
+    def fits(mb: int) -> bool:
+        tried[mb] = fit_cell(replace(cell, micro_batch=mb), out_dir, run_id, steps, compute, device_mem_gib)
+        return bool(tried[mb]["metrics"]["fits"])
+
+    best = largest_passing(fits, start=1, limit=AUTO_LIMIT)
+    record = tried[best if best is not None else 1]
+    record["metrics"]["batch_search"] = {
+        "largest_fitting_micro_batch": best,
+        "tried": {str(mb): r["metrics"]["fits"] for mb, r in sorted(tried.items())},
+        "method": "doubling from 1, then bisection (harness/search.py)",
+    }
+    return record
+
+
+def fit_all(cells: list[FitCell], out_dir: Path, run_id: str, steps: int, compute: str, device_mem_gib: float,
+            auto: bool, progress=print) -> list[dict]:
+    """Fit each cell in turn, appending its record to ``out_dir/fit.jsonl`` as it lands."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for i, cell in enumerate(cells, 1):
+        progress(f"[{i}/{len(cells)}] {cell.cell_id}{' (batch auto)' if auto else ''}")
+        fn = fit_auto if auto else fit_cell
+        record = fn(cell, out_dir, run_id, steps, compute, device_mem_gib)
+        append_record(out_dir / RECORDS, record)
+        records.append(record)
+    return records

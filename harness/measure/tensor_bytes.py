@@ -1,0 +1,76 @@
+"""Peak bytes of live tensor storages: a device-independent memory measure for CPU ranks.
+
+On a CPU rank, peak RSS counts the Python interpreter, torch's libraries, the allocator's
+free lists and the pages a freed tensor leaves mapped, so it cannot tell a 1/64 shard from a
+1/32 one. This counts what the CUDA allocator's ``max_memory_allocated`` counts: the bytes of
+every tensor storage alive at once. A ``TorchDispatchMode`` sees each op's outputs (factory
+functions, collectives' output buffers and autograd's gradients included); each new storage is
+counted once (views share it; torch keeps one Python object per storage, so it is the key) until
+it is freed (a weak-reference callback). A DTensor counts as its local shard; the temporaries of
+DTensor's own redistributions run inside its dispatch and are not seen. Storages that
+exist before tracking starts (parameters, gradients, optimizer state) are registered with
+:meth:`TensorBytes.hold`. Allocations a backend makes in C++ without a tensor (gloo's scratch
+buffers) are not seen, on either side of a comparison. Under ``FakeTensorMode`` (entered before
+this mode) the same bookkeeping counts the bytes fake tensors would hold.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the storage this rank holds), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TensorBytes(TorchDispatchMode):
+    """``with TensorBytes() as tb: ...`` then ``tb.peak_bytes``; ``tb.reset_peak()`` restarts the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}
+        """id() of each tracked storage -> its bytes (an entry leaves when the storage is freed)."""
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count storages that already exist (parameters, their gradients, optimizer state)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _track(self, t: torch.Tensor) -> None:
+        t = _local(t)
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key, nbytes = id(storage), storage.nbytes()
+        if nbytes == 0 or key in self._live:
+            return
+        self._live[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]

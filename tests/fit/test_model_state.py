@@ -1,0 +1,52 @@
+"""``harness fit``'s model-state bytes per rank role equal the analytic model's exactly, at N = 8, 64, 512.
+
+The roles run on fake process groups (FakeTensorMode: shapes without arithmetic, one step, so
+the optimizer state exists); the model (harness/model/memory.py) never sees them. A cell the
+strategy's degrees cannot run at N is invalid for fit and the model alike (same planner check).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.errors import UsageError
+from harness.fit.cell import plan_fit_cell
+from harness.fit.roles import rank_roles
+from harness.model.memory import state_bytes_by_rank
+from tests.fit._fake import run_fake_roles
+
+STRATEGIES = ("fsdp", "zero2", "hsdp", "tp", "fsdp+tp", "pp", "pp+fsdp")
+WORLDS = (8, 64, 512)
+SEQ = 64
+
+
+def _cells(size: str):
+    valid, invalid = [], {}
+    for n in WORLDS:
+        for s in STRATEGIES:
+            try:
+                valid.append(plan_fit_cell(size, s, "fp32", n, 1, "cpu", seq_len=SEQ))
+            except UsageError as e:
+                invalid[(s, n)] = str(e)
+    return valid, invalid
+
+
+@pytest.mark.parametrize("size, expect_invalid", [
+    # tiny: 4 heads and 4 layers; mini: 8 heads and 6 layers (tp = N and pp = N are presets)
+    ("tiny", {("tp", 8), ("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}),
+    ("mini", {("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}),
+])
+def test_model_states_per_role_equal_the_model_exactly(size, expect_invalid, tmp_path):
+    cells, invalid = _cells(size)
+    assert set(invalid) == expect_invalid, invalid
+    results = run_fake_roles(cells, tmp_path, steps=1, compute="fake")
+    checked = 0
+    for cell in cells:
+        predicted = state_bytes_by_rank(cell.shape)
+        for role in rank_roles(cell.shape):
+            measured = results[(cell.cell_id, role.rank)]["model_state_bytes"]
+            for rank in role.ranks:  # every rank the role stands for holds what the model says
+                assert measured["total"] == predicted[rank].total, (cell.cell_id, role.name, rank)
+            assert measured == predicted[role.rank].as_dict(), (cell.cell_id, role.name)
+            checked += 1
+    assert checked >= len(cells)
