@@ -50,7 +50,7 @@ def fit_table(records: list[dict]) -> str:
     budget = {r["metrics"]["device_mem_gib"] for r in records}
     table = tabulate(rows, headers=["cell", "N", "degrees", "micro / global batch", "role", "ranks",
                                     "model states MiB", "model MiB", "peak GiB", "model peak GiB", "peak error",
-                                    f"fits {'/'.join(f'{b:.1f}' for b in sorted(budget))} GiB"],
+                                    f"fits {'/'.join(f'{b:.3g}' for b in sorted(budget))} GiB"],
                      tablefmt="github", disable_numparse=True)
     return table
 
