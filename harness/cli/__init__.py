@@ -1,4 +1,4 @@
-"""Command line: ``harness {bench,plan,fit,report,compare,gate,calibrate,workloads,trace,slurm}``.
+"""Command line: ``harness {bench,plan,fit,report,compare,diff,history,gate,calibrate,workloads,trace,slurm}``.
 
 One module per subcommand, each with a ``register(sub)``; the sweep flags they share are in
 :mod:`harness.cli.args`. Nothing in the harness imports this package: it is the top layer.
@@ -12,7 +12,7 @@ import argparse
 import signal
 import sys
 
-from harness.cli import bench, calibrate, compare, fit, gate, plan, report, slurm, trace
+from harness.cli import bench, calibrate, compare, diff, fit, gate, history, plan, report, slurm, trace
 from harness.cli.args import EXIT_USAGE, spec_from_args
 from harness.errors import UsageError
 from harness.jobs import Terminated
@@ -23,7 +23,7 @@ __all__ = ["build_parser", "main", "spec_from_args"]
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for module in (bench, plan, fit, report, compare, gate, calibrate, trace, slurm):
+    for module in (bench, plan, fit, report, compare, diff, history, gate, calibrate, trace, slurm):
         module.register(sub)
     return ap
 

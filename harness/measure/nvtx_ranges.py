@@ -1,7 +1,10 @@
 """NVTX ranges for the training loop, one domain ``harness`` with a category per phase.
 
 Phases: ``step`` (payload = step index), ``data``, ``forward``, ``backward``, ``optimizer``,
-``microbatch`` (pipeline microbatches) and ``window`` (the measured window).
+``microbatch`` (pipeline microbatches) and ``window`` (the measured window). Each step also gets
+a ``train_step_<n>`` range (``train_step``, category ``step``): step boundaries by message, which
+tools that split a timeline into iterations by range name (nsys ``nvtx_sum`` / ``--capture-range``
+by name, HTA-style iteration detection) recognise without reading payloads.
 
 Cost model (the reason for the shape of this class):
 
@@ -38,6 +41,9 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch.profiler import record_function
+
+from harness.measure.step_composition import PHASE_PREFIX
 
 try:
     import nvtx
@@ -48,6 +54,7 @@ else:
     _NVTX_IMPORT_ERROR = None
 
 DOMAIN_NAME = "harness"
+STEP_RANGE_PREFIX = "train_step_"
 PHASES: tuple[str, ...] = ("step", "data", "forward", "backward", "optimizer", "microbatch", "window")
 PHASE_COLORS: dict[str, int] = {
     # ARGB; distinct hues so phases read apart on the nsys timeline.
@@ -159,6 +166,29 @@ class _Range:
 
     def __enter__(self) -> _Range:
         self._handle = self._ranges.start(self._phase, self._payload)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._ranges.end(self._handle)
+
+
+class _StepRange:
+    """Context manager for one ``train_step_<n>`` range: its message is registered once per step."""
+
+    __slots__ = ("_ranges", "_step", "_handle")
+
+    def __init__(self, ranges: Ranges, step: int) -> None:
+        self._ranges = ranges
+        self._step = step
+        self._handle = 0
+
+    def __enter__(self) -> _StepRange:
+        self._handle = self._ranges.start_step(self._step)
         return self
 
     def __exit__(
@@ -284,6 +314,21 @@ class Ranges:
             return _NULL_RANGE
         return _Range(self, phase, payload)
 
+    def start_step(self, step: int) -> int:
+        """Start the process-wide ``train_step_<step>`` range; returns its handle for ``end``."""
+        if not self._live:
+            return 0
+        attrs = self._domain.get_event_attributes(
+            message=f"{STEP_RANGE_PREFIX}{step}", color=PHASE_COLORS["step"], category="step"
+        )
+        return self._domain.start_range(attrs)  # type: ignore[no-any-return]
+
+    def train_step(self, step: int) -> _StepRange | _NullRange:
+        """Context manager for the ``train_step_<step>`` range (beside the ``step`` phase range)."""
+        if not self._live:
+            return _NULL_RANGE
+        return _StepRange(self, step)
+
     def window_start(self) -> None:
         """Open the measured window: cudaProfilerStart (CUDA only), then a ``window`` range."""
         if not self._enabled:
@@ -301,6 +346,42 @@ class Ranges:
             self._window_handle = None
         if torch.cuda.is_available():
             torch.cuda.profiler.stop()
+
+
+class PhaseAnnotations:
+    """Wraps the NVTX ``Ranges`` of the step so profiled steps also carry ``harness:<phase>``
+    profiler annotations (``record_function``), which :func:`harness.measure.step_composition.compose_rank` reads.
+
+    Used only for the extra profiled steps after the measured window: timed steps never pay
+    for an annotation.
+    """
+
+    def __init__(self, ranges: Any) -> None:
+        self._ranges = ranges
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ranges, name)
+
+    def range(self, phase: str, payload: int | float | None = None) -> _Both:
+        return _Both(self._ranges.range(phase, payload), record_function(f"{PHASE_PREFIX}{phase}"))
+
+
+class _Both:
+    """Enters two context managers, leaves them in reverse order."""
+
+    __slots__ = ("_outer", "_inner")
+
+    def __init__(self, outer: Any, inner: Any) -> None:
+        self._outer, self._inner = outer, inner
+
+    def __enter__(self) -> _Both:
+        self._outer.__enter__()
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._inner.__exit__(*exc)
+        self._outer.__exit__(*exc)
 
 
 def range_overhead_ns(enabled: bool, n: int = 100_000) -> float:

@@ -1,8 +1,9 @@
 """The report: records -> frames -> summary.md, summary.csv, model.csv and plots.
 
 A leaf: nothing below it imports it back. The analysis modules (:mod:`~harness.report.frame`,
-:mod:`~harness.report.summary`, :mod:`~harness.report.model_error`) are pure; :func:`write_report`
-is the only function with side effects (files under the run directory).
+:mod:`~harness.report.summary`, :mod:`~harness.report.model_error`, :mod:`~harness.report.composition`,
+:mod:`~harness.report.html`) are pure; :func:`write_report` is the only function with side effects
+(files under the run directory, report.html among them: the tables and plots in one file).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from pathlib import Path
 from harness.records.atomic import write_text_atomic
 from harness.records.reader import load_records
 from harness.report.frame import cells_frame
+from harness.report.html import report_html
 from harness.report.model_error import model_frame
 from harness.report.summary import summary_markdown
 
 
 def write_report(run_dir: Path) -> str:
-    """Write summary.md, summary.csv and plots/*.png of ``run_dir`` from its records only.
+    """Write summary.md, summary.csv, plots/*.png and report.html of ``run_dir`` from its records only.
 
     Files are written atomically (temp file + os.replace). Returns the markdown.
     """
@@ -32,5 +34,7 @@ def write_report(run_dir: Path) -> str:
     model = model_frame(records)
     if not model.empty:
         write_text_atomic(run_dir / "model.csv", model.to_csv(index=False))
-    write_plots(df, run_dir / "plots", records=records)
+    written = write_plots(df, run_dir / "plots", records=records)
+    title = f"Benchmark report: {run_dir.name}"
+    write_text_atomic(run_dir / "report.html", report_html(records, {p.name: p.read_bytes() for p in written}, title))
     return markdown

@@ -19,7 +19,7 @@ from harness.units import MIB
 FRAME_COLUMNS = [
     "cell_id", "size", "strategy", "precision", "world_size", "global_batch", "scaling",
     "lr_rule", "status", "error", "tokens_per_s", "tokens_per_s_per_device",
-    "step_time_median_s", "step_time_cv", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
+    "step_time_median_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
     "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
     "parity_max_rel_diff", "parity_ok", "parity_reason", "final_loss", "target_loss", "steps_to_target",
     "time_to_target_s", "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
@@ -61,6 +61,8 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": num(m.get("tokens_per_s_per_device")),
         "step_time_median_s": num(get(m, "step_time_s", "median")),
+        "step_time_p10_s": num(get(m, "step_time_s", "p10")),
+        "step_time_p90_s": num(get(m, "step_time_s", "p90")),
         "step_time_cv": num(get(m, "step_time_s", "cv")),
         "tflops_per_device": num(m.get("tflops_per_device")),
         "mfu_pct": num(m.get("mfu_pct")),
@@ -126,3 +128,19 @@ def device_title(df: pd.DataFrame) -> str:
         if label not in names:
             names.append(label)
     return ", ".join(names) if names else "unknown"
+
+
+def memory_rank_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """One row per (ok cell, rank): ``peak_mem_gib`` of the rank, ``kind`` (cuda_allocated / rss) and
+    ``capacity_gib`` (device memory, from ``mem_capacity_pct``; NaN on CPU, where ranks share host RAM)."""
+    rows = []
+    for r in latest_per_cell(list(records))[0]:
+        m = r.get("metrics") or {}
+        per_rank = m.get("peak_mem_gib_per_rank")
+        if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not per_rank:
+            continue
+        pct, peak = num(m.get("mem_capacity_pct")), num(m.get("peak_mem_gib"))
+        capacity = peak / pct * 100.0 if pct > 0 else math.nan
+        rows += [{"cell_id": r.get("cell_id"), "rank": rank, "peak_mem_gib": num(v), "kind": m.get("peak_mem_kind"),
+                  "capacity_gib": capacity} for rank, v in enumerate(per_rank)]
+    return pd.DataFrame(rows, columns=["cell_id", "rank", "peak_mem_gib", "kind", "capacity_gib"])

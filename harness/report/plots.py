@@ -22,12 +22,21 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from harness.records.atomic import write_bytes_atomic  # noqa: E402
 from harness.records.reader import latest_per_cell  # noqa: E402
-from harness.report.frame import device_title  # noqa: E402
+from harness.report import figures  # noqa: E402
+from harness.report.composition import composition_frame  # noqa: E402
+from harness.report.frame import device_title, memory_rank_frame  # noqa: E402
+from harness.report.model_error import model_frame  # noqa: E402
 
 THROUGHPUT_PNG = "throughput_tokens_per_s_per_device.png"
 PEAK_MEM_PNG = "peak_mem_gib.png"
 SCALING_PNG = "scaling_efficiency.png"
 LOSS_PNG = "loss_by_lr_rule.png"
+THROUGHPUT_SPREAD_PNG = "throughput_p10_p90.png"
+COMPOSITION_PNG = "step_composition.png"
+PREDICTED_PNG = "predicted_vs_measured_step_time.png"
+MEMORY_RANKS_PNG = "memory_per_rank.png"
+SCALING_CURVES_PNG = "scaling_curves.png"
+HISTORY_PNG = "history.png"
 
 
 def _ok(df: pd.DataFrame, key: str) -> pd.DataFrame:
@@ -152,6 +161,11 @@ def write_plots(
         (PEAK_MEM_PNG, lambda: peak_mem_figure(df)),
         (SCALING_PNG, lambda: scaling_figure(df)),
         (LOSS_PNG, lambda: loss_figure(df, records or [])),
+        (THROUGHPUT_SPREAD_PNG, lambda: figures.throughput_errorbar_figure(df)),
+        (COMPOSITION_PNG, lambda: figures.composition_figure(composition_frame(records or []))),
+        (PREDICTED_PNG, lambda: figures.predicted_vs_measured_figure(model_frame(records or []))),
+        (MEMORY_RANKS_PNG, lambda: figures.memory_figure(memory_rank_frame(records or []))),
+        (SCALING_CURVES_PNG, lambda: figures.scaling_curves_figure(df)),
     ]
     written = []
     for name, build in builders:
@@ -159,3 +173,9 @@ def write_plots(
         if fig is not None:
             written.append(_save(fig, Path(out_dir) / name))
     return written
+
+
+def save_history_plot(frame: pd.DataFrame, changes: pd.DataFrame, path: Path) -> Path | None:
+    """history.png of ``harness history`` (:func:`harness.report.figures.history_figure`), if it has data."""
+    fig = figures.history_figure(frame, changes)
+    return _save(fig, Path(path)) if fig is not None else None

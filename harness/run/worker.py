@@ -20,14 +20,15 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from harness.measure import gns
 from harness.measure.comm import CommCounter
 from harness.measure.memory import model_state_bytes, peak_memory, reset_peak
 from harness.measure.monitor import make_monitor
-from harness.measure.nvtx_ranges import Ranges
+from harness.measure.nvtx_ranges import PhaseAnnotations, Ranges
 from harness.measure.probe import tensor_sq_norms
+from harness.measure.step_composition import PHASE_PREFIX, composition
 from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_traces
 from harness.parallel.parallelize import parallelize
@@ -141,7 +142,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
         x, y = batch(step)
         lr = _lr(cfg, step)
         scale = ctx.scaler.get_scale() if ctx.scaler is not None else 1.0
-        with ranges.range("step", payload=step):
+        with ranges.range("step", payload=step), ranges.train_step(step):
             timer.start()
             loss, was_skipped = train.train_step(ctx, x, y, lr)
             times.append(timer.stop())
@@ -226,8 +227,12 @@ def _profile(cfg: CellConfig, ctx, batch, first_step: int, out_dir: Path, rank: 
         if active else None
     if prof is not None:
         prof.start()
+    # harness:<phase> profiler annotations in these steps only: the step composition reads them.
+    annotated = replace(ctx, ranges=PhaseAnnotations(ctx.ranges))
     for i in range(PROFILE_STEPS):
-        train.train_step(ctx, *batch(first_step + i), _lr(cfg, first_step + i))
+        with record_function(f"{PHASE_PREFIX}data"):
+            x, y = batch(first_step + i)
+        train.train_step(annotated, x, y, _lr(cfg, first_step + i))
         if prof is not None:
             prof.step()
     if prof is not None:
@@ -243,6 +248,8 @@ def _analyse_traces(gathered: list[dict], out_dir: Path) -> dict | None:
         return None
     df, agg = analyse_traces(traces)
     df.to_csv(out_dir / "trace_ranks.csv", index=False)
+    if agg["steps"]:  # else agg["reason"] says why there is no per-step split
+        agg.update(composition(traces))
     return agg
 
 
