@@ -21,6 +21,8 @@ CELL ?=
 BASE ?=
 CAND ?=
 ARGS ?=
+# make mutate: mutmut's parallel children (the machine is shared; each child is one pytest process).
+MUTATE_JOBS ?= 2
 
 bench_args = --gpus $(GPUS) \
 	$(if $(SIZES),--sizes $(SIZES)) $(if $(STRATEGIES),--strategies $(STRATEGIES)) \
@@ -29,7 +31,7 @@ bench_args = --gpus $(GPUS) \
 	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) \
 	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
 
-.PHONY: setup lint test bench plan trace compare gate report bench-ci workloads clean
+.PHONY: setup lint test bench plan trace compare gate report bench-ci workloads mutate clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,5 +78,15 @@ bench-ci: setup
 workloads: setup
 	$(BIN)/harness workloads
 
+# Mutation testing of the pure core with the unit tests (docs/mutation.md); not part of CI.
+# mutmut comes from the `mutate` extra, installed on first use; mutants/ is its git-ignored work copy,
+# started afresh so the score is of this checkout's tests.
+mutate: setup
+	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install --quiet -e ".[dev,mutate]"
+	rm -rf mutants
+	$(BIN)/mutmut run --max-children $(MUTATE_JOBS)
+	$(BIN)/mutmut results
+	$(BIN)/python scripts/mutation_score.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks
+	rm -rf $(VENV) .pytest_cache .benchmarks mutants

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
+import psutil
 import pytest
 import torch
 
@@ -49,7 +51,18 @@ def interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
     return out
 
 
+def bench_threads(environ=os.environ) -> int:
+    """Intra-op threads for a benchmark: ``OMP_NUM_THREADS`` when the caller set it (the A/B gate
+    runs one thread per process), else one per physical core (hyperthreads share a core's FPUs)."""
+    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"])
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_per_core():
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    """Every benchmark starts at the same thread count, whatever an earlier test in the process set."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(bench_threads())
     yield
+    torch.set_num_threads(before)

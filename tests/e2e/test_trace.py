@@ -1,4 +1,8 @@
-"""`harness trace` without nsys: one notice line, then torch.profiler traces and their analysis."""
+"""`harness trace`: Nsight Systems reports per rank on CUDA with nsys, torch.profiler traces otherwise.
+
+On CPU ranks nsys is never used (it traces CUDA), so the fallback test runs whether nsys is installed
+or not; the nsys test needs both nsys and a CUDA GPU and says which is missing when it skips.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.measure.nsys import nsys_available
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
+NSYS = nsys_available()
 
 
-@pytest.mark.skipif(nsys_available() is not None, reason="this machine has nsys: the fallback is not taken")
-def test_trace_without_nsys_says_so_and_leaves_profiler_traces(tmp_path):
+def test_trace_on_cpu_says_so_and_leaves_profiler_traces(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
     env.update(PYTHONPATH=str(REPO), HARNESS_FORCE_CPU="1", HARNESS_CALIBRATION=str(tmp_path / "cal.json"))
     cell = "tiny-ddp-fp32-w2-gb4-strong"
@@ -35,3 +40,23 @@ def test_trace_without_nsys_says_so_and_leaves_profiler_traces(tmp_path):
     assert trace["ranks"] == 2 and trace["comm_s"] > 0 and trace["compute_s"] > 0
     assert 0 <= trace["overlap_pct"] <= 100
     assert rec["metrics"]["monitor"]["sampler"] == "host" and rec["metrics"]["monitor"]["peak_rss_mib"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NSYS is None or not torch.cuda.is_available(),
+                    reason=f"n/a: needs nsys and a CUDA GPU (nsys: {NSYS or 'not on PATH, /opt/nvidia or /usr/local/cuda'}; "
+                           f"CUDA: {'yes' if torch.cuda.is_available() else 'no'})")
+def test_trace_with_nsys_writes_a_report_per_rank_and_its_stats(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
+    env.update(PYTHONPATH=str(REPO), HARNESS_CALIBRATION=str(tmp_path / "cal.json"))
+    r = subprocess.run([sys.executable, "-m", "harness", "trace", "--device", "cuda", "--gpus", "1", "--sizes", "tiny",
+                        "--strategies", "single", "--precision", "bf16", "--batch", "4", "--steps", "3", "--warmup", "1",
+                        "--out", str(tmp_path / "run")], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "nsys per rank" in r.stdout and not any(l.startswith("n/a: Nsight Systems") for l in r.stdout.splitlines())
+    reports = sorted((tmp_path / "run" / "cells").glob("*/nsys/*.nsys-rep"))
+    assert [p.name for p in reports] == ["0.nsys-rep"], r.stdout
+    kernels = reports[0].parent / "0_cuda_gpu_kern_sum.csv"
+    assert kernels.is_file() and kernels.stat().st_size > 0, sorted(p.name for p in reports[0].parent.iterdir())
+    rec = json.loads((tmp_path / "run" / "records.jsonl").read_text().splitlines()[-1])
+    assert rec["status"] == "ok" and rec["env"]["device_kind"] == "cuda"

@@ -106,13 +106,83 @@ def test_gpu_two_ranks_aggregate_exact() -> None:
 # ---- CPU gloo fixture: a real trace ----------------------------------------------------------
 
 
-def test_cpu_gloo_traces() -> None:
+# Independent of the analyser: the fixture's events read straight from the JSON, a brute-force
+# containment test instead of the call-stack mask, a boundary sweep instead of merged intervals.
+_FIXTURE_COMM = {"gloo:all_reduce", "c10d::allreduce_"}  # every collective the 2-rank DDP fixture ran
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    points = sorted([(s, 1) for s, e in intervals if e > s] + [(e, -1) for s, e in intervals if e > s],
+                    key=lambda p: (p[0], -p[1]))
+    depth, total, opened = 0, 0.0, 0.0
+    for x, step in points:
+        if depth == 0 and step == 1:
+            opened = x
+        depth += step
+        if depth == 0:
+            total += x - opened
+    return total
+
+
+def _pairwise_overlaps(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    return [(max(s1, s2), min(e1, e2)) for s1, e1 in a for s2, e2 in b if min(e1, e2) > max(s1, s2)]
+
+
+def _by_hand(path: Path) -> dict:
+    with gzip.open(path, "rt") as fh:
+        events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+    comm = [e for e in events if e["name"] in _FIXTURE_COMM]
+    aten = [e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")]
+
+    def nested(e: dict) -> bool:  # inside another aten or comm op of the same thread
+        return any(f is not e and f["tid"] == e["tid"] and f["ts"] <= e["ts"] and e["ts"] + e["dur"] <= f["ts"] + f["dur"]
+                   and (f["ts"], -f["dur"]) < (e["ts"], -e["dur"]) for f in comm + aten)
+
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in aten if not nested(e)]
+    comms = [(e["ts"], e["ts"] + e["dur"]) for e in comm]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    window = (min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps))
+    busy = _union_us(_pairwise_overlaps(compute + comms, [window]))
+    return {
+        "compute_s": _union_us(compute) / 1e6,
+        "comm_s": _union_us(comms) / 1e6,
+        "overlap_s": _union_us(_pairwise_overlaps(compute, comms)) / 1e6,
+        "window_s": (window[1] - window[0]) / 1e6,
+        "idle_pct": 100 * (1 - busy / (window[1] - window[0])),
+        "step_time_s": {int(e["name"].split("#")[1]): e["dur"] / 1e6 for e in steps},
+    }
+
+
+def test_cpu_gloo_traces_exact() -> None:
+    """Every number of the analysis of the committed 2-rank gloo traces, recomputed from the JSON."""
     table, agg = analyse_traces(CPU)
-    assert agg["source"] == "cpu-ops" and agg["ranks"] == 2 and agg["steps"] == 2
-    assert agg["compute_s"] > 0 and agg["comm_s"] > 0
-    assert 0 <= agg["overlap_pct"] <= 100 and 0 <= agg["idle_pct"] <= 100
-    assert agg["rank_skew_s"] >= 0
-    assert (table["comm_s"] > 0).all() and (table["steps"] == 2).all()
+    hand = {rank: _by_hand(path) for rank, path in CPU.items()}
+    # Pinned as well, so the analyser and the hand count cannot drift together: rank 0 then rank 1.
+    assert [h["compute_s"] for h in hand.values()] == pytest.approx([0.1603072880859375, 0.1089973203125], rel=1e-12)
+    assert [h["comm_s"] for h in hand.values()] == pytest.approx([0.0175007587890625, 0.054024291015625], rel=1e-12)
+    assert [h["step_time_s"] for h in hand.values()] == [{2: 0.1075561, 3: 0.074833527},
+                                                        {2: pytest.approx(0.107052295), 3: 0.067983298}]
+    for rank, h in hand.items():
+        row = table[table["rank"] == rank].iloc[0]
+        assert row["compute_s"] == pytest.approx(h["compute_s"], rel=1e-12)
+        assert row["comm_s"] == pytest.approx(h["comm_s"], rel=1e-12)
+        assert row["overlap_s"] == pytest.approx(h["overlap_s"], abs=1e-12)
+        assert row["window_s"] == pytest.approx(h["window_s"], rel=1e-12)
+        assert row["idle_pct"] == pytest.approx(h["idle_pct"], rel=1e-9)
+        assert row["steps"] == 2
+        assert row["compute_s_per_step"] == pytest.approx(h["compute_s"] / 2, rel=1e-12)
+        assert row["comm_s_per_step"] == pytest.approx(h["comm_s"] / 2, rel=1e-12)
+        assert row["overlap_pct"] == pytest.approx(100 * h["overlap_s"] / h["comm_s"], abs=1e-9)
+    # The main thread waits in c10d::allreduce_ while gloo's thread works: no compute overlaps it.
+    assert agg["overlap_pct"] == 0.0
+    assert agg["compute_s"] == pytest.approx((hand[0]["compute_s"] + hand[1]["compute_s"]) / 4, rel=1e-12)
+    assert agg["comm_s"] == pytest.approx((hand[0]["comm_s"] + hand[1]["comm_s"]) / 4, rel=1e-12)
+    assert agg["idle_pct"] == pytest.approx((hand[0]["idle_pct"] + hand[1]["idle_pct"]) / 2, rel=1e-9)
+    assert agg["idle_pct"] == pytest.approx(4.726673248927783, rel=1e-9)
+    # Skew: mean over steps 2 and 3 of (slowest - fastest rank).
+    skew = ((0.1075561 - 0.107052295) + (0.074833527 - 0.067983298)) / 2
+    assert agg["rank_skew_s"] == pytest.approx(skew, rel=1e-9)
+    assert (agg["ranks"], agg["steps"], agg["source"], agg["reason"]) == (2, 2, "cpu-ops", None)
 
 
 def test_cpu_classification_outermost_aten_only() -> None:

@@ -68,3 +68,45 @@ def test_entropy_floor_matches_empirical_conditional_entropy():
     nll = -np.log(p[x.numpy().ravel(), y.numpy().ravel()]).mean()
     assert nll == pytest.approx(d.entropy_floor, rel=0.05)
     assert math.isfinite(d.uniform_loss)
+
+
+def test_uniform_loss_is_ln_vocab_and_what_a_know_nothing_model_scores():
+    for vocab in (256, 1000, 50304):
+        assert MarkovData(vocab, 8).uniform_loss == math.log(vocab)
+    d = MarkovData(256, 16, seed=2)
+    _, y = d.batch(0, 4)
+    flat_logits = torch.zeros(y.numel(), 256)  # every token equally likely
+    loss = torch.nn.functional.cross_entropy(flat_logits, y.reshape(-1)).item()
+    assert loss == pytest.approx(d.uniform_loss, rel=1e-6)
+    assert d.uniform_loss == pytest.approx(5.545177444479562, rel=1e-15)
+
+
+def test_tiny_size_counts_and_flops_by_hand():
+    """tiny: L 4, d 128, V 256, S 128; per layer 12 d^2 + 13 d (4 projections with bias, MLP 4d with bias,
+    two LayerNorms); N = L (12 d^2 + 13 d) + 2 d (final norm) + d V (untied head)."""
+    s = get_size("tiny")
+    assert (s.head_dim, s.d_ff) == (32, 512)
+    assert s.params_per_layer == 12 * 128**2 + 13 * 128 == 198_272
+    assert s.params_embedding == 256 * 128 + 128 * 128 == 49_152
+    assert s.params_nonembedding == 4 * 198_272 + 2 * 128 + 128 * 256 == 826_112
+    assert s.params == 826_112 + 49_152 == 875_264
+    assert s.flops_per_token() == 6 * 826_112 + 12 * 4 * 128 * 128 == 5_743_104
+    assert s.flops_per_token_megatron() == 6 * 826_112 + 6 * 4 * 128 * 128 == 5_349_888
+    assert s.flops_per_token(seq_len=64) == 6 * 826_112 + 12 * 4 * 128 * 64 == 5_349_888
+    assert s.flops_per_token_megatron(seq_len=64) == 6 * 826_112 + 6 * 4 * 128 * 64 == 5_153_280
+    assert s.as_dict() == {
+        "name": "tiny", "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128, "vocab_size": 256,
+        "params": 875_264, "params_nonembedding": 826_112,
+        "flops_per_token": 5_743_104, "flops_per_token_megatron": 5_349_888,
+    }
+
+
+def test_gpu_sizes_match_the_recorded_workloads():
+    # As the H200 records of results/gpu carry them (workload.*), and GPT-2/3 shapes.
+    small = get_size("small")
+    assert (small.n_layers, small.d_model, small.n_heads, small.seq_len, small.vocab_size) == (12, 768, 12, 1024, 50304)
+    assert (small.params, small.params_nonembedding, small.flops_per_token()) == (163_109_376, 123_689_472, 855_383_040)
+    assert small.flops_per_token_megatron() == 798_759_936
+    assert [(get_size(n).n_layers, get_size(n).d_model, get_size(n).n_heads) for n in ("medium", "large", "xl")] == [
+        (24, 1024, 16), (24, 1536, 16), (24, 2048, 16)]
+    assert [n for n in SIZES if SIZES[n].device_kind == "cpu"] == ["tiny", "mini"]

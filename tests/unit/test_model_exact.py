@@ -1,0 +1,217 @@
+"""The memory and communication model on `tiny`, every term worked out by hand (harness/model/memory.py, comm.py).
+
+tiny: L 4 layers, d 128, V 256, S 128, 875,264 parameters in 69 tensors. Per layer and token the
+saved activations are 4 d elements in the residual dtype (/ tp under sequence parallel) plus
+12 d in the compute dtype / tp; selective recompute drops 4 d of those; full keeps d per layer
+plus one layer's worth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from harness.model import comm, memory
+from harness.model.inventory import ParamSpec, coords
+from harness.model.shape import CellShape
+from harness.parallel.presets import degrees_for
+from workloads.model import GPT
+from workloads.sizes import get_size
+
+TINY = get_size("tiny")
+PARAMS, TENSORS = 875_264, 69
+BLOCK = 198_272  # 12 d^2 + 13 d
+ROOT = PARAMS - 4 * BLOCK  # embeddings, final norm, head: 82,176
+
+
+def shape(strategy: str, world: int, **kw) -> CellShape:
+    base = dict(size=TINY, dims=degrees_for(strategy, world), strategy=strategy, precision="fp32", global_batch=8)
+    base.update(kw)
+    return CellShape(**base)
+
+
+def test_tiny_inventory_is_what_the_model_builds() -> None:
+    with torch.device("meta"):
+        params = list(GPT(TINY).parameters())
+    assert (sum(p.numel() for p in params), len(params)) == (PARAMS, TENSORS)
+    assert ROOT == 82_176
+
+
+@pytest.mark.parametrize("strategy, world, kw, expected", [
+    # rows x S tokens x layers x per-layer bytes per token
+    ("single", 1, {}, 8 * 128 * 4 * (16 * 128 + 48 * 128)),  # fp32: 4d*4 + 12d*4 = 64 d bytes
+    ("single", 1, {"recompute": "selective"}, 8 * 128 * 4 * (64 - 16) * 128),
+    ("single", 1, {"recompute": "full"}, 8 * 128 * (4 * 128 * 4 + 64 * 128)),
+    ("single", 1, {"precision": "bf16"}, 8 * 128 * 4 * (4 * 128 * 4 + 12 * 128 * 2)),
+    ("single", 1, {"precision": "bf16", "recompute": "selective"}, 8 * 128 * 4 * (4 * 128 * 4 + 8 * 128 * 2)),
+    ("single", 1, {"grad_accum": 2}, 4 * 128 * 4 * 64 * 128),  # one micro-step of 4 rows
+    ("ddp", 2, {}, 4 * 128 * 4 * 64 * 128),  # 4 local rows
+    ("tp", 2, {}, 8 * 128 * 4 * (4 * 128 * 4 + 12 * 128 * 4 // 2)),
+    ("tp-sp", 2, {}, 8 * 128 * 4 * (4 * 128 * 4 // 2 + 12 * 128 * 4 // 2)),
+    ("tp-sp", 2, {"recompute": "full"}, 8 * 128 * (4 * 128 * 4 // 2 + 4 * 128 * 4 // 2 + 12 * 128 * 4 // 2)),
+    ("fsdp", 2, {"precision": "bf16"}, 4 * 128 * 4 * (4 * 128 * 2 + 12 * 128 * 2)),  # MP casts the stream too
+    # pp 2, 4 microbatches of 2 rows, 2 layers per stage; 1F1B holds pp = 2 microbatches, GPipe all 4
+    ("pp", 2, {"microbatches": 4}, 2 * 128 * 2 * 64 * 128 * 2),
+    ("pp", 2, {"microbatches": 4, "pp_schedule": "gpipe"}, 2 * 128 * 2 * 64 * 128 * 4),
+    ("pp", 2, {"microbatches": 8, "global_batch": 16}, 2 * 128 * 2 * 64 * 128 * 2),
+])
+def test_activation_bytes_exact(strategy: str, world: int, kw: dict, expected: int) -> None:
+    assert memory.activation_bytes(shape(strategy, world, **kw)) == expected
+
+
+def test_inflight_microbatches() -> None:
+    assert memory.inflight_microbatches(shape("ddp", 2)) == 1
+    assert memory.inflight_microbatches(shape("pp", 2, microbatches=4, pp_schedule="gpipe")) == 4
+    assert memory.inflight_microbatches(shape("pp", 2, microbatches=4)) == 2
+    assert memory.inflight_microbatches(shape("pp", 4, microbatches=4)) == 4
+    assert memory.inflight_microbatches(shape("pp", 4, microbatches=8, global_batch=16)) == 4
+
+
+def test_logits_bytes_exact() -> None:
+    # rows x S x V x (compute bytes + fp32 copy + its gradient)
+    assert memory.logits_bytes(shape("single", 1)) == 8 * 128 * 256 * (4 + 8)
+    assert memory.logits_bytes(shape("single", 1, precision="bf16")) == 8 * 128 * 256 * (2 + 8)
+    assert memory.logits_bytes(shape("pp", 2, microbatches=4)) == 2 * 128 * 256 * 12
+
+
+def test_transient_buffers_exact() -> None:
+    assert memory.transient_param_bytes(shape("single", 1)) == 0
+    assert memory.transient_param_bytes(shape("tp", 2)) == 0
+    assert memory.transient_param_bytes(shape("ddp", 2)) == 4 * PARAMS  # bucket copies of every gradient
+    # FSDP: the root group and two blocks gathered (current + prefetched); tiny's dims all split evenly.
+    assert memory.transient_param_bytes(shape("fsdp", 2)) == 4 * (ROOT + 2 * BLOCK)
+    assert memory.transient_param_bytes(shape("fsdp", 2, precision="bf16")) == 2 * (ROOT + 2 * BLOCK)
+    assert memory.transient_param_bytes(shape("zero2", 2)) == 4 * PARAMS  # nothing resharded after forward
+
+
+def test_state_bytes_exact() -> None:
+    single = memory.state_bytes_by_rank(shape("single", 1))
+    assert single == [memory.StateBytes(params=4 * PARAMS, grads=4 * PARAMS, optimizer=8 * PARAMS + 4 * TENSORS)]
+    assert single[0].total == 16 * PARAMS + 4 * TENSORS
+    assert single[0].as_dict() == {"params": 4 * PARAMS, "grads": 4 * PARAMS, "optimizer": 8 * PARAMS + 4 * TENSORS,
+                                   "total": 16 * PARAMS + 4 * TENSORS}
+    fsdp = memory.state_bytes_by_rank(shape("fsdp", 2))
+    assert [s.params for s in fsdp] == [2 * PARAMS, 2 * PARAMS]
+    assert fsdp[0].optimizer == 8 * PARAMS // 2 + 4 * TENSORS
+    assert memory.local_params(shape("fsdp", 2)) == PARAMS // 2
+    assert memory.local_params(shape("ddp", 2)) == PARAMS
+    hsdp = memory.state_bytes_by_rank(shape("hsdp", 4))
+    assert [s.params for s in hsdp] == [2 * PARAMS] * 4
+
+
+def test_uneven_fsdp_shards_follow_torch_chunk_per_rank() -> None:
+    with torch.device("meta"):
+        params = list(GPT(TINY).parameters())
+    # dim 0 of every tensor chunked over 3 ranks the way torch.chunk does: 43, 43, 42 of 128 rows.
+    expected = [sum(torch.chunk(torch.empty(p.shape[0], device="meta"), 3)[k].numel() * p[0].numel() for p in params)
+                for k in range(3)]
+    assert expected[0] == expected[1] > expected[2]
+    got = memory.state_bytes_by_rank(shape("fsdp", 3, global_batch=9))
+    assert [s.params for s in got] == [4 * n for n in expected]
+    assert memory.local_params(shape("fsdp", 3, global_batch=9)) == expected[0]
+
+
+def test_pipeline_stages_hold_their_own_layers() -> None:
+    ranks = memory.state_bytes_by_rank(shape("pp", 2, microbatches=4))
+    # stage 0: embeddings (256 + 128) x 128 and 2 blocks; stage 1: 2 blocks, final norm, head.
+    stage0 = (256 + 128) * 128 + 2 * BLOCK
+    stage1 = 2 * BLOCK + 2 * 128 + 128 * 256
+    assert [s.params for s in ranks] == [4 * stage0, 4 * stage1]
+    assert [s.optimizer for s in ranks] == [8 * stage0 + 4 * (2 + 32), 8 * stage1 + 4 * (32 + 3)]
+
+
+def test_peak_is_states_plus_buffers_plus_activations_plus_logits_plus_base() -> None:
+    c = shape("single", 1)
+    expected = (16 * PARAMS + 4 * TENSORS) + 0 + 8 * 128 * 4 * 64 * 128 + 8 * 128 * 256 * 12 + 1000
+    assert memory.peak_bytes(c, 1000) == expected == 50_705_660
+    tp = shape("tp", 2)
+    states = max(s.total for s in memory.state_bytes_by_rank(tp))
+    assert memory.peak_bytes(tp, 0.0) == states + memory.activation_bytes(tp) + 8 * 128 * 256 * 12 / 2
+    ddp = shape("ddp", 2)
+    assert memory.peak_bytes(ddp, 0.0) == (16 * PARAMS + 4 * TENSORS) + 4 * PARAMS + 4 * 128 * 4 * 64 * 128 \
+        + 4 * 128 * 256 * 12
+    fsdp = replace(shape("fsdp", 2), recompute="full")
+    assert memory.peak_bytes(fsdp, 0.0) == (16 * PARAMS // 2 + 4 * TENSORS) + 4 * (ROOT + 2 * BLOCK) \
+        + 4 * 128 * (4 * 128 * 4 + 64 * 128) + 4 * 128 * 256 * 12
+
+
+# ---- communication per rank: exact calls, bytes, mesh dimension and overlap (harness/model/comm.py)
+
+
+def _calls(c: CellShape, index: int = 0) -> list[comm.Call]:
+    return comm.rank_calls(c, coords(c.dims)[index])
+
+
+def _summary(c: CellShape, index: int = 0) -> dict:
+    return comm.summarise(_calls(c, index))
+
+
+def test_gpipe_runs_all_forwards_then_all_backwards_on_every_stage() -> None:
+    assert comm.stage_actions("gpipe", 2, 1, 3, 1) == {1: list("FFFBBB")}  # the last stage too
+    assert comm.stage_actions("1f1b", 2, 1, 3, 1) == {1: list("FBFBFB")}
+
+
+def test_calls_carry_their_dimension_group_and_overlap() -> None:
+    kinds = lambda calls: {(c.collective, c.dim, c.overlappable, c.group) for c in calls}  # noqa: E731
+    assert kinds(_calls(shape("ddp", 2))) == {("all_reduce", "dp", True, 2)}
+    assert kinds(_calls(shape("fsdp", 2))) == {("all_gather", "dp", True, 2), ("reduce_scatter", "dp", True, 2)}
+    assert kinds(_calls(shape("hsdp", 4))) == {("all_gather", "dp", True, 2), ("reduce_scatter", "dp", True, 2),
+                                               ("all_reduce", "dp", True, 2)}
+    assert kinds(_calls(shape("tp", 2))) == {("all_reduce", "tp", False, 2), ("all_gather", "tp", False, 2)}
+    assert kinds(_calls(shape("tp-sp", 2))) == {("all_gather", "tp", False, 2), ("reduce_scatter", "tp", False, 2)}
+    for rank in (0, 1):  # activations go out asynchronously; a receive waits
+        assert kinds(_calls(shape("pp", 2, microbatches=4), rank)) == {("send", "pp", True, 2), ("recv", "pp", False, 2)}
+    assert kinds(_calls(shape("single", 1))) == set()
+
+
+def test_tp_sp_swaps_each_all_reduce_for_a_gather_scatter_pair() -> None:
+    act = 8 * 128 * 128 * 4  # rows x S x d, fp32
+    logits = 8 * 128 * 256 * 4
+    # per layer 2 x (gather, scatter, gather, scatter); the head gathers its input and the logits and
+    # scatters its input gradient; the embedding output is gathered once.
+    assert _summary(shape("tp-sp", 2)) == {
+        "all_gather": {"calls_per_step": 8 * 2 + 2 + 1, "bytes_per_step": (8 * 2 + 2) * act + logits},
+        "reduce_scatter": {"calls_per_step": 8 * 2 + 1, "bytes_per_step": (8 * 2 + 1) * act},
+    }
+    # bf16: the scattered/gathered matmul outputs halve, the fp32 residual stream does not.
+    lo, hi = act // 2, act
+    assert _summary(shape("tp-sp", 2, precision="bf16")) == {
+        "all_gather": {"calls_per_step": 19, "bytes_per_step": 8 * hi + 8 * lo + 2 * hi + logits // 2},
+        "reduce_scatter": {"calls_per_step": 17, "bytes_per_step": 8 * lo + 8 * hi + hi},
+    }
+
+
+def test_hsdp_adds_an_all_reduce_of_each_gradient_shard_over_replicas() -> None:
+    s = _summary(shape("hsdp", 4))
+    assert s["all_reduce"] == {"calls_per_step": 5, "bytes_per_step": 4 * PARAMS // 2}  # 4 blocks + root, shards of 2
+    assert s["reduce_scatter"] == {"calls_per_step": 5, "bytes_per_step": 4 * PARAMS}
+    assert s["all_gather"] == {"calls_per_step": 2 * 4 + 1, "bytes_per_step": 4 * (PARAMS + 4 * BLOCK)}
+    assert "all_reduce" not in _summary(shape("fsdp", 2))
+
+
+def test_hybrids_issue_every_component_s_collectives() -> None:
+    act = 4 * 128 * 128 * 4  # fsdp+tp over 4 ranks: dp 2, 4 local rows
+    s = _summary(shape("fsdp+tp", 4))
+    assert s["all_reduce"] == {"calls_per_step": 6 * 4 + 1, "bytes_per_step": (6 * 4 + 1) * act}  # tp
+    assert s["all_gather"]["calls_per_step"] == 2 * 4 + 1 + 1  # fsdp groups + tp logits
+    assert s["reduce_scatter"]["calls_per_step"] == 5
+    pf = _summary(shape("pp+fsdp", 4, microbatches=4))
+    assert pf["send"] == {"calls_per_step": 4, "bytes_per_step": 4 * 1 * 128 * 128 * 4}  # 4 local rows / 4 microbatches
+    assert pf["recv"]["calls_per_step"] == 4 and pf["reduce_scatter"]["calls_per_step"] == 3  # 2 blocks + root
+    # 1F1B on stage 0 runs F F B F B F B B: each block gathers 5 times (after a forward it is resharded,
+    # after a backward it stays gathered), the root group once.
+    assert pf["all_gather"]["calls_per_step"] == 2 * 5 + 1
+    grad_accum = _summary(shape("tp", 2, grad_accum=2))
+    assert grad_accum["all_reduce"] == {"calls_per_step": 2 * 25, "bytes_per_step": 2 * 25 * 4 * 128 * 128 * 4}
+
+
+def test_ddp_buckets_close_at_the_cap_exactly() -> None:
+    def spec(n: int) -> ParamSpec:
+        return ParamSpec(name=f"p{n}", shape=(n,), layer=None, tp="replicate")
+
+    # reverse registration order: 1 MiB exactly closes the first bucket, then 25 MiB ones
+    mib = 1024 * 1024 // 4
+    specs = [spec(3), spec(25 * mib), spec(mib)]
+    assert comm._ddp_buckets(specs, 1) == [4 * mib, 4 * 25 * mib, 12]
