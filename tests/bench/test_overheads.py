@@ -1,6 +1,12 @@
-"""Harness cost, side by side in one run (ratios, not wall-clock thresholds).
+"""Harness cost, side by side in one run, judged with a statistical bound (never a wall-clock threshold).
 
-* harness step vs a bare training loop on the same model and batch (target: <= 2% cost);
+* the harness's step function vs a bare training loop, in one process (target: <= 3% cost, the
+  upper end of a bootstrap CI over 15 interleaved rounds), and the same bound failing when an
+  extra forward pass is injected into the measured step (the check can fail);
+* the whole path: ``harness bench`` runs the ``single`` cell through the real launcher (torchrun,
+  the worker, the monitor, the timer) against a bare loop of the same model, batch, data and
+  thread count in a fresh process and in this one, interleaved round by round (target:
+  bare/harness median >= 0.99; asserted: the CI's upper end >= 0.95);
 * NVTX ranges on vs off on the ``small`` workload (target: <= 1% cost).
 
 Run with ``make bench-ci`` (saves the JSON) or ``pytest tests/bench -s`` to see the ratios.
@@ -8,31 +14,159 @@ Run with ``make bench-ci`` (saves the JSON) or ``pytest tests/bench -s`` to see 
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
 
 from harness.run import train
+from harness.spec import threads_per_rank
+from tests.bench import bare_loop
 from tests.bench.conftest import bare_step, interleaved, make_context
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_COST_BOUND = 1.03
+"""harness/bare step time the upper end of the CI may reach (the docstring's 3%)."""
+ROUNDS = 15
+
+
+def paired_ratio_ci(base: list[float], cand: list[float], n_resamples: int = 4000, seed: int = 0,
+                    confidence: float = 0.95) -> tuple[float, float, float]:
+    """Median of the per-round ratios ``cand_i / base_i`` and its percentile-bootstrap CI.
+
+    Rounds are paired (the two sides ran back to back, so drift hits both alike): the rounds are
+    resampled with replacement, and the CI is the spread of the resampled medians.
+    """
+    ratios = np.asarray(cand) / np.asarray(base)
+    rng = np.random.default_rng(seed)
+    boot = np.median(ratios[rng.integers(0, len(ratios), size=(n_resamples, len(ratios)))], axis=1)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(boot, [tail, 1 - tail])
+    return float(np.median(ratios)), float(low), float(high)
+
+
+def overhead_failure(base: list[float], cand: list[float], bound: float) -> str | None:
+    """Why ``cand`` costs more than ``bound`` x ``base`` (the CI's upper end is over it), or None."""
+    ratio, low, high = paired_ratio_ci(base, cand)
+    if high <= bound:
+        return None
+    return f"cost ratio {ratio:.3f} (95% CI [{low:.3f}, {high:.3f}]) over {len(base)} rounds: upper end > {bound}"
+
+
+def _rounds(fns: dict, rounds: int, steps: int = 3) -> dict[str, list[float]]:
+    """Per round, each function's median over ``steps`` calls; the order alternates (ABBA)."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for k in names if r % 2 == 0 else names[::-1]:
+            out[k].append(statistics.median(interleaved({k: fns[k]}, steps)[k]))
+    return out
 
 
 def _report(benchmark, samples: dict[str, list[float]], base: str, cand: str) -> float:
-    ratio = statistics.median(samples[cand]) / statistics.median(samples[base])
+    ratio, low, high = paired_ratio_ci(samples[base], samples[cand])
     benchmark.extra_info.update({f"{k}_step_time_s": v for k, v in samples.items()})
     benchmark.extra_info[f"ratio_{cand}_over_{base}"] = ratio
-    print(f"\n{cand} / {base} median step time = {ratio:.4f} ({(ratio - 1) * 100:+.2f}%)")
+    benchmark.extra_info[f"ratio_{cand}_over_{base}_ci95"] = [low, high]
+    print(f"\n{cand} / {base} median per-round ratio = {ratio:.4f} (95% CI [{low:.4f}, {high:.4f}])")
     return ratio
 
 
-def test_harness_step_vs_bare_loop(benchmark):
-    ctx, model, opt, x, y = make_context("tiny", seq_len=128, batch=8, nvtx=True)
-    bare_model_ctx = make_context("tiny", seq_len=128, batch=8, nvtx=False)
-    _, bmodel, bopt, _, _ = bare_model_ctx
-    fns = {"bare": lambda: bare_step(bmodel, bopt, x, y), "harness": lambda: train.train_step(ctx, x, y, 1e-3)}
+def _harness_and_bare(extra_forwards: int = 0) -> dict:
+    ctx, _, _, x, y = make_context("tiny", seq_len=128, batch=8, nvtx=True)
+    _, bmodel, bopt, _, _ = make_context("tiny", seq_len=128, batch=8, nvtx=False)
+
+    def harness_step():
+        out = train.train_step(ctx, x, y, 1e-3)
+        with torch.no_grad():  # a test-injected slowdown inside the measured step
+            for _ in range(extra_forwards):
+                ctx.par.model(x)
+        return out
+
+    fns = {"bare": lambda: bare_step(bmodel, bopt, x, y), "harness": harness_step}
     for fn in fns.values():  # warmup
         fn()
-    samples = interleaved(fns, rounds=15)
-    ratio = _report(benchmark, samples, "bare", "harness")
-    assert 0.5 < ratio < 2.0, "the two loops must do the same work; a 2x gap means they do not"
-    benchmark.pedantic(lambda: train.train_step(ctx, x, y, 1e-3), rounds=5, iterations=1)
+    return fns
+
+
+def test_harness_step_vs_bare_loop(benchmark):
+    samples = _rounds(_harness_and_bare(), ROUNDS)
+    _report(benchmark, samples, "bare", "harness")
+    failure = overhead_failure(samples["bare"], samples["harness"], STEP_COST_BOUND)
+    assert failure is None, f"the harness's step costs more than a bare loop's: {failure}"
+    benchmark.pedantic(_harness_and_bare()["harness"], rounds=3, iterations=1)
+
+
+def test_step_cost_bound_fails_with_an_extra_forward_pass(benchmark):
+    """The bound above can fail: one extra forward pass per measured step (injected here, not in the product)."""
+    samples = _rounds(_harness_and_bare(extra_forwards=1), ROUNDS)
+    _report(benchmark, samples, "bare", "harness")
+    failure = overhead_failure(samples["bare"], samples["harness"], STEP_COST_BOUND)
+    assert failure is not None, "an extra forward pass per step went unnoticed"
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+# ---- the whole path: the launcher's `single` cell against a bare loop --------------------------
+
+E2E_STEPS, E2E_WARMUP, E2E_ROUNDS = 30, 3, 5
+E2E_CELL = ["--device", "cpu", "--gpus", "1", "--sizes", bare_loop.SIZE, "--strategies", "single",
+            "--seq-len", str(bare_loop.SEQ_LEN), "--batch", str(bare_loop.BATCH), "--steps", str(E2E_STEPS),
+            "--warmup", str(E2E_WARMUP), "--no-calibrate"]
+LAUNCHER_FLOOR = 0.95
+"""bare/harness median the launcher's cell must reach against a fresh bare process (<= 5% cost)."""
+
+
+def _launcher_median(out: Path) -> float:
+    res = subprocess.run([sys.executable, "-m", "harness", "bench", *E2E_CELL, "--out", str(out)], cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert res.returncode == 0, f"harness bench exited {res.returncode}: {res.stderr[-2000:]}"
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    (cell,) = [r for r in records if r.get("kind") == "cell"]
+    assert cell["status"] == "ok", cell.get("error")
+    return cell["metrics"]["step_time_s"]["median"]
+
+
+def _fresh_process_median(threads: int) -> float:
+    res = subprocess.run([sys.executable, "-m", "tests.bench.bare_loop", str(E2E_STEPS), str(E2E_WARMUP),
+                          str(threads)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_launcher_single_cell_vs_bare_loop(benchmark, tmp_path):
+    """bare/harness median step time per round, three sides, the order rotating round by round.
+
+    ``fresh``: the bare loop in a process of its own, started like the cell's rank (the judged
+    ratio). ``here``: the same loop in this long-lived test process, reported beside it: on this
+    machine it runs ~5% faster than any fresh process, the launcher's or not.
+    """
+    threads = threads_per_rank(1)  # what the worker of a one-rank cell sets
+    torch.set_num_threads(threads)
+    bare_loop.median_step_s(2, 1)  # this process's warmup (imports, allocator)
+    samples: dict[str, list[float]] = {"harness": [], "fresh": [], "here": []}
+    for r in range(E2E_ROUNDS):
+        sides = {"harness": lambda r=r: _launcher_median(tmp_path / f"round{r}"),
+                 "fresh": lambda: _fresh_process_median(threads),
+                 "here": lambda: bare_loop.median_step_s(E2E_STEPS, E2E_WARMUP)}
+        names = list(sides)
+        for side in names[r % 3:] + names[:r % 3]:
+            samples[side].append(sides[side]())
+    info = {}
+    for side in ("fresh", "here"):
+        ratio, low, high = paired_ratio_ci(samples["harness"], samples[side])
+        info[side] = (ratio, low, high, [b / h for b, h in zip(samples[side], samples["harness"])])
+        print(f"\nbare ({side}) / harness median step time = {ratio:.4f} (95% CI [{low:.4f}, {high:.4f}]; "
+              f"rounds {', '.join(f'{x:.3f}' for x in info[side][3])})")
+    benchmark.extra_info.update({f"{k}_median_step_s": v for k, v in samples.items()})
+    benchmark.extra_info.update({f"ratio_bare_{k}_over_harness": v[0] for k, v in info.items()})
+    benchmark.extra_info.update({f"ratio_bare_{k}_over_harness_ci95": [v[1], v[2]] for k, v in info.items()})
+    ratio, _, high, per_round = info["fresh"]
+    assert high >= LAUNCHER_FLOOR, f"the launcher's cell is slower than a bare process by > 5%: {per_round}"
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
 def test_nvtx_overhead_small(benchmark):
@@ -42,7 +176,7 @@ def test_nvtx_overhead_small(benchmark):
            "nvtx_on": lambda: train.train_step(on[0], on[3], on[4], 1e-4)}
     for fn in fns.values():
         fn()
-    samples = interleaved(fns, rounds=4)
+    samples = _rounds(fns, rounds=4, steps=1)
     ratio = _report(benchmark, samples, "nvtx_off", "nvtx_on")
     assert 0.5 < ratio < 2.0
     benchmark.pedantic(fns["nvtx_on"], rounds=1, iterations=1)
