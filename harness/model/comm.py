@@ -221,7 +221,7 @@ def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
     calls: list[Call] = []
     if c.fsdp:
         calls += _fsdp_calls(c, specs, coord)
-    elif c.data_parallel == "ddp" and c.dims.dp_replicate > 1:
+    elif c.data_parallel == "ddp":  # DDP all-reduces its buckets even over one replica (a 1-rank group)
         calls += [Call("all_reduce", b, c.dims.dp_replicate, "dp", True) for b in _ddp_buckets(specs, c.dims.tp)]
     if c.dims.tp_enabled:
         if c.dims.pp_enabled:

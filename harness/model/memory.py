@@ -115,7 +115,7 @@ def logits_bytes(c: CellShape) -> int:
 
 def transient_param_bytes(c: CellShape) -> int:
     """Buffers beside the model states at the peak: DDP gradient buckets, FSDP gathered groups."""
-    if c.data_parallel == "ddp" and c.dims.dp_replicate > 1:
+    if c.data_parallel == "ddp":  # wrapped in DDP even at one replica
         return 4 * local_params(c)  # DDP's bucket copies of the gradients (gradient_as_bucket_view off)
     if not c.fsdp:
         return 0

@@ -37,7 +37,7 @@ def _pp_kw(strategy: str, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cells = [cell("single", 1), cell("single", 1, global_batch=16)]
+    cells = [cell("single", 1), cell("single", 1, global_batch=16), cell("ddp", 1, degrees={"dp_replicate": 1})]
     return run_cells(cells, 1, tmp_path_factory.mktemp("w1"))
 
 
@@ -245,6 +245,13 @@ def _check_model(results: dict) -> None:
 def test_model_predicts_counted_comm_and_states_world2(world2):
     """Bytes and calls per collective, on every rank, equal to what CommCounter counted (DDP, FSDP, TP, SP, PP)."""
     _check_model(world2)
+
+
+def test_model_predicts_counted_comm_and_states_world1(reference):
+    """DDP over one replica still all-reduces its buckets (a 1-rank group): the model counts them too."""
+    ddp = {cid: r for cid, r in reference.items() if "-ddp-" in cid}
+    assert ddp["tiny-ddp-fp32-w1-gb8-strong"]["metrics"]["comm"]["all_reduce"]["bytes_per_step"] == 4 * _params()
+    _check_model(reference)
 
 
 def test_model_predicts_counted_comm_and_states_world4(world4):

@@ -215,3 +215,18 @@ def test_ddp_buckets_close_at_the_cap_exactly() -> None:
     mib = 1024 * 1024 // 4
     specs = [spec(3), spec(25 * mib), spec(mib)]
     assert comm._ddp_buckets(specs, 1) == [4 * mib, 4 * 25 * mib, 12]
+
+
+def test_ddp_over_one_replica_all_reduces_its_buckets_and_holds_them() -> None:
+    """DDP wraps the model at dp_replicate 1 too (``--degrees dp_replicate=1`` on one GPU): its
+    buckets are all-reduced over a 1-rank group (the H200 record small-ddp-bf16-w1 counted every
+    gradient byte) and held beside the gradients."""
+    from harness.parallel.dims import ParallelDims
+
+    c = CellShape(size=TINY, dims=ParallelDims(dp_replicate=1, world_size=1), strategy="ddp", precision="fp32",
+                  global_batch=8)
+    (rank0,) = comm.comm_by_rank(c)
+    assert rank0["all_reduce"]["bytes_per_step"] == 4 * PARAMS
+    assert memory.transient_param_bytes(c) == 4 * PARAMS
+    single = shape("single", 1)
+    assert comm.comm_by_rank(single) == [{}] and memory.transient_param_bytes(single) == 0
