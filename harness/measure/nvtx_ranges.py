@@ -177,27 +177,15 @@ class _Range:
         self._ranges.end(self._handle)
 
 
-class _StepRange:
-    """Context manager for one ``train_step_<n>`` range: its message is registered once per step."""
+class _StepRange(_Range):
+    """Context manager for one ``train_step_<n>`` range (the payload is the step): its message is
+    registered once per step."""
 
-    __slots__ = ("_ranges", "_step", "_handle")
-
-    def __init__(self, ranges: Ranges, step: int) -> None:
-        self._ranges = ranges
-        self._step = step
-        self._handle = 0
+    __slots__ = ()
 
     def __enter__(self) -> _StepRange:
-        self._handle = self._ranges.start_step(self._step)
+        self._handle = self._ranges.start_step(int(self._payload))
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._ranges.end(self._handle)
 
 
 class Ranges:
@@ -327,7 +315,7 @@ class Ranges:
         """Context manager for the ``train_step_<step>`` range (beside the ``step`` phase range)."""
         if not self._live:
             return _NULL_RANGE
-        return _StepRange(self, step)
+        return _StepRange(self, "step", step)
 
     def window_start(self) -> None:
         """Open the measured window: cudaProfilerStart (CUDA only), then a ``window`` range."""
