@@ -269,7 +269,13 @@ def analyse_traces(paths_by_rank: dict[int, Path]) -> tuple[pd.DataFrame, dict[s
     """
     if not paths_by_rank:
         raise ValueError("analyse_traces needs at least one rank trace, got none")
-    results = {rank: analyse_rank(load_trace(path)) for rank, path in sorted(paths_by_rank.items())}
+    return analyse_frames({rank: load_trace(path) for rank, path in sorted(paths_by_rank.items())})
+
+
+def analyse_frames(frames_by_rank: dict[int, pd.DataFrame]) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """:func:`analyse_traces` of traces already loaded with :func:`load_trace` (read once, analysed twice
+    by the worker: here and for the step composition)."""
+    results = {rank: analyse_rank(df) for rank, df in sorted(frames_by_rank.items())}
     sources = {r["source"] for r in results.values()}
     if len(sources) > 1:
         raise ValueError(f"rank traces mix sources {sorted(sources)}; profile every rank with the same activities")

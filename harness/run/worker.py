@@ -28,9 +28,9 @@ from harness.measure.memory import model_state_bytes, peak_memory, reset_peak
 from harness.measure.monitor import make_monitor
 from harness.measure.nvtx_ranges import PhaseAnnotations, Ranges
 from harness.measure.probe import tensor_sq_norms
-from harness.measure.step_composition import PHASE_PREFIX, composition
+from harness.measure.step_composition import PHASE_PREFIX, composition_from_frames
 from harness.measure.timer import StepTimer
-from harness.measure.trace_analysis import analyse_traces
+from harness.measure.trace_analysis import analyse_frames, load_trace
 from harness.parallel.parallelize import parallelize
 from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
@@ -246,10 +246,11 @@ def _analyse_traces(gathered: list[dict], out_dir: Path) -> dict | None:
     traces = {int(k): Path(v) for g in gathered for k, v in g["trace"].items()}
     if not traces:
         return None
-    df, agg = analyse_traces(traces)
+    frames = {rank: load_trace(path) for rank, path in sorted(traces.items())}  # each trace read once
+    df, agg = analyse_frames(frames)
     df.to_csv(out_dir / "trace_ranks.csv", index=False)
     if agg["steps"]:  # else agg["reason"] says why there is no per-step split
-        agg.update(composition(traces))
+        agg.update(composition_from_frames(frames))
     return agg
 
 
