@@ -285,11 +285,15 @@ def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(d.get(k, 0.0) for d in dicts) / len(dicts) for k in keys}
 
 
-def composition_from_frames(frames: dict[int, pd.DataFrame]) -> dict[str, Any]:
+def composition_from_frames(frames: dict[int, pd.DataFrame],
+                            timer_s: dict[int, list[float]] | None = None) -> dict[str, Any]:
     """``metrics.trace.composition`` and ``metrics.trace.top_ops`` of a cell from its ranks' events.
 
     Cell values are means over ranks (``by_rank`` keeps each rank's); ``parts_pct`` are shares of
-    the mean profiled step and sum to 100.
+    the mean profiled step and sum to 100. ``timer_s`` (rank -> the harness's own step timer over
+    the same recorded steps, data included) adds ``timer_step_s`` and ``timer_coverage_pct`` (the
+    parts' sum as a share of the timed step), per rank and for the cell: the independent check that
+    the composition accounts for the step as the harness measures it.
     """
     if not frames:
         raise ValueError("composition needs at least one rank trace, got none")
@@ -310,6 +314,13 @@ def composition_from_frames(frames: dict[int, pd.DataFrame]) -> dict[str, Any]:
         "comm_exposed_s_by_collective": _mean_dicts([r["comm_exposed_s_by_collective"] for r in ranks.values()]),
         "by_rank": [{"rank": rank, **{k: v for k, v in r.items() if k != "source"}} for rank, r in ranks.items()],
     }
+    if timer_s:
+        for entry in composition["by_rank"]:
+            timed = timer_s[entry["rank"]]
+            entry["timer_step_s"] = sum(timed) / len(timed)
+            entry["timer_coverage_pct"] = 100.0 * sum(entry["parts_s"].values()) / entry["timer_step_s"]
+        composition["timer_step_s"] = sum(e["timer_step_s"] for e in composition["by_rank"]) / len(ranks)
+        composition["timer_coverage_pct"] = 100.0 * sum(parts_s.values()) / composition["timer_step_s"]
     return {"composition": composition, "top_ops": top_ops(frames, step_s)}
 
 

@@ -45,7 +45,8 @@ from workloads.data import MarkovData
 from workloads.model import GPT, lm_loss
 from workloads.sizes import get_size
 
-PROFILE_STEPS = 4  # after the measured window: 1 profiler warmup + 3 recorded steps
+PROFILE_WARMUP = 1  # after the measured window: 1 profiler warmup step + 3 recorded steps
+PROFILE_STEPS = 4
 
 
 def _gather_json(obj, device: torch.device) -> list:
@@ -166,7 +167,8 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     state_bytes = model_state_bytes(par.parts, optimizer)
     mem = peak_memory(cfg.device_kind)
 
-    trace_paths = _profile(cfg, ctx, batch, total + 1, out_dir, rank) if cfg.profile else {}
+    trace_paths, profiled_times = _profile(cfg, ctx, batch, timer, total + 1, out_dir, rank) if cfg.profile \
+        else ({}, [])
     local = {
         "rank": rank,
         "times": times,
@@ -176,6 +178,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
         "state_bytes": state_bytes,
         "comm": comm,
         "trace": trace_paths,
+        "profiled_times": profiled_times,
         "probe": probe,
     }
     gathered = _gather_json(local, device if cfg.device_kind == "cuda" else torch.device("cpu"))
@@ -215,30 +218,40 @@ def _local_pids() -> list[int]:
     return [c.pid for c in parent.children() if "harness.run.worker" in " ".join(c.cmdline())] or [me.pid]
 
 
-def _profile(cfg: CellConfig, ctx, batch, first_step: int, out_dir: Path, rank: int) -> dict:
-    """Extra steps after the measured window under torch.profiler, so profiling never taxes timed steps."""
+def _profile(cfg: CellConfig, ctx, batch, timer: StepTimer, first_step: int, out_dir: Path,
+             rank: int) -> tuple[dict, list[float]]:
+    """Extra steps after the measured window under torch.profiler, so profiling never taxes timed steps.
+
+    Returns this rank's trace path and the step timer's time of each recorded step (data included,
+    as in the profiler's ProfilerStep#N window), against which the step composition is checked."""
     trace_dir = out_dir / "traces"
     trace_dir.mkdir(parents=True, exist_ok=True)
     ranks = set(cfg.profile_ranks) if cfg.profile_ranks else set(range(cfg.world_size))
     active = rank in ranks
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device_kind == "cuda" else [])
-    prof = profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=PROFILE_STEPS - 1),
+    prof = profile(activities=acts, schedule=schedule(wait=0, warmup=PROFILE_WARMUP, active=PROFILE_STEPS - PROFILE_WARMUP),
                    on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}", use_gzip=True)) \
         if active else None
     if prof is not None:
         prof.start()
     # harness:<phase> profiler annotations in these steps only: the step composition reads them.
     annotated = replace(ctx, ranges=PhaseAnnotations(ctx.ranges))
+    times = []
     for i in range(PROFILE_STEPS):
+        timer.start()
         with record_function(f"{PHASE_PREFIX}data"):
             x, y = batch(first_step + i)
         train.train_step(annotated, x, y, _lr(cfg, first_step + i))
+        times.append(timer.stop())
         if prof is not None:
             prof.step()
     if prof is not None:
         prof.stop()
     dist.barrier()
-    return {str(rank): str(p) for p in sorted(trace_dir.glob(f"rank{rank}.*.json.gz"))[-1:]} if active else {}
+    if not active:
+        return {}, []
+    return ({str(rank): str(p) for p in sorted(trace_dir.glob(f"rank{rank}.*.json.gz"))[-1:]},
+            times[PROFILE_WARMUP:])
 
 
 def _analyse_traces(gathered: list[dict], out_dir: Path) -> dict | None:
@@ -250,7 +263,8 @@ def _analyse_traces(gathered: list[dict], out_dir: Path) -> dict | None:
     df, agg = analyse_frames(frames)
     df.to_csv(out_dir / "trace_ranks.csv", index=False)
     if agg["steps"]:  # else agg["reason"] says why there is no per-step split
-        agg.update(composition_from_frames(frames))
+        timed = {int(g["rank"]): g["profiled_times"] for g in gathered if g["profiled_times"]}
+        agg.update(composition_from_frames(frames, timed))
     return agg
 
 

@@ -40,6 +40,11 @@ def test_trace_on_cpu_says_so_and_leaves_profiler_traces(tmp_path):
     assert trace["ranks"] == 2 and trace["comm_s"] > 0 and trace["compute_s"] > 0
     assert 0 <= trace["overlap_pct"] <= 100
     assert rec["metrics"]["monitor"]["sampler"] == "host" and rec["metrics"]["monitor"]["peak_rss_mib"] > 0
+    # the composition accounts for the step as the harness's own timer measured it (issue 18, must show 2)
+    comp = trace["composition"]
+    print("timer coverage per rank (%):", [round(r["timer_coverage_pct"], 2) for r in comp["by_rank"]])
+    for rank in comp["by_rank"]:
+        assert len(comp["by_rank"]) == 2 and rank["timer_coverage_pct"] == pytest.approx(100.0, abs=2.0)
 
 
 @pytest.mark.gpu

@@ -111,6 +111,10 @@ def test_committed_profiled_cells_shares_sum_to_100(strategy: str) -> None:
     assert sum(comp["parts_s"].values()) == pytest.approx(comp["step_s"], rel=0.02)
     for rank in comp["by_rank"]:
         assert sum(rank["parts_s"].values()) == pytest.approx(rank["step_s"], rel=0.02)
+        # and of the step as the harness's own timer measured the same steps (data included)
+        assert rank["timer_coverage_pct"] == pytest.approx(100.0, abs=2.0)
+        assert sum(rank["parts_s"].values()) == pytest.approx(rank["timer_step_s"], rel=0.02)
+    assert comp["timer_coverage_pct"] == pytest.approx(100.0, abs=2.0)
     assert comp["parts_s"]["matmul"] > 0 and comp["parts_s"]["attention"] > 0
     assert comp["parts_s"]["comm_exposed"] > 0  # every 2-rank strategy communicates
     assert 1 <= len(trace["top_ops"]) <= 10
@@ -196,7 +200,7 @@ def _runs(values: np.ndarray) -> list[Run]:
     return runs
 
 
-@pytest.mark.parametrize("seed,cv", [(1, 0.05), (2, 0.05), (3, 0.05), (3, 0.08)])
+@pytest.mark.parametrize("seed,cv", [(1, 0.05), (2, 0.05), (3, 0.05), (5, 0.08)])
 def test_history_finds_a_15_percent_step_in_noisy_runs(seed: int, cv: float) -> None:
     frame = history_frame(_runs(_series(seed, cv, step_at=10)))
     changes = find_changes(frame)
@@ -213,11 +217,12 @@ def test_history_is_silent_on_unchanged_runs(seed: int) -> None:
     assert find_changes(history_frame(_runs(_series(seed, 0.10, step_at=None)))).empty
 
 
-@pytest.mark.parametrize("cv,min_found", [(0.08, 20), (0.10, 14)])
+@pytest.mark.parametrize("cv,min_found", [(0.08, 30), (0.10, 20)])
 def test_history_power_and_false_alarms_at_cpu_noise(cv: float, min_found: int) -> None:
     """A 15% step is 1.9 (CV 8%) or 1.5 (CV 10%) standard deviations of one run: 20 runs find it in
-    about 70% / 53% of series at the default alpha 0.01 (README "History"); unchanged series almost
-    never raise an alarm. 40 seeded series each."""
+    about 74% / 49% of series at the default alpha 0.01 (150 series, scripts/history_power.py; these
+    40 seeded series find 33 / 23, where the L1-cost test this replaced found 28 / 21); unchanged
+    series almost never raise an alarm."""
     found = sum(bool(detect_steps(_series(100 + s, cv, step_at=10), n_permutations=499, seed=s)) for s in range(40))
     alarms = sum(bool(detect_steps(_series(200 + s, cv, step_at=None), n_permutations=499, seed=s))
                  for s in range(40))
