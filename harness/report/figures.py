@@ -32,6 +32,18 @@ def _label(row: pd.Series) -> str:
     return f"{row['size']} {row['strategy']}\n{row['precision']} w{n}"
 
 
+def _cell_tick(cell_id: str, width: int = 14) -> str:
+    """A cell id wrapped at its hyphens into lines of at most ``width`` characters (a token longer
+    than that keeps its own line), so that neighbouring ticks do not run into each other."""
+    lines: list[str] = []
+    for token in str(cell_id).split("-"):
+        if lines and len(lines[-1]) + 1 + len(token) <= width:
+            lines[-1] += "-" + token
+        else:
+            lines.append(token)
+    return "\n".join(lines)
+
+
 def throughput_errorbar_figure(df: pd.DataFrame) -> Figure | None:
     """tokens/s per device per cell at the median step, error bars from the p90 and p10 step times
     (cells without p10/p90 are left out: the plain throughput bars show them)."""
@@ -82,7 +94,7 @@ def composition_figure(comp: pd.DataFrame) -> Figure | None:
             bottom += ms
         ax.text(i, bottom, basis if basis == "predicted" else part["source"].iloc[0], ha="center",
                 va="bottom", fontsize=7)
-    ax.set_xticks(range(len(cells)), [c.replace("-", "\n", 2) for c in cells], fontsize=7)
+    ax.set_xticks(range(len(cells)), [_cell_tick(c) for c in cells], fontsize=7)
     ax.set_ylabel("ms per step")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("Step composition: measured (profiled steps) or predicted (hatched, harness.model)")
@@ -130,7 +142,7 @@ def memory_figure(mem: pd.DataFrame) -> Figure | None:
         if math.isfinite(cap):
             ax.hlines(cap, i - width / 2, i + width / 2, color="C3", linestyle="--",
                       label="device capacity" if i == 0 else None)
-    ax.set_xticks(range(len(cells)), [c.replace("-", "\n", 2) for c in cells], fontsize=7)
+    ax.set_xticks(range(len(cells)), [_cell_tick(c) for c in cells], fontsize=7)
     ax.set_ylabel("peak memory per rank (GiB)")
     kind = ", ".join(sorted(str(k) for k in mem["kind"].dropna().unique()))
     note = "" if np.isfinite(mem["capacity_gib"]).any() else " (capacity unknown: CPU ranks share host RAM)"

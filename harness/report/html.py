@@ -36,11 +36,19 @@ SUMMARY_COLUMNS = {
 }
 
 
-def _table(df: pd.DataFrame, float_format: str = "{:,.3g}") -> str:
+def _readable(x: float) -> str:
+    """Whole numbers with thousands separators from 1,000 up (9,631 rather than 9.63e+03), three
+    significant digits below, scientific only for the very small (parity differences)."""
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.3g}"
+
+
+def _table(df: pd.DataFrame, float_format: str | None = None) -> str:
     if df.empty:
         return '<p class="note">no data</p>'
     return df.to_html(index=False, na_rep="n/a", escape=True, border=0,
-                      float_format=lambda x: float_format.format(x))
+                      float_format=_readable if float_format is None else float_format.format)
 
 
 def summary_table(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
@@ -60,6 +68,7 @@ def composition_table(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     wide = comp.pivot_table(index=["cell_id", "basis", "source"], columns="part", values="seconds",
                             sort=False) * 1e3
     wide["total"] = wide.sum(axis=1)
+    wide.columns.name = None  # else to_html draws the pivot's "part" as a header row over an empty column
     return wide.reset_index().rename(columns={"cell_id": "cell", "total": "step (ms)"})
 
 
@@ -86,9 +95,16 @@ def report_html(records: Sequence[dict[str, Any]], plots: dict[str, bytes], titl
             table = group.drop(columns="cell_id").assign(self_ms=group["self_s"] * 1e3).drop(columns="self_s")
             parts += [f"<h3>{html.escape(str(cell))}</h3>", _table(table, "{:,.2f}")]
     if not model.empty:
-        cols = [c for c in ("cell_id", "step_time_predicted", "step_time_measured", "step_time_error_pct",
-                            "comm_bytes_error_pct", "peak_mem_error_pct") if c in model]
-        parts += ["<h2>Predicted vs measured</h2>", _table(model[cols])]
+        cols = {"cell_id": "cell", "step_time_predicted": "predicted step (ms)",
+                "step_time_measured": "measured step (ms, median)", "step_time_error_pct": "step error %",
+                "comm_bytes_error_pct": "comm bytes error %", "peak_mem_error_pct": "peak memory error %"}
+        table = model[[c for c in cols if c in model]].copy()
+        for c in ("step_time_predicted", "step_time_measured"):
+            if c in table:
+                table[c] = table[c] * 1e3
+        parts += ["<h2>Predicted vs measured</h2>",
+                  '<p class="note">error % = 100 x (predicted - measured) / measured (harness.model; summary.md '
+                  "has the formulas).</p>", _table(table.rename(columns=cols))]
     parts.append("<h2>Plots</h2>")
     for name, png in plots.items():
         data = base64.b64encode(png).decode("ascii")

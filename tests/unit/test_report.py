@@ -14,6 +14,7 @@ from harness import report
 from harness.errors import UsageError
 from harness.records.reader import load_records
 from harness.report import frame, summary
+from harness.report.figures import _cell_tick
 from harness.report.plots import LOSS_PNG, PEAK_MEM_PNG, SCALING_PNG, THROUGHPUT_PNG, write_plots
 
 SEQ_LEN = 128
@@ -259,3 +260,11 @@ def test_latest_record_of_a_resumed_cell_wins_and_its_attempts_are_counted(recor
     md = summary.summary_markdown(history)
     assert f"- `{retried['cell_id']}`: 3 attempts; the tables show the latest (ok)" in md
     assert "timeout" not in md.split("**Flags**")[0], "an earlier attempt is history, not a row"
+
+
+def test_cell_ticks_wrap_at_hyphens_without_losing_a_character() -> None:
+    for cell in ("tiny-pp+fsdp-fp32-w4-gb8-strong-1f1b-m4", "tiny-tp-sp-fp32-w4-gb8-strong", "xl-single-bf16-w1"):
+        tick = _cell_tick(cell)
+        assert tick.replace("\n", "-") == cell
+        assert all(len(line) <= 14 for line in tick.splitlines())
+    assert _cell_tick("tiny-tp-sp-fp32-w4-gb8-strong") == "tiny-tp-sp\nfp32-w4-gb8\nstrong"
