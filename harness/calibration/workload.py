@@ -39,7 +39,7 @@ from workloads.model import GPT, lm_loss
 from workloads.sizes import get_size
 
 PROBE_ROWS = (1, 2, 4)
-WORKLOAD_CALIBRATION_VERSION = 3
+WORKLOAD_CALIBRATION_VERSION = 4  # 4: the tp-sp wrapper's own overhead
 """Bumped when what the workload calibration measures changes, so older cache entries are re-measured."""
 RANK_IMPORTS = ("torch.distributed", "harness.parallel.parallelize", "harness.measure.monitor",
                 "harness.measure.nvtx_ranges", "harness.measure.comm", "harness.measure.gns", "workloads.model")
@@ -141,7 +141,7 @@ def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) 
     dims.build_mesh(dev.type)
     model = _model(size, dev)
     if "tp" in wrapper:
-        apply_tp(model, dims.mesh("tp"), sequence_parallel=False)
+        apply_tp(model, dims.mesh("tp"), sequence_parallel=wrapper.endswith("-sp"))
     if "fsdp" in wrapper:
         apply_fsdp(model, dims.mesh("dp_shard"), True, plan.fsdp_policy())
     return _median_time(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps)

@@ -45,6 +45,14 @@ class TensorBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._track(t)
 
+    def hold_bytes(self, nbytes: int) -> None:
+        """Count bytes a backend allocated in C++ where no dispatch sees them and that stay for the
+        step (DDP's gradient buckets: :func:`ddp_bucket_bytes`)."""
+        if nbytes < 0:
+            raise ValueError(f"hold_bytes needs nbytes >= 0, got {nbytes}")
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
@@ -74,3 +82,12 @@ class TensorBytes(TorchDispatchMode):
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def ddp_bucket_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a DDP module's gradient buckets (allocated by its C++ reducer, so invisible to a
+    dispatch mode), from DDP's own logging data; 0 for any other module."""
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return 0
+    sizes = str(module._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(b) for b in sizes.split(",") if b.strip())

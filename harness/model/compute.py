@@ -74,14 +74,19 @@ def pass_time_s(rates: ComputeRates, rows: float, flop_share: float, layer_share
     return (rates.alpha_s + rates.wrapper_overhead_s) * layer_share + rows * rates.beta_s_per_row * flop_share / tp
 
 
-WRAPPERS = ("fsdp", "tp", "fsdp+tp")
-"""The strategy wrappers whose own per-pass cost the workload calibration measures."""
+WRAPPERS = ("fsdp", "tp", "tp-sp", "fsdp+tp")
+"""The strategy wrappers whose own per-pass cost the workload calibration measures (``tp-sp``:
+sequence parallelism adds a DTensor redistribution at every LayerNorm boundary)."""
 
 
 def wrapper_of(c: CellShape) -> str | None:
-    """Which calibrated wrapper overhead a cell pays: FSDP2 hooks, DTensor (tp) dispatch, or both."""
+    """Which calibrated wrapper overhead a cell pays: FSDP2 hooks, DTensor (tp, tp-sp) dispatch, or both."""
     fsdp, tp = c.fsdp, c.dims.tp_enabled
-    return "fsdp+tp" if fsdp and tp else "fsdp" if fsdp else "tp" if tp else None
+    if fsdp and tp:
+        return "fsdp+tp"
+    if tp:
+        return "tp-sp" if c.dims.sequence_parallel else "tp"
+    return "fsdp" if fsdp else None
 
 
 def roofline_rates(c: CellShape, peak_tflops: float, mem_gbps: float | None = None) -> ComputeRates:

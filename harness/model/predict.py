@@ -94,5 +94,6 @@ def predict_cell(cfg, cal: CalibrationInputs) -> dict:
         "model_state_bytes_per_rank": max(s.total for s in states),
         "model_state_bytes_by_rank": [s.total for s in states],
         "peak_mem_gib": peak_bytes(c, base * GIB) / GIB,
+        "peak_tensor_gib": peak_bytes(c, 0.0) / GIB,  # without the process: against measured tensor bytes
         "notes": notes,
     }

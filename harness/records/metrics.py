@@ -45,6 +45,9 @@ class MemoryMetrics(TypedDict, total=False):
     peak_mem_kind: str
     peak_mem_reserved_gib: float
     """CUDA only."""
+    peak_tensor_gib: float
+    """CPU only: live tensor storages at the peak of an untimed step (the CUDA allocator's measure)."""
+    peak_tensor_gib_per_rank: list[float]
     mem_capacity_pct: float
     """CUDA only."""
     model_state_bytes_per_rank: int

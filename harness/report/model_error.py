@@ -47,6 +47,11 @@ def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
             pv, mv = num(get(p, *pk)), num(get(m, *mk))
             row[f"{name}_predicted"], row[f"{name}_measured"] = pv, mv
             row[f"{name}_error_pct"] = error_pct(pv, mv)
+        tensor = num(m.get("peak_tensor_gib"))
+        if math.isfinite(tensor) and p.get("peak_tensor_gib") is not None:  # CPU: the measure the model predicts
+            pv = num(p["peak_tensor_gib"])
+            row.update(peak_mem_predicted=pv, peak_mem_measured=tensor, peak_mem_error_pct=error_pct(pv, tensor))
+        row["peak_mem_basis"] = "tensor_bytes" if math.isfinite(tensor) else m.get("peak_mem_kind")
         row["comm_exact"] = row["comm_bytes_predicted"] == row["comm_bytes_measured"]
         rows.append(row)
     return pd.DataFrame(rows)
@@ -85,10 +90,11 @@ def model_section(records: Sequence[dict[str, Any]]) -> str:
                      _f(r["step_time_error_pct"], "+.0f"),
                      _f(r["comm_bytes_measured"] / MIB, ".2f"), _f(r["comm_bytes_predicted"] / MIB, ".2f"),
                      "yes" if r["comm_exact"] else "no",
-                     _f(r["model_state_error_pct"], "+.2f"), _f(r["peak_mem_measured"], ".2f"),
-                     _f(r["peak_mem_predicted"], ".2f"), _f(r["peak_mem_error_pct"], "+.0f"), r["basis"] or "-"])
+                     _f(r["model_state_error_pct"], "+.2f"), _f(r["peak_mem_measured"], ".3f"),
+                     _f(r["peak_mem_predicted"], ".3f"), _f(r["peak_mem_error_pct"], "+.0f"),
+                     r["peak_mem_basis"] or "-", r["basis"] or "-"])
     headers = ["cell", "step ms", "predicted ms", "error %", "comm MiB/step", "predicted MiB", "bytes exact",
-               "model-state error %", "peak GiB", "predicted GiB", "peak error %", "compute basis"]
+               "model-state error %", "peak GiB", "predicted GiB", "peak error %", "peak measure", "compute basis"]
     lines = ["## Predicted vs measured (harness.model)", "",
              tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
     for q, label in (("step_time", "step time"), ("comm_bytes", "comm bytes"), ("model_state", "model-state bytes"),
@@ -98,6 +104,9 @@ def model_section(records: Sequence[dict[str, Any]]) -> str:
             lines.append(f"- {label}: mean |error| {s.mean_abs_pct:.1f}%, max {s.max_abs_pct:.1f}% "
                          f"(`{s.worst_cell}`) over {s.n} cells")
     lines += ["", "error % = 100 x (predicted - measured) / measured; the step time is the measured median. "
+              "Peak memory is held against the measure the model predicts: live tensor bytes on CPU ranks "
+              "(`metrics.peak_tensor_gib`, the model without the process), the allocator on GPU; older CPU "
+              "records without it fall back to RSS against the model plus the process base. "
               "Predictions are written before the cell runs, from calibration files only "
               "(`harness calibrate`: matmul peak, workload passes, collective busbw).", ""]
     return "\n".join(lines)

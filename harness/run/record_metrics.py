@@ -37,6 +37,7 @@ from harness.run.metrics import (
     steps_to_target,
     throughput,
 )
+from harness.units import GIB
 
 DEFAULT_TARGET_MARGIN = 0.5
 """Default loss target: the data's entropy floor plus this many nats."""
@@ -87,6 +88,9 @@ def _memory(gathered: list[dict], threads: int | None) -> MemoryMetrics:
         "model_state_bytes_by_rank": states,
         "model_state_breakdown_rank0": gathered[0]["state_bytes"],
     }
+    if "peak_tensor_bytes" in mems[0]:  # CPU ranks: live tensor storages on an untimed step
+        m["peak_tensor_gib"] = max(x["peak_tensor_bytes"] for x in mems) / GIB
+        m["peak_tensor_gib_per_rank"] = [x["peak_tensor_bytes"] / GIB for x in mems]
     if "peak_mem_reserved_gib" in mems[0]:
         m["peak_mem_reserved_gib"] = max(x["peak_mem_reserved_gib"] for x in mems)
         m["mem_capacity_pct"] = 100 * m["peak_mem_gib"] / mems[0]["mem_capacity_gib"]

@@ -29,6 +29,7 @@ from harness.measure.monitor import make_monitor
 from harness.measure.nvtx_ranges import PhaseAnnotations, Ranges
 from harness.measure.probe import tensor_sq_norms
 from harness.measure.step_composition import PHASE_PREFIX, composition_from_frames
+from harness.measure.tensor_bytes import TensorBytes, ddp_bucket_bytes, optimizer_tensors
 from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_frames, load_trace
 from harness.parallel.parallelize import parallelize
@@ -166,8 +167,10 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     comm = counter.per_step(1)
     state_bytes = model_state_bytes(par.parts, optimizer)
     mem = peak_memory(cfg.device_kind)
+    if cfg.device_kind == "cpu":  # RSS cannot tell a shard from the whole: count tensor bytes on one more step
+        mem["peak_tensor_bytes"] = _tensor_peak_bytes(ctx, *batch(total + 1), _lr(cfg, total + 1))
 
-    trace_paths, profiled_times = _profile(cfg, ctx, batch, timer, total + 1, out_dir, rank) if cfg.profile \
+    trace_paths, profiled_times = _profile(cfg, ctx, batch, timer, total + 2, out_dir, rank) if cfg.profile \
         else ({}, [])
     local = {
         "rank": rank,
@@ -192,6 +195,23 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
                                       monitor_result, _analyse_traces(gathered, out_dir))
     return {"metrics": metrics, "samples": samples, "env": env, "degrees": dims.degrees(),
             "workload": {**size.as_dict(), "params": size.params}}
+
+
+def _tensor_peak_bytes(ctx: train.StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) -> int:
+    """Peak bytes of live tensor storages over one untimed step (:class:`TensorBytes`; the tracker
+    taxes every op, so never on a timed step): what the CUDA allocator's peak counts on a GPU,
+    here for CPU ranks. Parameters, buffers, gradients, optimizer state and DDP's buckets exist
+    before the step and are held."""
+    par = ctx.par
+    tracker = TensorBytes()
+    params = list(par.parameters())
+    tracker.hold(params + [p.grad for p in params if p.grad is not None]
+                 + [b for part in par.parts for b in part.buffers()] + optimizer_tensors(ctx.optimizer))
+    if par.model is not None:
+        tracker.hold_bytes(ddp_bucket_bytes(par.model))
+    with tracker:
+        train.train_step(ctx, x, y, lr)
+    return tracker.peak_bytes
 
 
 def _lr(cfg: CellConfig, step: int) -> float:
