@@ -15,6 +15,7 @@ import pandas as pd
 from tabulate import tabulate
 
 from harness.report.frame import cells_frame, device_title, text
+from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
 
 FAILED_CELL = "-"
@@ -236,6 +237,9 @@ def summary_markdown(records: Sequence[dict[str, Any]]) -> str:
     model = model_section(records)
     if model:
         lines += [model, ""]
+    attribution = attribution_section(records)
+    if attribution:
+        lines += [attribution, ""]
     lines += [FORMULAS, ""]
     flags = _flags(df)
     if flags:
