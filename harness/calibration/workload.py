@@ -38,8 +38,8 @@ from harness.units import GIB
 from workloads.model import GPT, lm_loss
 from workloads.sizes import get_size
 
-PROBE_ROWS = (1, 2, 4)
-WORKLOAD_CALIBRATION_VERSION = 4  # 4: the tp-sp wrapper's own overhead
+PROBE_ROWS = (1, 2, 4, 8)  # up to the local batch of a default 8-sequence single-device cell
+WORKLOAD_CALIBRATION_VERSION = 6  # 4: the tp-sp wrapper; 5: the wrappers' AdamW cost; 6: 8 rows
 """Bumped when what the workload calibration measures changes, so older cache entries are re-measured."""
 RANK_IMPORTS = ("torch.distributed", "harness.parallel.parallelize", "harness.measure.monitor",
                 "harness.measure.nvtx_ranges", "harness.measure.comm", "harness.measure.gns", "workloads.model")
@@ -90,13 +90,18 @@ def _plain_passes(size, plan, device_kind: str, dev, reps: int) -> tuple[list[fl
         if times[-1] < 0.2:  # cheap passes: more repeats against this machine's noise
             reps_by_rows = max(reps, 7)
 
+    return times, _median_time(_optimizer_step(opt, device_kind), reps)
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, device_kind: str):
+    """One AdamW step (and zero_grad keeping the gradients, so that every call steps), synchronised."""
     def step() -> None:
         opt.step()
         opt.zero_grad(set_to_none=False)
         if device_kind == "cuda":
             torch.cuda.synchronize()
 
-    return times, _median_time(step, reps)
+    return step
 
 
 def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str, reps: int = 3) -> dict:
@@ -109,11 +114,12 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
     # one model at a time (each helper frees its own): K concurrent copies of `small` must fit in host memory
     times, opt_s = _plain_passes(size, plan, device_kind, dev, reps)
     alpha, beta = fit_line(list(PROBE_ROWS), times)
-    overheads = {w: _wrapped_pass_s(size, plan, device_kind, dev, w, reps) - times[0] for w in WRAPPERS}
+    wrapped = {w: _wrapped_pass_s(size, plan, device_kind, dev, w, reps) for w in WRAPPERS}
     return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "pass_s": times,
             "alpha_s": alpha, "beta_s_per_row": beta, "optimizer_s": opt_s, "params": size.params,
             "optimizer_s_per_param": opt_s / size.params, "base_gib": base_gib,
-            "wrapper_overhead_s": {w: max(0.0, o) for w, o in overheads.items()}}
+            "wrapper_overhead_s": {w: max(0.0, p - times[0]) for w, (p, _) in wrapped.items()},
+            "wrapper_optimizer_s": {w: max(0.0, o - opt_s) for w, (_, o) in wrapped.items()}}
 
 
 def _init_one_rank_group(device_kind: str) -> None:
@@ -130,11 +136,14 @@ def _worker_base_gib(device_kind: str) -> float:
     return psutil.Process().memory_info().rss / GIB
 
 
-def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) -> float:
-    """One-sequence forward+backward through the strategy's real wrappers on a one-rank group.
+def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) -> tuple[float, float]:
+    """One-sequence forward+backward, and one AdamW step, through the strategy's real wrappers on a
+    one-rank group: ``(pass_s, optimizer_s)``.
 
     Collectives over one rank move nothing, so the difference to the plain pass is the
-    wrappers' own cost: FSDP2's hooks and copy-in/out, DTensor's dispatch.
+    wrappers' own cost: FSDP2's hooks and copy-in/out, DTensor's dispatch. The optimizer's
+    difference is DTensor's dispatch of AdamW over DTensor parameters: a cost per parameter
+    tensor, which every rank pays whatever the shard size.
     """
     _init_one_rank_group(device_kind)
     dims = ParallelDims(world_size=1)
@@ -144,7 +153,9 @@ def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) 
         apply_tp(model, dims.mesh("tp"), sequence_parallel=wrapper.endswith("-sp"))
     if "fsdp" in wrapper:
         apply_fsdp(model, dims.mesh("dp_shard"), True, plan.fsdp_policy())
-    return _median_time(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps)
+    pass_s = _median_time(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return pass_s, _median_time(_optimizer_step(opt, device_kind), reps)
 
 
 def workload_fingerprint(device_kind: str, size: str, seq_len: int, dtype: str, threads: int,
@@ -183,7 +194,8 @@ def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, th
     out["pass_s"] = [max(r["pass_s"][i] for r in runs) for i in range(len(PROBE_ROWS))]
     out["optimizer_s"] = max(r["optimizer_s"] for r in runs)
     out["optimizer_s_per_param"] = out["optimizer_s"] / out["params"]
-    out["wrapper_overhead_s"] = {w: max(r["wrapper_overhead_s"][w] for r in runs) for w in WRAPPERS}
+    for key in ("wrapper_overhead_s", "wrapper_optimizer_s"):
+        out[key] = {w: max(r[key][w] for r in runs) for w in WRAPPERS}
     out["alpha_s"], out["beta_s_per_row"] = fit_line(list(PROBE_ROWS), out["pass_s"])
     out["base_gib"] = max(r["base_gib"] for r in runs)
     return out

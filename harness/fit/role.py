@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.measure.memory import model_state_bytes
 from harness.measure.nvtx_ranges import Ranges
-from harness.measure.tensor_bytes import TensorBytes, optimizer_tensors
+from harness.measure.tensor_bytes import TensorBytes, ddp_bucket_bytes, optimizer_tensors
 from harness.parallel.parallelize import parallelize
 from harness.parallel.pipeline import StageShapes
 from harness.parallel.presets import resolve
@@ -97,6 +97,15 @@ def _materialize(parts: list[nn.Module], device: torch.device, n_layers: int) ->
                                            else 1.0))
 
 
+def _reduced_in_place(state, bucket):  # no annotations: DDP checks them, and this module's are strings
+    """DDP's comm hook under the fake backend: the bucket as if all-reduced. The fake all_reduce's
+    future carries no tensor, which DDP's reducer rejects ("expected the hook result is either a
+    Tensor or a TensorList found None"); the buckets themselves, what memory counts, are DDP's own."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def run_role(spec: RoleSpec, device: torch.device) -> dict:
     """Build, parallelize and step the cell on this (initialised) process group; what this rank measured."""
     size = replace(get_size(spec.size), seq_len=spec.seq_len)
@@ -109,8 +118,10 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
     on_meta = layout.data_parallel != "ddp"  # DDP broadcasts real parameters when it wraps them
     with torch.device("meta" if on_meta else device):
         model = GPT(size)
+    fake_group = dist.get_backend() == "fake"
     par = parallelize(model, layout, device, precision, spec.pp_schedule, spec.microbatches, loss_fn=lm_loss,
-                      stage_shapes=_stage_shapes(spec, size, layout, precision))
+                      stage_shapes=_stage_shapes(spec, size, layout, precision),
+                      ddp_comm_hook=_reduced_in_place if fake_group and layout.data_parallel == "ddp" else None)
     fake = FakeTensorMode(allow_non_fake_inputs=True) if spec.compute == "fake" else contextlib.nullcontext()
     with fake:
         if on_meta:
@@ -123,6 +134,8 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
         rows = spec.micro_batch * (spec.microbatches if dims.pp_enabled else 1)
         tracker = TensorBytes()
         tracker.hold(list(par.parameters()) + [b for part in par.parts for b in part.buffers()])
+        if par.model is not None:
+            tracker.hold_bytes(ddp_bucket_bytes(par.model))  # allocated by DDP's C++ reducer, unseen by dispatch
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

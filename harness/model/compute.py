@@ -3,7 +3,7 @@
 The workload calibration (:mod:`harness.calibration.workload`, ``harness calibrate --workloads SIZE
 --concurrent K``) times, with a
 rank's thread count and K copies running at once (as K ranks of a node compute at once, sharing
-cores, caches and memory bandwidth; each time the slowest copy's), a forward+backward pass of the size at 1, 2 and 4 sequences and one AdamW
+cores, caches and memory bandwidth; each time the slowest copy's), a forward+backward pass of the size at 1, 2, 4 and 8 sequences and one AdamW
 step, and fits the pass time as ``alpha + rows * beta`` (least squares): ``alpha`` is the
 per-pass cost that does not shrink with the batch (kernel launches, Python, small-kernel
 inefficiency), ``beta`` the cost per sequence. It is the compute analogue of the latency /
@@ -13,7 +13,9 @@ head) and ``alpha`` by its share of the layers. The strategy's wrappers cost tim
 (FSDP2's hooks and parameter copy-in/out, DTensor's Python dispatch): the calibration times one
 pass through the real ``apply_fsdp`` / ``apply_tp`` on a one-rank group, where collectives move
 nothing, and adds the difference to ``alpha``; the optimizer step scales with the parameters
-the rank holds (AdamW is memory-bound: Kingma & Ba 2015, one pass over four fp32 tensors).
+the rank holds (AdamW is memory-bound: Kingma & Ba 2015, one pass over four fp32 tensors), plus,
+for DTensor parameters (FSDP2, TP), the wrapped AdamW step's extra time on that one-rank group: a
+dispatch cost per parameter tensor that sharding does not shrink.
 
 Without a workload calibration the model falls back to the roofline bound: ``alpha = 0`` and
 ``beta`` = FLOPs per sequence / calibrated (or datasheet) matmul peak, and says so.
@@ -43,6 +45,8 @@ class ComputeRates:
     """Process memory before the model exists (CPU: the RSS of an interpreter with torch loaded)."""
     wrapper_overhead_s: float = 0.0
     """Extra per-pass cost of the strategy's wrappers (FSDP2 hooks, DTensor dispatch), whole model."""
+    wrapper_optimizer_s: float = 0.0
+    """Extra AdamW step cost over the wrappers' DTensor parameters (dispatch per tensor), whole model."""
 
 
 def layer_flops_per_token(c: CellShape) -> float:
@@ -98,7 +102,10 @@ def roofline_rates(c: CellShape, peak_tflops: float, mem_gbps: float | None = No
 
 
 def rates_from_entry(entry: dict, wrapper: str | None = None) -> ComputeRates:
-    overhead = (entry.get("wrapper_overhead_s") or {}).get(wrapper, 0.0) if wrapper else 0.0
+    def of(key: str) -> float:
+        return (entry.get(key) or {}).get(wrapper, 0.0) if wrapper else 0.0
+
     return ComputeRates(alpha_s=entry["alpha_s"], beta_s_per_row=entry["beta_s_per_row"],
                         optimizer_s_per_param=entry["optimizer_s_per_param"], basis="workload",
-                        base_gib=entry.get("base_gib"), wrapper_overhead_s=overhead)
+                        base_gib=entry.get("base_gib"), wrapper_overhead_s=of("wrapper_overhead_s"),
+                        wrapper_optimizer_s=of("wrapper_optimizer_s"))

@@ -11,7 +11,8 @@ holds ``16 N / n``.
 **Activations** (Korthikanti et al. 2022, section 4, adapted to this model: no dropout, fused
 SDPA attention that saves its output and log-sum-exp instead of the ``5 a s^2 b`` score
 matrices): per layer and token, the saved tensors are the two LayerNorm inputs and outputs
-(``4 d``, sequence-parallel: ``/ tp``), q, k, v and the attention output (``4 d / tp``), the
+(``4 d``; sequence-parallel: the inputs ``/ tp``, the outputs whole, as the linears save them
+all-gathered), q, k, v and the attention output (``4 d / tp``), the
 MLP input to GELU and its output (``8 d / tp``): ``4 d + 12 d / tp`` elements. Recompute
 ``full`` keeps only each block's input (``d``) plus one block's activations during its
 backward; ``selective`` recomputes the attention core (drops q, k, v and the output:
@@ -93,8 +94,11 @@ def activation_bytes(c: CellShape) -> int:
     rows = c.microbatch_rows
     lo, hi = c.compute_bytes, c.residual_bytes
     sp = tp if c.dims.sequence_parallel else 1
-    # per token: LN in/out x2 (hi; sequence-sharded under SP), q/k/v/attn-out and GELU in/out (lo, / tp)
-    per_layer = 4 * d * hi / sp + 12 * d * lo / tp
+    # per token: LN in/out x2 (hi), q/k/v/attn-out and GELU in/out (lo, / tp). Under SP the LayerNorms
+    # save their sequence-sharded inputs, but the column-parallel linears save the all-gathered
+    # (full-sequence) LN outputs they consume: DTensor does not re-gather in backward as Megatron does.
+    ln = 2 * d * hi / sp + 2 * d * hi
+    per_layer = ln + 12 * d * lo / tp
     if c.recompute == "selective":
         per_layer -= 4 * d * lo / tp
     layers = _layers_on_rank(c)

@@ -68,7 +68,8 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, core_sh
             continue
         flop_share, layer_share = shares[k.pp]
         compute = passes * pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp) / core_share
-        optimizer = rates.optimizer_s_per_param * states[k.rank].params / 4 / core_share
+        optimizer = (rates.optimizer_s_per_param * states[k.rank].params / 4
+                     + rates.wrapper_optimizer_s * layer_share) / core_share
         calls = comm_model.rank_calls(c, k)
         total = hidden_ok = 0.0
         exposed = 0.0

@@ -15,7 +15,7 @@ from harness.fit.roles import rank_roles
 from harness.model.memory import state_bytes_by_rank
 from tests.fit._fake import run_fake_roles
 
-STRATEGIES = ("fsdp", "zero2", "hsdp", "tp", "fsdp+tp", "pp", "pp+fsdp")
+STRATEGIES = ("ddp", "fsdp", "zero2", "hsdp", "tp", "fsdp+tp", "pp", "pp+fsdp")
 WORLDS = (8, 64, 512)
 SEQ = 64
 

@@ -147,6 +147,23 @@ def test_step_time_adds_compute_optimizer_comm_and_bubble():
     assert fsdp.exposed_comm_s == pytest.approx(2 * per_call)  # 13 other gathers / scatters hide behind 0.09 s
 
 
+def test_wrapped_optimizer_pays_the_dtensor_cost_whatever_the_shard():
+    """FSDP over 2 ranks halves the per-parameter AdamW time but not the per-tensor DTensor
+    dispatch cost calibrated on a one-rank group; a pipeline stage pays its layers' share of it."""
+    plain = ComputeRates(alpha_s=0.0, beta_s_per_row=0.0, optimizer_s_per_param=1e-9, basis="workload")
+    wrapped = ComputeRates(alpha_s=0.0, beta_s_per_row=0.0, optimizer_s_per_param=1e-9, basis="workload",
+                           wrapper_optimizer_s=0.004)
+    fsdp = shape("fsdp", 2)
+    base = predict_step(fsdp, plain, lambda *call: 0.0).optimizer_s
+    assert predict_step(fsdp, wrapped, lambda *call: 0.0).optimizer_s == pytest.approx(base + 0.004)
+    pp = shape("pp", 2, microbatches=4)
+    dispatch_only = ComputeRates(alpha_s=0.0, beta_s_per_row=0.0, optimizer_s_per_param=0.0, basis="workload",
+                                 wrapper_optimizer_s=0.004)
+    # the slowest stage is priced: 2 of tiny's 4 layers, and the last also the head (3 of 5 shares)
+    assert predict_step(pp, dispatch_only, lambda *call: 0.0).optimizer_s == pytest.approx(0.004 * 3 / 5)
+    assert sorted(share for _, share in stage_shares(pp)) == pytest.approx([2 / 5, 3 / 5])
+
+
 def test_pipeline_bubble_is_p_minus_1_over_vm_of_the_slowest_stage():
     rates = ComputeRates(alpha_s=0.0, beta_s_per_row=0.08, optimizer_s_per_param=0.0, basis="workload")
     c = shape("pp", 2, microbatches=4)

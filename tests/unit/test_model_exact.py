@@ -49,8 +49,10 @@ def test_tiny_inventory_is_what_the_model_builds() -> None:
     ("single", 1, {"grad_accum": 2}, 4 * 128 * 4 * 64 * 128),  # one micro-step of 4 rows
     ("ddp", 2, {}, 4 * 128 * 4 * 64 * 128),  # 4 local rows
     ("tp", 2, {}, 8 * 128 * 4 * (4 * 128 * 4 + 12 * 128 * 4 // 2)),
-    ("tp-sp", 2, {}, 8 * 128 * 4 * (4 * 128 * 4 // 2 + 12 * 128 * 4 // 2)),
-    ("tp-sp", 2, {"recompute": "full"}, 8 * 128 * (4 * 128 * 4 // 2 + 4 * 128 * 4 // 2 + 12 * 128 * 4 // 2)),
+    # SP: the LayerNorm inputs sequence-sharded (2d / tp), their outputs saved all-gathered by the linears (2d)
+    ("tp-sp", 2, {}, 8 * 128 * 4 * (2 * 128 * 4 // 2 + 2 * 128 * 4 + 12 * 128 * 4 // 2)),
+    ("tp-sp", 2, {"recompute": "full"},
+     8 * 128 * (4 * 128 * 4 // 2 + 2 * 128 * 4 // 2 + 2 * 128 * 4 + 12 * 128 * 4 // 2)),
     ("fsdp", 2, {"precision": "bf16"}, 4 * 128 * 4 * (4 * 128 * 2 + 12 * 128 * 2)),  # MP casts the stream too
     # pp 2, 4 microbatches of 2 rows, 2 layers per stage; 1F1B holds pp = 2 microbatches, GPipe all 4
     ("pp", 2, {"microbatches": 4}, 2 * 128 * 2 * 64 * 128 * 2),
