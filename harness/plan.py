@@ -22,6 +22,7 @@ from harness.calibration.matmul import threads_for
 from harness.calibration.workload import lookup_workload
 from harness.errors import UsageError
 from harness.model.predict import CalibrationInputs, predict_cell
+from harness.parallel.levers import AC_MODES, OPTIMIZERS, check_levers
 from harness.parallel.presets import STRATEGIES, resolve_cell, world_for
 from harness.precision import PrecisionPlan
 from harness.scaling import global_batch, scaled_lr
@@ -73,23 +74,32 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
     if added_reference:
         strategies.insert(0, "single")
     cells: dict[str, PlannedCell] = {}
-    for size, prec, scaling, rule, gpus, strat in product(spec.sizes, spec.precisions, spec.scalings,
-                                                          spec.lr_rules, spec.gpus, strategies):
-        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus)
+    for size, prec, scaling, rule, levers, gpus, strat in product(spec.sizes, spec.precisions, spec.scalings,
+                                                                  spec.lr_rules, _levers(spec), spec.gpus, strategies):
+        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers)
         cell.reference_only = added_reference and strat == "single"
         cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
     ordered = sorted(cells.values(), key=lambda c: (c.raw["size"], c.raw["precision"], c.raw["scaling"],
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
-                                                    c.raw["world_size"], _order(c.raw["strategy"])))
+                                                    c.raw["world_size"], _order(c.raw["strategy"]),
+                                                    c.raw["compile"], AC_MODES.index(c.raw["ac"]),
+                                                    OPTIMIZERS.index(c.raw["optimizer"])))
     return predict_cells(ordered, force=spec.force)
 
 
+def _levers(spec: SweepSpec) -> list[dict]:
+    """Every combination of the lever axes, as cell fields."""
+    return [dict(compile=c, ac=a, optimizer=o) for c, a, o in product(spec.compiles, spec.acs, spec.optimizers)]
+
+
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
-              gpus: int) -> PlannedCell:
+              gpus: int, levers: dict) -> PlannedCell:
     size = get_size(size_name)
     world = world_for(strategy, gpus * spec.nnodes) if strategy == "single" else gpus * spec.nnodes
     seq = spec.seq_len or size.seq_len
     gb = global_batch(scaling, spec.batch, world)
+    if spec.batch_auto:  # a placeholder that divides: the sweep's trials find the batch (harness.run.batch_search)
+        gb = world * spec.grad_accum * (spec.microbatches or 2 * world)
     base_batch = spec.base_batch or spec.batch
     raw = dict(size=size_name, strategy=strategy, precision=precision, world_size=world, global_batch=gb,
                seq_len=seq, steps=spec.steps, warmup=spec.warmup, device_kind=spec.device_kind,
@@ -98,13 +108,15 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                base_lr=spec.base_lr, base_batch=base_batch, lr=scaled_lr(rule, spec.base_lr, base_batch, gb),
                lr_warmup_steps=spec.lr_warmup_steps, seed=spec.seed, target_loss=spec.target_loss,
                nvtx=spec.nvtx, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
-               degrees=spec.degrees if strategy != "single" else None, **spec.extra)
+               degrees=spec.degrees if strategy != "single" else None, batch_auto=spec.batch_auto, **levers,
+               **spec.extra)
     try:
         if seq > size.seq_len:
             raise UsageError(f"seq_len ({seq}) exceeds {size_name}'s position table ({size.seq_len}); use --seq-len <= {size.seq_len}")
         PrecisionPlan(precision).check_device(spec.device_kind)
-        _, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], size, precision, spec.pp_schedule,
-                                              spec.microbatches, spec.grad_accum, gb)
+        layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], size, precision,
+                                                   spec.pp_schedule, spec.microbatches, spec.grad_accum, gb)
+        check_levers(spec.device_kind, layout.dims.tp_enabled, spec.warmup, **levers)
         cfg = CellConfig(**raw)
     except UsageError as e:
         return PlannedCell(cell_id=cell_id_of(raw), config=None, raw=raw, valid=False, reason=str(e))
@@ -147,7 +159,8 @@ def predict_cells(cells: list[PlannedCell], force: bool = False) -> list[Planned
             continue
         cal = calibration_inputs(c.config)
         c = replace(c, predicted=predict_cell(c.config, cal), calibrated_tflops=cal.matmul_tflops)
-        out.append(c if force or c.fits is not False else replace(c, valid=False, reason=_unfit_reason(c)))
+        keep = force or c.fits is not False or c.config.batch_auto  # auto: the trials find what fits
+        out.append(c if keep else replace(c, valid=False, reason=_unfit_reason(c)))
     return out
 
 

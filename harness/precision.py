@@ -4,6 +4,10 @@
 * ``tf32``: fp32 storage, TF32 tensor-core matmuls (GPU only).
 * ``bf16``: autocast to bfloat16; master weights, optimizer and reductions in fp32.
 * ``fp16``: autocast to float16 plus dynamic loss scaling (``torch.amp.GradScaler``).
+* ``fp8``: the linears train in float8 through torchao (``convert_to_float8_training``, dynamic
+  tensor-wise scaling; the LM head and any linear whose dims are not multiples of 16 stay out),
+  everything else as ``bf16``. GPUs of compute capability >= 8.9 with torchao only: elsewhere
+  the cell is ``invalid`` with the reason (:func:`fp8_unavailable`), never a silent bf16 run.
 
 Under FSDP2 the mode also maps onto ``MixedPrecisionPolicy(param_dtype=low, reduce_dtype=fp32)``:
 parameters are gathered in low precision, gradients reduced in fp32; autocast stays on so
@@ -13,6 +17,8 @@ op-level precision (e.g. LayerNorm and softmax in fp32) is the same as under eve
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +26,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from harness.errors import UsageError
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+FP8_MIN_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,17 @@ class PrecisionPlan:
     def check_device(self, device_kind: str) -> None:
         if self.mode == "tf32" and device_kind != "cuda":
             raise UsageError("precision tf32 needs a CUDA GPU (TF32 is a tensor-core format); use fp32 or bf16 on CPU")
+        if self.mode == "fp8":
+            why = fp8_unavailable(device_kind)
+            if why is not None:
+                raise UsageError(why)
+
+    def convert_linears(self, module: torch.nn.Module) -> None:
+        """``fp8``: swap the eligible linears for torchao's float8 training linears; else nothing."""
+        if self.mode == "fp8":
+            from torchao.float8 import convert_to_float8_training  # noqa: PLC0415  (optional extra, GPU only)
+
+            convert_to_float8_training(module, module_filter_fn=_fp8_eligible)
 
     def configure_backends(self, device_kind: str) -> None:
         """TF32 on only for tf32; off otherwise so fp32 means fp32."""
@@ -86,6 +105,32 @@ class PrecisionPlan:
         return d
 
 
+def fp8_unavailable(device_kind: str) -> str | None:
+    """Why float8 training cannot run here (one line naming the fix), or None when it can."""
+    if device_kind != "cuda" or not torch.cuda.is_available():
+        return ("precision fp8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9) and this run "
+                "has none; use bf16")
+    cap = torch.cuda.get_device_capability()
+    if cap < FP8_MIN_CAPABILITY:
+        return (f"precision fp8 needs compute capability >= 8.9 (FP8 tensor cores); {torch.cuda.get_device_name()} "
+                f"is {cap[0]}.{cap[1]}; use bf16")
+    if importlib.util.find_spec("torchao") is None:
+        return "precision fp8 needs torchao, which is not installed: pip install '.[fp8]', or use bf16"
+    try:
+        importlib.import_module("torchao.float8")
+    except (ImportError, RuntimeError, AttributeError) as e:  # a torchao built for another torch
+        return (f"precision fp8: torchao is installed but torchao.float8 does not import with torch "
+                f"{torch.__version__} ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                f"install a torchao built for this torch, or use bf16")
+    return None
+
+
+def _fp8_eligible(module: torch.nn.Module, fqn: str) -> bool:
+    """torchao's float8 matmuls need both dims divisible by 16; the LM head stays bf16 (as torchtitan)."""
+    return (isinstance(module, torch.nn.Linear) and fqn.split(".")[-1] != "head"
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
 def check_strategy(mode: str, strategy: str) -> None:
     """fp16 loss scaling needs every rank to agree on overflow; only implemented where grads are whole."""
     if mode == "fp16" and strategy not in ("single", "ddp"):
@@ -93,3 +138,7 @@ def check_strategy(mode: str, strategy: str) -> None:
             f"precision fp16 with strategy {strategy}: loss scaling over sharded or pipelined gradients is not "
             f"implemented (ranks would disagree on overflow); use bf16, or fp16 with single/ddp"
         )
+    if mode == "fp8" and "tp" in strategy.split("+") + strategy.split("-"):
+        raise UsageError(f"precision fp8 with strategy {strategy}: tensor parallel needs torchao's float8 TP "
+                         f"styles, which this harness does not apply; use fp8 with single, ddp, fsdp, zero2, hsdp "
+                         f"or pp, or bf16 with {strategy}")

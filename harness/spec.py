@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from harness.errors import UsageError
+from harness.parallel.levers import AC_MODES, OPTIMIZERS
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, Layout, resolve
 from harness.precision import PRECISIONS
 from harness.scaling import LR_RULES, SCALINGS
@@ -23,13 +24,21 @@ def cell_id_of(c: dict) -> str:
 
     Takes the raw fields, so a cell that failed validation gets the id it would have had.
     """
-    parts = [c["size"], c["strategy"], c["precision"], f"w{c['world_size']}", f"gb{c['global_batch']}", c["scaling"]]
+    batch = "bauto" if c.get("batch_auto") else f"gb{c['global_batch']}"  # auto: the id is known before the batch
+    parts = [c["size"], c["strategy"], c["precision"], f"w{c['world_size']}", batch, c["scaling"]]
     if c["lr_rule"] != "none":
         parts.append(f"lr-{c['lr_rule']}")
     if str(c["strategy"]).startswith("pp"):
         parts.append(f"{c['pp_schedule']}-m{c['microbatches']}")
     if c["grad_accum"] > 1:
         parts.append(f"ga{c['grad_accum']}")
+    # the levers, when pulled (a cell without them keeps the id it always had)
+    if c.get("compile"):
+        parts.append("compile")
+    if c.get("ac", "none") != "none":
+        parts.append(f"ac-{c['ac']}")
+    if c.get("optimizer", "adamw") != "adamw":
+        parts.append(c["optimizer"])
     return "-".join(str(p) for p in parts)
 
 
@@ -77,6 +86,15 @@ class CellConfig:
     """Explicit degrees overriding the preset, e.g. ``{"pp": 2, "tp": 2}`` (unnamed ones are 1)."""
     mem_cap_gib: float | None = None
     """CPU only: cap each rank's address-space growth; exceeding it makes the cell ``oom``."""
+    compile: bool = False
+    """``torch.compile`` per transformer block (:mod:`harness.parallel.levers`)."""
+    ac: str = "none"
+    """Activation checkpointing: ``none``, ``selective`` (attention core) or ``full`` (every block)."""
+    optimizer: str = "adamw"
+    """``adamw`` (torch's default kernel) or ``adamw-fused``."""
+    batch_auto: bool = False
+    """``--batch auto``: the sweep searches the largest batch per rank that fits (:mod:`harness.run.batch_search`)
+    and runs the cell at it; ``global_batch`` is then the batch found."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -86,6 +104,8 @@ class CellConfig:
             (self.scaling, SCALINGS, "scaling"),
             (self.lr_rule, LR_RULES, "LR rule"),
             (self.device_kind, ("cpu", "cuda"), "device kind"),
+            (self.ac, AC_MODES, "activation checkpointing"),
+            (self.optimizer, OPTIMIZERS, "optimizer"),
         )
         for value, valid, what in checks:
             if value not in valid:
@@ -129,7 +149,7 @@ class CellConfig:
 
 @dataclass(frozen=True)
 class SweepSpec:
-    """The matrix: sizes x strategies x precisions x scalings x LR rules x device counts."""
+    """The matrix: sizes x strategies x precisions x scalings x LR rules x device counts x levers."""
 
     sizes: tuple[str, ...]
     strategies: tuple[str, ...]
@@ -143,6 +163,11 @@ class SweepSpec:
     warmup: int
     scalings: tuple[str, ...] = ("strong",)
     lr_rules: tuple[str, ...] = ("none",)
+    batch_auto: bool = False
+    """``--batch auto``: each cell searches its batch per device (weak scaling only)."""
+    compiles: tuple[bool, ...] = (False,)
+    acs: tuple[str, ...] = ("none",)
+    optimizers: tuple[str, ...] = ("adamw",)
     seq_len: int | None = None
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 2-5 and 14 in one pass on a single GPU (run on a lent H200; ~5 minutes).
+# The GPU checks of issues 2-5, 13 and 14 in one pass on a single GPU (run on a lent H200; ~5 minutes;
+# issue 13 runs first: the others were measured already, results/gpu).
 #   bash scripts/gpu_checks.sh OUTDIR
 # Writes each phase's run directory under OUTDIR/runs and copies what matters to OUTDIR.
 set -uo pipefail
@@ -12,6 +13,20 @@ COMMON="--device cuda --gpus 1 --batch 8 --steps 8 --warmup 2 --no-calibrate --c
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv | tee "$OUT/nvidia-smi.csv"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 command -v nsys || echo "nsys: not on PATH"
+# Issue 13: production levers. xl bf16 with compile, fused AdamW and the largest batch that fits
+# (target MFU >= 50%), small likewise (target >= 35%), and fp8 against bf16 on xl (torchao must be
+# importable: carry its wheel; without it the fp8 cell is invalid with the reason).
+# Each auto trial is a launched, compiled cell (~30 s with a warm inductor cache): xl searches, small
+# runs at a fixed batch of 32 to stay inside the device time.
+$H bench --device cuda --gpus 1 --steps 8 --warmup 3 --no-calibrate --cell-timeout 300 --strategies single \
+    --sizes xl --precision bf16 --compile on --optimizer adamw-fused --scaling weak --batch auto --out "$R/levers"
+cp "$R/levers/summary.md" "$OUT/summary-levers.md"
+$H bench $COMMON --strategies single --sizes small --precision bf16 --compile on --optimizer adamw-fused \
+    --batch 32 --warmup 3 --out "$R/levers-small"
+cp "$R/levers-small/summary.md" "$OUT/summary-levers-small.md"
+$H bench $COMMON --strategies single --sizes xl --precision bf16,fp8 --compile on --optimizer adamw-fused \
+    --warmup 3 --out "$R/fp8"
+cp "$R/fp8/summary.md" "$OUT/summary-fp8.md"
 # Issue 2: measured matmul peaks (calibrated MFU) for every compute dtype.
 $H calibrate --device cuda --dtype fp32,tf32,bf16,fp16
 # Issue 14: the MAMF-grade search's peak per dtype against the plain 8192^3 product timed in the

@@ -40,15 +40,19 @@ class Attention(nn.Module):
         self.v = nn.Linear(d_model, d_model)
         self.out = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def core(self, x: torch.Tensor) -> torch.Tensor:
+        """Projections and attention, before the output projection: what selective activation
+        checkpointing recomputes (its q, k, v and attention output are not kept for backward)."""
         b, t, _ = x.shape
         # (B, T, H_local * hd) -> (B, H_local, T, hd); H_local = H / tp under tensor parallel
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
-        y = y.transpose(1, 2).reshape(b, t, -1)
-        return self.out(y)
+        return y.transpose(1, 2).reshape(b, t, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.core(x))
 
 
 class MLP(nn.Module):

@@ -15,6 +15,7 @@ import torch
 
 from harness.errors import UsageError
 from harness.model.hardware import DEVICES
+from harness.parallel.levers import AC_MODES, COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
 from harness.spec import SweepSpec, default_device_kind
 
@@ -47,6 +48,17 @@ def int_arg(name: str, v, minimum: int) -> int:
     if not s.lstrip("-").isdigit() or int(s) < minimum:
         raise UsageError(f"{name} {v!r}: must be an integer >= {minimum}")
     return int(s)
+
+
+def choices(name: str, s, valid: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma list whose every value is one of ``valid`` (the error names the value and the choices)."""
+    out = csv_list(str(s))
+    for x in out:
+        if x not in valid:
+            raise UsageError(f"{name} {x!r}: choose from {', '.join(valid)} (a list sweeps them, e.g. {','.join(valid)})")
+    if not out:
+        raise UsageError(f"{name} is empty; choose from {', '.join(valid)}")
+    return out
 
 
 def degrees_arg(s: str | None) -> dict | None:
@@ -91,7 +103,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", help="fp32,tf32,bf16,fp16")
     g.add_argument("--scaling", help="strong (fixed global batch) or weak (fixed per-device batch)")
     g.add_argument("--lr-rule", help="none,linear,sqrt: LR scaling relative to --base-batch")
-    g.add_argument("--batch", help="sequences per step: global (strong) or per device (weak)")
+    g.add_argument("--batch", help="sequences per step: global (strong) or per device (weak); auto (weak scaling): "
+                                   "the largest per device that fits, found by trial runs per cell")
     g.add_argument("--seq-len", help="tokens per sequence (default: the size's)")
     g.add_argument("--steps", help="measured steps")
     g.add_argument("--warmup", help="unmeasured steps first")
@@ -104,6 +117,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed")
     g.add_argument("--target-loss", help="loss for steps-to-target (default: entropy floor + 0.5 nats)")
     g.add_argument("--degrees", help="explicit degrees overriding the presets, e.g. pp=2,tp=2")
+    g.add_argument("--compile", help="off,on: torch.compile per transformer block (default off)")
+    g.add_argument("--ac", help="activation checkpointing: none,selective,full (default none)")
+    g.add_argument("--optimizer", help="adamw (torch's default kernel) or adamw-fused (default adamw)")
     g.add_argument("--device", default=None,
                    help="auto (default), cpu or cuda; harness plan also takes a hardware preset "
                         "(h100, h100-pcie, h200, a100) for a what-if prediction")
@@ -177,6 +193,21 @@ def merged(args: argparse.Namespace) -> Settings:
     return Settings({**file_vals, **cli}, path, frozenset(k for k in file_vals if k not in cli))
 
 
+def check_batch_auto(v: Settings, device: str) -> None:
+    """``--batch auto`` searches the batch per device: weak scaling, an LR base, a memory limit on CPU."""
+    scalings = csv_list(v.get("scaling", "strong"))
+    if scalings != ("weak",):
+        raise UsageError(f"{v.label('batch')} auto with --scaling {','.join(scalings)}: auto finds the batch per "
+                         f"device, and strong scaling holds the global batch fixed for every strategy and its "
+                         f"parity reference; use --scaling weak, or a fixed --batch")
+    if any(r != "none" for r in csv_list(v.get("lr_rule", "none"))) and "base_batch" not in v:
+        raise UsageError(f"{v.label('batch')} auto with an LR rule needs --base-batch (the global batch at which "
+                         f"--base-lr holds), since the batch is not known before the search")
+    if device == "cpu" and "mem_cap_gib" not in v:
+        raise UsageError(f"{v.label('batch')} auto on CPU needs --mem-cap-gib (a rank's memory limit): CPU ranks "
+                         f"share the host's RAM and would swap long before they ran out of memory")
+
+
 def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     v = merged(args)
     device = v.get("device", "auto")
@@ -191,6 +222,9 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
             raise UsageError("--device cuda but no CUDA GPU is visible; use --device cpu or auto")
     d = DEFAULTS[device]
     gpus = ints(v.label("gpus"), v.get("gpus", 1))
+    auto = str(v.get("batch", "")).strip() == "auto"
+    if auto:
+        check_batch_auto(v, device)
     # Several devices: every multi-device strategy; the planner adds the single-device reference.
     strategies = v.get("strategies") or ("single" if max(gpus) == 1 else ",".join(s for s in STRATEGIES if s != "single"))
     return SweepSpec(
@@ -199,11 +233,15 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         precisions=csv_list(v.get("precision", d["precision"])),
         gpus=gpus,
         device_kind=device,
-        batch=int_arg(v.label("batch"), v.get("batch", d["batch"]), 1),
+        batch=1 if auto else int_arg(v.label("batch"), v.get("batch", d["batch"]), 1),
+        batch_auto=auto,
         steps=int_arg(v.label("steps"), v.get("steps", d["steps"]), 1),
         warmup=int_arg(v.label("warmup"), v.get("warmup", d["warmup"]), 0),
         scalings=csv_list(v.get("scaling", "strong")),
         lr_rules=csv_list(v.get("lr_rule", "none")),
+        compiles=tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES)),
+        acs=choices(v.label("ac"), v.get("ac", "none"), AC_MODES),
+        optimizers=choices(v.label("optimizer"), v.get("optimizer", "adamw"), OPTIMIZERS),
         seq_len=int_arg(v.label("seq_len"), v["seq_len"], 1) if "seq_len" in v else None,
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedule=v.get("pp_schedule", "1f1b"),

@@ -94,7 +94,7 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
                 cells = predict_cells(cells, force=spec.force)  # the predictions from everything just measured
             if not run.resume:
                 append_record(out / RECORDS_FILENAME, calibration_record(run.run_id, spec.device_kind))
-        records = run_sweep(cells, opts, spec.device_kind)
+        records = run_sweep(cells, opts, spec.device_kind, replan=lambda c: predict_cells([c], force=True)[0])
     except KeyboardInterrupt as e:
         name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, Terminated) else ("Ctrl-C", 130)
         print(f"\ninterrupted ({name}): finished records are kept in {out}/{RECORDS_FILENAME}, the running cell "

@@ -28,7 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.measure.memory import model_state_bytes
 from harness.measure.nvtx_ranges import Ranges
-from harness.measure.tensor_bytes import TensorBytes, ddp_bucket_bytes, optimizer_tensors
+from harness.measure.tensor_bytes import holding_tracker, optimizer_tensors
+from harness.parallel.levers import build_optimizer
 from harness.parallel.parallelize import parallelize
 from harness.parallel.pipeline import StageShapes
 from harness.parallel.presets import resolve
@@ -127,15 +128,12 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
         if on_meta:
             _materialize(par.parts, device, size.n_layers)
         params = [p for p in par.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = build_optimizer(params, "adamw", 1e-4)
         ctx = train.StepContext(par=par, optimizer=optimizer, precision=precision,
                                 scaler=precision.grad_scaler(spec.device_kind), device_kind=spec.device_kind,
                                 grad_accum=1, ranges=Ranges(enabled=False))
         rows = spec.micro_batch * (spec.microbatches if dims.pp_enabled else 1)
-        tracker = TensorBytes()
-        tracker.hold(list(par.parameters()) + [b for part in par.parts for b in part.buffers()])
-        if par.model is not None:
-            tracker.hold_bytes(ddp_bucket_bytes(par.model))  # allocated by DDP's C++ reducer, unseen by dispatch
+        tracker = holding_tracker(par.parts, par.model)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

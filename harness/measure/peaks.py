@@ -8,9 +8,9 @@ from __future__ import annotations
 
 # (name substring, peaks by compute dtype); first match wins, so specific names come first.
 _TABLE: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.5, "fp16": 989.5}),
-    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
-    ("H100", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.5, "fp16": 989.5}),  # SXM5 (HBM3)
+    ("H200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.5, "fp16": 989.5, "fp8": 1978.9}),
+    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0}),
+    ("H100", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.5, "fp16": 989.5, "fp8": 1978.9}),  # SXM5 (HBM3)
     ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
 ]
 

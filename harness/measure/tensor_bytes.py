@@ -91,3 +91,16 @@ def ddp_bucket_bytes(module: torch.nn.Module) -> int:
         return 0
     sizes = str(module._get_ddp_logging_data().get("bucket_sizes", ""))
     return sum(int(b) for b in sizes.split(",") if b.strip())
+
+
+def holding_tracker(parts: list[torch.nn.Module], wrapped: torch.nn.Module | None,
+                    optimizer: torch.optim.Optimizer | None = None) -> TensorBytes:
+    """A tracker that already counts what exists before a step: the parts' parameters, their
+    gradients and buffers, the optimizer's state, and the buckets of a DDP-``wrapped`` model."""
+    params = [p for part in parts for p in part.parameters()]
+    tracker = TensorBytes()
+    tracker.hold(params + [p.grad for p in params if p.grad is not None] + [b for part in parts for b in part.buffers()]
+                 + (optimizer_tensors(optimizer) if optimizer is not None else []))
+    if wrapped is not None:
+        tracker.hold_bytes(ddp_bucket_bytes(wrapped))  # allocated by DDP's C++ reducer, unseen by dispatch
+    return tracker

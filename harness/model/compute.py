@@ -23,7 +23,7 @@ Without a workload calibration the model falls back to the roofline bound: ``alp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.model.inventory import rank_layers, stages_of_rank
 from harness.model.shape import CellShape
@@ -109,3 +109,22 @@ def rates_from_entry(entry: dict, wrapper: str | None = None) -> ComputeRates:
                         optimizer_s_per_param=entry["optimizer_s_per_param"], basis="workload",
                         base_gib=entry.get("base_gib"), wrapper_overhead_s=of("wrapper_overhead_s"),
                         wrapper_optimizer_s=of("wrapper_optimizer_s"))
+
+
+def recompute_factor(c: CellShape) -> float:
+    """Executed FLOPs over model FLOPs: recomputation repeats forward work (Korthikanti et al. 2022)."""
+    size = c.size
+    model = size.flops_per_token()
+    attention = 4 * size.n_layers * size.d_model * size.seq_len  # scores and values, forward
+    if c.recompute == "full":  # every block's forward again: 2 FLOPs per matmul weight, and the attention
+        extra = 2 * (size.n_layers * (size.params_per_layer - 4 * size.d_model)) + attention
+    elif c.recompute == "selective":  # the attention core: q, k, v projections (2 x 3 d^2) and the attention
+        extra = 2 * 3 * size.n_layers * size.d_model ** 2 + attention
+    else:
+        extra = 0
+    return (model + extra) / model
+
+
+def with_recompute(rates: ComputeRates, c: CellShape) -> ComputeRates:
+    """``rates`` with the per-row time scaled by :func:`recompute_factor` (the fixed cost stays)."""
+    return replace(rates, beta_s_per_row=rates.beta_s_per_row * recompute_factor(c))

@@ -15,8 +15,8 @@ matrices): per layer and token, the saved tensors are the two LayerNorm inputs a
 all-gathered), q, k, v and the attention output (``4 d / tp``), the
 MLP input to GELU and its output (``8 d / tp``): ``4 d + 12 d / tp`` elements. Recompute
 ``full`` keeps only each block's input (``d``) plus one block's activations during its
-backward; ``selective`` recomputes the attention core (drops q, k, v and the output:
-``- 4 d / tp``).
+backward; ``selective`` recomputes the attention core, the q/k/v projections and SDPA
+(:mod:`harness.parallel.levers`; drops q, k, v and the output: ``- 4 d / tp``).
 """
 
 from __future__ import annotations
@@ -103,11 +103,10 @@ def activation_bytes(c: CellShape) -> int:
         per_layer -= 4 * d * lo / tp
     layers = _layers_on_rank(c)
     tokens = rows * s
-    if c.recompute == "full":
-        held = tokens * (layers * d * hi / sp + per_layer)
-    else:
-        held = tokens * layers * per_layer
-    return int(held * inflight_microbatches(c))
+    inflight = inflight_microbatches(c)
+    if c.recompute == "full":  # every in-flight microbatch keeps its block inputs; one block is recomputed at a time
+        return int(tokens * (inflight * layers * d * hi / sp + per_layer))
+    return int(tokens * layers * per_layer * inflight)
 
 
 def logits_bytes(c: CellShape) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from harness.model.comm import comm_by_rank
 from harness.model.comm_fit import fitted_time_s
-from harness.model.compute import rates_from_entry, roofline_rates, wrapper_of
+from harness.model.compute import rates_from_entry, roofline_rates, with_recompute, wrapper_of
 from harness.model.memory import peak_bytes, state_bytes_by_rank
 from harness.model.shape import CellShape
 from harness.model.step_time import predict_step
@@ -73,6 +73,10 @@ def predict_cell(cfg, cal: CalibrationInputs) -> dict:
     elif cal.matmul_tflops is not None:
         rates = roofline_rates(c, cal.matmul_tflops)
         notes.append("no workload calibration: compute at the matmul peak (a lower bound on time)")
+    if rates is not None and c.recompute != "none":
+        rates = with_recompute(rates, c)
+    if cfg.compile:
+        notes.append("compile on: priced at the eager rates (no compiled calibration yet)")
     step = None
     if rates is not None:
         step = predict_step(c, rates, _comm_time_fn(cal.comm), share, hide_overlappable=cfg.device_kind == "cuda")

@@ -8,7 +8,8 @@ from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import Layout
 from workloads.sizes import ModelSize, get_size
 
-LOW_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+LOW_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+"""Bytes of an activation element; fp8 keeps its activations in bf16 (torchao casts at each matmul)."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class CellShape:
         dims = cfg.layout.dims
         return cls(size=size, dims=dims, strategy=cfg.strategy, precision=cfg.precision,
                    global_batch=cfg.global_batch, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches,
-                   pp_schedule=cfg.pp_schedule, device_kind=cfg.device_kind)
+                   pp_schedule=cfg.pp_schedule, device_kind=cfg.device_kind, recompute=cfg.ac)
 
     @property
     def layout(self) -> Layout:

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, replace
 
 from harness.errors import UsageError
-from harness.model.compute import ComputeRates, roofline_rates
+from harness.model.compute import ComputeRates, roofline_rates, with_recompute
 from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn, get_device, placement
 from harness.model.memory import RECOMPUTE, peak_bytes, state_bytes_by_rank
 from harness.model.shape import LOW_BYTES, CellShape
@@ -111,23 +111,10 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
                      recompute=s.recompute)
 
 
-def recompute_factor(c: CellShape) -> float:
-    """Executed FLOPs over model FLOPs: recomputation repeats forward work (Korthikanti et al. 2022)."""
-    size = c.size
-    model = size.flops_per_token()
-    if c.recompute == "full":  # every block's forward again: 2 FLOPs per matmul weight, 4 L d S of attention
-        extra = 2 * (size.n_layers * (size.params_per_layer - 4 * size.d_model)) + 4 * size.n_layers * size.d_model * size.seq_len
-    elif c.recompute == "selective":  # the attention core's forward (scores and values)
-        extra = 4 * size.n_layers * size.d_model * size.seq_len
-    else:
-        extra = 0
-    return (model + extra) / model
-
-
 def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
     """Roofline rates at ``peak x efficiency`` and the HBM bandwidth, scaled for recomputation."""
     r = roofline_rates(c, s.peak_tflops * s.efficiency, mem_gbps=s.device.hbm_gbps)
-    return replace(r, beta_s_per_row=r.beta_s_per_row * recompute_factor(c))
+    return with_recompute(r, c)
 
 
 def predict_row(s: Scenario, strategy: str) -> dict:

@@ -6,8 +6,9 @@ Order, and why:
    must exist before their parameters are sharded.
 2. **Tensor parallel** next: it replaces parameters by DTensors on the tp mesh; FSDP must see
    those DTensors to shard the remaining dimension (2-D FSDP x TP).
-3. (Activation checkpointing and ``torch.compile`` would go here, wrapping the TP'd blocks
-   and before FSDP hooks are installed; this harness does not apply them yet.)
+3. **Activation checkpointing, then ``torch.compile``** (:mod:`harness.parallel.levers`), per
+   block, wrapping the TP'd blocks and before FSDP hooks are installed, so the per-block FSDP
+   unshard stays outside the checkpointed, compiled region.
 4. **FSDP / HSDP / DDP last**: they wrap what the model has become, and their hooks must see
    the final forward.
 """
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from harness.parallel.data_parallel import apply_ddp, apply_fsdp
+from harness.parallel.levers import apply_ac, apply_compile
 from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module, stage_ids
 from harness.parallel.presets import Layout, stages_per_rank
 from harness.parallel.tp import apply_tp
@@ -44,9 +46,10 @@ class Parallelized:
 
 def parallelize(model: nn.Module, layout: Layout, device: torch.device, precision,
                 pp_schedule: str = "1f1b", microbatches: int = 1, loss_fn=None, ddp_comm_hook=None,
-                ddp_comm_state=None, stage_shapes: StageShapes | None = None) -> Parallelized:
-    """Apply the layout's strategies to ``model`` in the order above (``stage_shapes``: static
-    pipeline stages, see :class:`harness.parallel.pipeline.StageShapes`)."""
+                ddp_comm_state=None, stage_shapes: StageShapes | None = None, ac: str = "none",
+                compiled: bool = False) -> Parallelized:
+    """Apply the layout's strategies and the levers to ``model`` in the order above
+    (``stage_shapes``: static pipeline stages, see :class:`harness.parallel.pipeline.StageShapes`)."""
     dims = layout.dims
     device_kind = device.type
     # 1. pipeline split
@@ -57,10 +60,18 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
     else:
         n_stages = 1
         parts = {0: model}
+    # fp8: the linears become float8 training linears before anything wraps them (torchao; TP refused)
+    for part in parts.values():
+        precision.convert_linears(part)
     # 2. tensor parallel
     if dims.tp_enabled:
         for part in parts.values():
             apply_tp(part, dims.mesh("tp"), dims.sequence_parallel)
+    # 3. activation checkpointing, then compile
+    for part in parts.values():
+        apply_ac(part, ac)
+        if compiled:
+            apply_compile(part)
     # 4. data parallel
     dp = layout.data_parallel
     wrapped: nn.Module | None = None

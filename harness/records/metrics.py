@@ -90,6 +90,8 @@ class InstrumentMetrics(TypedDict, total=False):
     """NVML energy counter only."""
     trace: dict[str, Any]
     """With ``--profile`` only."""
+    compile: dict[str, Any]
+    """``compile on`` only (:func:`harness.measure.compile_stats.compile_metrics`)."""
 
 
 class ProbeMetrics(TypedDict, total=False):
@@ -115,6 +117,8 @@ class RunMetrics(TypedDict, total=False):
     est_mem_gib: float | None
     parity_max_rel_diff: float | None
     parity: dict[str, Any]
+    batch_search: dict[str, Any]
+    """``--batch auto`` only (:meth:`harness.run.batch_search.BatchSearch.as_dict`)."""
 
 
 class CellMetrics(WorkerMetrics, CalibratedMfuMetrics, RunMetrics, total=False):

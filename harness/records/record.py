@@ -15,10 +15,19 @@ STATUSES = ("ok", "oom", "timeout", "crashed", "invalid")
 FINGERPRINT_CONFIG = ("size", "strategy", "precision", "world_size", "nnodes", "global_batch", "seq_len",
                       "grad_accum", "microbatches", "pp_schedule", "scaling", "device_kind")
 FINGERPRINT_ENV = ("device_name", "torch", "cuda", "nccl")
+FINGERPRINT_LEVERS = {"compile": False, "ac": "none", "optimizer": "adamw"}
+"""Levers (:mod:`harness.parallel.levers`) and their unpulled values: a pulled lever enters the
+fingerprint; an unpulled one does not, so records from before the levers keep their fingerprints."""
+
+
+def pulled_levers(config: dict) -> dict:
+    """The levers a cell's config pulls (empty: an eager, checkpoint-free, default-optimizer cell)."""
+    return {k: config[k] for k, off in FINGERPRINT_LEVERS.items() if config.get(k, off) != off}
 
 
 def fingerprint_fields(config: dict, env: dict, degrees: dict | None) -> dict:
     f = {k: config.get(k) for k in FINGERPRINT_CONFIG}
+    f.update(pulled_levers(config))
     f.update({k: env.get(k) for k in FINGERPRINT_ENV})
     f["degrees"] = degrees
     return f

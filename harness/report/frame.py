@@ -14,10 +14,11 @@ import numpy as np
 import pandas as pd
 
 from harness.records.reader import latest_per_cell
+from harness.records.record import pulled_levers
 from harness.units import MIB
 
 FRAME_COLUMNS = [
-    "cell_id", "size", "strategy", "precision", "world_size", "global_batch", "scaling",
+    "cell_id", "size", "strategy", "precision", "levers", "world_size", "global_batch", "scaling",
     "lr_rule", "status", "error", "tokens_per_s", "tokens_per_s_per_device",
     "step_time_median_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
     "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
@@ -55,7 +56,7 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
         tokens_per_s = num(m.get("tokens_per_s_per_device")) * world_size
     return {
         "cell_id": r.get("cell_id"), "size": cfg.get("size"), "strategy": cfg.get("strategy"),
-        "precision": cfg.get("precision"), "world_size": world_size,
+        "precision": cfg.get("precision"), "levers": levers_label(cfg), "world_size": world_size,
         "global_batch": num(cfg.get("global_batch")), "scaling": cfg.get("scaling"),
         "lr_rule": cfg.get("lr_rule"), "status": r.get("status"), "error": r.get("error"),
         "tokens_per_s": tokens_per_s,
@@ -82,14 +83,22 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def levers_label(cfg: dict[str, Any]) -> str:
+    """The levers a cell pulls, as its id spells them (``compile+ac-full``), or ``eager``."""
+    pulled = pulled_levers(cfg)
+    parts = (["compile"] if pulled.get("compile") else []) + \
+        ([f"ac-{pulled['ac']}"] if "ac" in pulled else []) + ([pulled["optimizer"]] if "optimizer" in pulled else [])
+    return "+".join(parts) or "eager"
+
+
 def _scaling_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (row["size"], row["precision"], row["scaling"], row["lr_rule"])
+    return (row["size"], row["precision"], row["levers"], row["scaling"], row["lr_rule"])
 
 
 def _fill_scaling_efficiency(rows: list[dict[str, Any]]) -> None:
     """scaling efficiency = tokens/s(N) / (N x tokens/s(1)).
 
-    The 1-device reference is an ok world_size 1 cell with the same size, precision,
+    The 1-device reference is an ok world_size 1 cell with the same size, precision, levers,
     scaling and LR rule: the same strategy if measured, else the fastest such cell.
     """
     singles = [r for r in rows if r["status"] == "ok" and r["world_size"] == 1

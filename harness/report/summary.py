@@ -15,6 +15,7 @@ import pandas as pd
 from tabulate import tabulate
 
 from harness.report.frame import cells_frame, device_title, text
+from harness.report.levers import levers_section
 from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
 
@@ -68,7 +69,9 @@ def _fmt(value: float, fmt: str) -> str:
 
 def _label(row: pd.Series) -> str:
     n = int(row["world_size"]) if np.isfinite(row["world_size"]) else "?"
-    return f"{text(row['strategy'])}/{text(row['precision'])} on {n} device(s)"
+    levers = text(row["levers"])
+    levers = f" ({levers})" if levers and levers != "eager" else ""
+    return f"{text(row['strategy'])}/{text(row['precision'])}{levers} on {n} device(s)"
 
 
 def _short_error(error: Any, limit: int = 60) -> str:
@@ -90,9 +93,9 @@ def _best_values(df: pd.DataFrame) -> dict[str, float]:
 
 
 def _key_columns(df: pd.DataFrame) -> list[tuple[str, str]]:
-    """Row keys: strategy, precision, world size, plus scaling / LR rule when they vary."""
+    """Row keys: strategy, precision, world size, plus levers / scaling / LR rule when they vary."""
     keys = [("strategy", "strategy"), ("precision", "precision"), ("world size", "world_size")]
-    keys += [(h, k) for h, k in (("scaling", "scaling"), ("LR rule", "lr_rule"))
+    keys += [(h, k) for h, k in (("levers", "levers"), ("scaling", "scaling"), ("LR rule", "lr_rule"))
              if df[k].nunique() > 1]
     return keys
 
@@ -240,6 +243,9 @@ def summary_markdown(records: Sequence[dict[str, Any]]) -> str:
     attribution = attribution_section(records)
     if attribution:
         lines += [attribution, ""]
+    levers = levers_section(records)
+    if levers:
+        lines += [levers, ""]
     lines += [FORMULAS, ""]
     flags = _flags(df)
     if flags:

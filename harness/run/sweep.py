@@ -11,18 +11,22 @@ the planner attached to its cell.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.plan import PlannedCell
 from harness.precision import PrecisionPlan
 from harness.records.env import capture
 from harness.records.reader import RECORDS_FILENAME, append_record, latest_per_cell
-from harness.records.record import make_record
+from harness.records.record import make_record, pulled_levers
+from harness.run import batch_search
+from harness.run.batch_search import BatchSearch
 from harness.run.launch import Outcome, Rendezvous, run_cell_job
 from harness.run.progress import Progress
 from harness.run.record_metrics import cell_metrics, failed_cell_metrics, parity_key
 from harness.run.rundir import existing_records
+from harness.spec import CellConfig
 
 
 def default_timeout_s(cfg) -> float:
@@ -41,13 +45,18 @@ class SweepOptions:
 
 
 def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, env_extra: dict | None = None,
-              worker_prefix: list[str] | None = None, progress: Progress | None = None) -> list[dict]:
-    """Run every valid cell not already ``ok``; return the records written in this call."""
+              worker_prefix: list[str] | None = None, progress: Progress | None = None,
+              replan: Callable[[PlannedCell], PlannedCell] | None = None) -> list[dict]:
+    """Run every valid cell not already ``ok``; return the records written in this call.
+
+    ``replan`` re-attaches the prediction of a cell whose batch ``--batch auto`` just found (the
+    sweep never predicts itself); without it such a cell keeps the planned prediction."""
     writer = opts.rdzv.node_rank == 0
     existing = existing_records(opts.out) if opts.resume else []
     done = finished_cells(existing)
-    references = {parity_key(r["config"]): r for r in latest_per_cell(existing)[0]
-                  if r.get("status") == "ok" and r["config"].get("strategy") == "single"}
+    references: dict = {}
+    for r in latest_per_cell(existing)[0]:
+        _keep_reference(references, r)
     env = capture(device_kind)
     todo = {c.cell_id for c in cells_to_run(cells, done, writer)}
     progress = progress or Progress(total=len(todo), stream=sys.stdout)
@@ -61,14 +70,23 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
             rec = make_record(run_id=opts.run_id, cell_id=cell.cell_id, status="invalid", config=cell.raw, env=env,
                               degrees=None, workload=None, error=cell.reason)
         else:
-            cfg = cell.config
             cell_dir = opts.out / "cells" / cell.cell_id if writer else opts.out / f"node{opts.rdzv.node_rank}" / cell.cell_id
-            timeout = opts.cell_timeout_s or default_timeout_s(cfg)
-            outcome = run_cell_job(cfg, cell_dir, timeout, opts.rdzv, rdzv_id=_rdzv_id(opts, index),
-                                   env_extra=env_extra, worker_prefix=worker_prefix)
+
+            def job(cfg: CellConfig, where: Path, rdzv_id: str) -> Outcome:
+                return run_cell_job(cfg, where, opts.cell_timeout_s or default_timeout_s(cfg), opts.rdzv,
+                                    rdzv_id=rdzv_id, env_extra=env_extra, worker_prefix=worker_prefix)
+
+            found, outcome = None, None
+            if cell.config.batch_auto:
+                trials, rdzv_id = cell_dir / "batch-trials", _rdzv_id(opts, index)
+                cell, found, outcome = _search_batch(cell, lambda cfg, name, trials=trials, rdzv_id=rdzv_id: job(
+                    cfg, trials / name, f"{rdzv_id}-{name}"), replan)
+            if outcome is None:
+                outcome = job(cell.config, cell_dir, _rdzv_id(opts, index))
             rec = _record(cell, outcome, opts.run_id, env, references)
-            if rec["status"] == "ok" and cfg.strategy == "single":
-                references[parity_key(rec["config"])] = rec
+            if found is not None:
+                rec["metrics"]["batch_search"] = found.as_dict()
+            _keep_reference(references, rec)
         if writer:
             side = append_record(records_path, rec)
             if side is not None:
@@ -77,6 +95,23 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
         progress.finish(cell.cell_id, rec["status"], _short(rec))
     progress.close()
     return written
+
+
+def _search_batch(cell: PlannedCell, trial: Callable[[CellConfig, str], Outcome],
+                  replan: Callable[[PlannedCell], PlannedCell] | None) -> tuple[PlannedCell, BatchSearch, Outcome]:
+    """``--batch auto``: the cell at the largest batch that fit, the search, and the cell's outcome:
+    the trial at the batch found, or the one that ended the search (crashed, timed out, nothing fit)."""
+    cfg = cell.config
+    try:
+        found = batch_search.search(cfg, trial)
+    except batch_search.TrialFailed as e:
+        return cell, BatchSearch(None, e.trials), replace(e.outcome, error=str(e))
+    if found.rows_per_rank is None:
+        return cell, found, Outcome(status="oom", error=f"batch auto: not even {batch_search.split_of(cfg)} "
+                                    f"sequences per rank fit", result=None, returncode=None,
+                                    wall_s=sum(t["wall_s"] for t in found.trials))
+    cell = replace(cell, config=batch_search.trial_config(cfg, found.rows_per_rank))
+    return (replan(cell) if replan else cell), found, found.outcome
 
 
 def finished_cells(existing: list[dict]) -> set[str]:
@@ -94,6 +129,17 @@ def cells_to_run(cells: list[PlannedCell], done: set[str], writer: bool = True) 
 def _rdzv_id(opts: SweepOptions, index: int) -> str:
     """Nodes of a multi-node sweep share no run id, but they walk the cells in the same order."""
     return f"harness-cell{index}" if opts.rdzv.nnodes > 1 else f"{opts.run_id}-{index}"
+
+
+def _keep_reference(references: dict, rec: dict) -> None:
+    """An ok single-device record becomes its group's parity reference; the eager one (no lever
+    pulled) is kept over a compiled or checkpointed one, which is then checked against it."""
+    if rec.get("status") != "ok" or rec["config"].get("strategy") != "single":
+        return
+    key = parity_key(rec["config"])
+    held = references.get(key)
+    if held is None or pulled_levers(held["config"]) or not pulled_levers(rec["config"]):
+        references[key] = rec
 
 
 def _short(rec: dict) -> str:

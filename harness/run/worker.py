@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import psutil
@@ -24,14 +24,16 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule,
 
 from harness.measure import gns
 from harness.measure.comm import CommCounter
+from harness.measure.compile_stats import dynamo_counts
 from harness.measure.memory import model_state_bytes, peak_memory, reset_peak
 from harness.measure.monitor import make_monitor
 from harness.measure.nvtx_ranges import PhaseAnnotations, Ranges
 from harness.measure.probe import tensor_sq_norms
 from harness.measure.step_composition import PHASE_PREFIX, composition_from_frames
-from harness.measure.tensor_bytes import TensorBytes, ddp_bucket_bytes, optimizer_tensors
+from harness.measure.tensor_bytes import holding_tracker
 from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_frames, load_trace
+from harness.parallel.levers import build_optimizer
 from harness.parallel.parallelize import parallelize
 from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
@@ -113,9 +115,9 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
         gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group())
     par = parallelize(model, layout, device, precision, cfg.pp_schedule, cfg.microbatches,
                       loss_fn=lm_loss, ddp_comm_hook=gns.local_norm_allreduce_hook if gns_state else None,
-                      ddp_comm_state=gns_state)
+                      ddp_comm_state=gns_state, ac=cfg.ac, compiled=cfg.compile)
     params = [p for p in par.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = build_optimizer(params, cfg.optimizer, cfg.lr)
     ranges = Ranges(enabled=cfg.nvtx)
     ctx = train.StepContext(par=par, optimizer=optimizer, precision=precision,
                             scaler=precision.grad_scaler(cfg.device_kind), device_kind=cfg.device_kind,
@@ -137,8 +139,11 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     probe: dict = {}
     monitor = None
     reset_peak(cfg.device_kind)
+    dynamo = {"start": dynamo_counts()} if cfg.compile else {}
     for step in range(total):
         if step == cfg.warmup:
+            if cfg.compile:
+                dynamo["window"] = dynamo_counts()
             monitor = _start_monitor(cfg, local_rank, device)
             ranges.window_start()
         x, y = batch(step)
@@ -158,6 +163,8 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
             g_big.append(gns.grad_sq_norm(params) if not was_skipped else float("nan"))
     ranges.window_stop()
     monitor_result = monitor.stop() if monitor is not None else None
+    compiled = {"warmup": asdict(dynamo["window"].since(dynamo["start"])),
+                "measured": asdict(dynamo_counts().since(dynamo["window"]))} if cfg.compile else None
 
     # Communication: counted on one extra, untimed step (collectives are the same every step,
     # and a dispatch-mode counter would tax every op of the timed ones).
@@ -183,6 +190,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
         "trace": trace_paths,
         "profiled_times": profiled_times,
         "probe": probe,
+        "dynamo": compiled,
     }
     gathered = _gather_json(local, device if cfg.device_kind == "cuda" else torch.device("cpu"))
     if rank != 0:
@@ -202,13 +210,7 @@ def _tensor_peak_bytes(ctx: train.StepContext, x: torch.Tensor, y: torch.Tensor,
     taxes every op, so never on a timed step): what the CUDA allocator's peak counts on a GPU,
     here for CPU ranks. Parameters, buffers, gradients, optimizer state and DDP's buckets exist
     before the step and are held."""
-    par = ctx.par
-    tracker = TensorBytes()
-    params = list(par.parameters())
-    tracker.hold(params + [p.grad for p in params if p.grad is not None]
-                 + [b for part in par.parts for b in part.buffers()] + optimizer_tensors(ctx.optimizer))
-    if par.model is not None:
-        tracker.hold_bytes(ddp_bucket_bytes(par.model))
+    tracker = holding_tracker(ctx.par.parts, ctx.par.model, ctx.optimizer)
     with tracker:
         train.train_step(ctx, x, y, lr)
     return tracker.peak_bytes

@@ -48,7 +48,7 @@ def test_unwritable_out_exits_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("toml,message", [
     ("stpes = 5\n", "unknown key 'stpes' in {f}; did you mean 'steps'?"),
-    ("bogus_key = 1\n", "unknown key 'bogus_key' in {f}; valid keys: base_batch,"),
+    ("bogus_key = 1\n", "unknown key 'bogus_key' in {f}; valid keys: ac, base_batch,"),
     ('steps = "five"\n', "{f}: steps 'five': must be an integer >= 1"),
     ("gpus = [2, 0]\n", "{f}: gpus '2,0': each value must be an integer >= 1"),
 ])

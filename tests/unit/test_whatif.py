@@ -11,6 +11,7 @@ import pytest
 from harness.cli import main
 from harness.errors import UsageError
 from harness.measure.peaks import datasheet_peak_tflops
+from harness.model.compute import recompute_factor
 from harness.model.hardware import (
     DEFAULT_EFFICIENCY,
     DEVICES,
@@ -25,7 +26,7 @@ from harness.model.hardware import (
 )
 from harness.model.inventory import param_specs
 from harness.model.memory import state_bytes_by_rank
-from harness.model.whatif import plan_at_scale, predict_row, recompute_factor, scenario, shape_for
+from harness.model.whatif import plan_at_scale, predict_row, scenario, shape_for
 from harness.parallel.dims import ParallelDims
 from harness.report.model_error import model_error
 from workloads.sizes import get_size

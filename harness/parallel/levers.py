@@ -1,0 +1,114 @@
+"""The levers a production run pulls: activation checkpointing, ``torch.compile``, fused AdamW.
+
+Each is a typed choice of the cell, applied per transformer block by :func:`parallelize` in
+torchtitan's order (pipeline split -> TP -> AC -> compile -> FSDP/DDP), so the
+block's own submodule hooks (TP's) sit inside the checkpointed, compiled region and the data
+parallel hooks (FSDP's per-block unshard) outside it. Both AC and compile replace the block's
+``forward`` on the instance, never the module tree, so parameter names (and every record,
+probe and parity check keyed by them) are the same with a lever on or off.
+
+* ``ac full``: every block checkpointed (non-reentrant ``torch.utils.checkpoint``): only the
+  block's input is kept, the block is recomputed in backward.
+* ``ac selective``: the attention core of every block (q/k/v projections, SDPA and the
+  reshape, :meth:`workloads.model.Attention.core`) is recomputed; LayerNorms, the output
+  projection and the MLP keep their activations. This is Korthikanti et al.'s (2022) selective
+  recompute, which the memory model prices as dropping q, k, v and the attention output.
+* ``compile on``: ``torch.compile`` of each block's forward (default inductor backend).
+* ``optimizer adamw-fused``: ``torch.optim.AdamW(fused=True)``; ``adamw`` is torch's default
+  implementation (for-each over CUDA tensors, the per-tensor loop on CPU), as every cell ran before.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from harness.errors import UsageError
+from harness.records.record import FINGERPRINT_LEVERS
+
+COMPILE_MODES = ("off", "on")
+AC_MODES = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "adamw-fused")
+LEVER_DEFAULTS = FINGERPRINT_LEVERS
+"""Cell fields of the levers and their values when not pulled (records without them mean these)."""
+
+
+def _checkpointed(fn):
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def apply_ac(part: nn.Module, mode: str) -> None:
+    """Activation checkpointing on every block of ``part`` (see the module docstring)."""
+    if mode == "none":
+        return
+    for block in part.blocks.values():
+        if mode == "full":
+            block.forward = _checkpointed(block.forward)
+        elif mode == "selective":
+            attn = block.attn
+            core = _checkpointed(attn.core)
+            attn.forward = lambda x, attn=attn, core=core: attn.out(core(x))
+        else:
+            raise ValueError(f"unknown activation checkpointing {mode!r}; choose from {', '.join(AC_MODES)}")
+
+
+def apply_compile(part: nn.Module) -> None:
+    """``torch.compile`` each block's forward (the instance's, so checkpointing is compiled with it)."""
+    for block in part.blocks.values():
+        block.forward = torch.compile(block.forward)
+
+
+def build_optimizer(params: list[torch.nn.Parameter], kind: str, lr: float) -> torch.optim.Optimizer:
+    """The cell's AdamW (betas 0.9/0.95, no weight decay): torch's default kernel choice, or fused."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {kind!r}; choose from {', '.join(OPTIMIZERS)}")
+    fused = {"fused": True} if kind == "adamw-fused" else {}
+    # One group per tensor kind: a multi-tensor kernel takes DTensors or plain tensors, never both
+    # (under TP the embeddings and LayerNorms stay plain tensors beside the DTensor linears).
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    groups = [{"params": g} for g in (plain, dtensors) if g]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, **fused)
+
+
+CXX_COMPILERS = ("c++", "g++", "clang++")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would use on CPU (``$CXX`` first), or None."""
+    for name in (os.environ.get("CXX"), *CXX_COMPILERS):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def check_levers(device_kind: str, tp_enabled: bool, warmup: int, compile: bool, ac: str, optimizer: str) -> None:
+    """Refuse, at plan time, a lever the cell's device or layout cannot run (UsageError naming why)."""
+    if ac not in AC_MODES:
+        raise UsageError(f"unknown activation checkpointing {ac!r}; choose from {', '.join(AC_MODES)}")
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    if not compile:
+        return
+    if device_kind == "cpu" and cxx_compiler() is None:
+        raise UsageError(f"compile on: inductor needs a C++ compiler on CPU and none of {', '.join(CXX_COMPILERS)} "
+                         f"is on PATH (nor $CXX); install one (apt install g++) or use --compile off")
+    if device_kind == "cuda" and importlib.util.find_spec("triton") is None:
+        raise UsageError("compile on: inductor needs triton on CUDA and it is not installed; "
+                         "pip install triton, or use --compile off")
+    if ac != "none" and tp_enabled:
+        raise UsageError(f"compile on with ac {ac} under tensor parallel: torch's AOT autograd cannot save the "
+                         f"DeviceMesh a checkpointed DTensor block keeps (AssertionError: expected all "
+                         f"tensors_saved_with_vc_check to be Tensors); use --ac none with compile, or --compile off")
+    if warmup < 1:
+        raise UsageError(f"compile on with --warmup {warmup}: compilation happens in the first steps and must "
+                         f"never enter the measured ones; use --warmup >= 1")
