@@ -10,12 +10,13 @@ from pathlib import Path
 import psutil
 import torch
 
-from harness.cli.args import csv_list, degrees_arg, int_arg, ints
+from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.role import COMPUTE
 from harness.fit.sweep import RECORDS, fit_all
 from harness.model.hardware import DEVICES
+from harness.parallel.levers import AC_MODES
 from harness.records.atomic import write_text_atomic
 from harness.records.record import new_run_id
 from harness.report.fit_text import BANNER, fit_table, legend
@@ -23,8 +24,8 @@ from harness.spec import default_device_kind
 from harness.units import GIB
 from workloads.sizes import SIZES, get_size
 
-FLAGS = ("gpus", "nnodes", "sizes", "strategies", "precision", "batch", "device_mem", "device", "compute", "steps",
-         "seq_len", "microbatches", "pp_schedule", "degrees", "out")
+FLAGS = ("gpus", "nnodes", "sizes", "strategies", "precision", "ac", "batch", "device_mem", "device", "compute",
+         "steps", "seq_len", "microbatches", "pp_schedule", "degrees", "out")
 """Flags written back into fit.md's command line."""
 DEFAULTS = {"cpu": dict(sizes="tiny", precision="fp32"), "cuda": dict(sizes="small", precision="bf16")}
 
@@ -80,6 +81,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     degrees = degrees_arg(args.degrees)
     seq = int_arg("--seq-len", args.seq_len, 1) if args.seq_len else None
     mbs = int_arg("--microbatches", args.microbatches, 1) if args.microbatches else None
+    acs = choices("--ac", args.ac, AC_MODES)
     cells, compute = [], {}
     for size in sizes:  # every cell is validated before anything runs
         if seq and seq > get_size(size).seq_len:
@@ -88,8 +90,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
         for prec in csv_list(args.precision or d["precision"]):
             for g in gpus:
                 for strategy in csv_list(args.strategies):
-                    cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq, mbs,
-                                               args.pp_schedule, nnodes, degrees))
+                    for ac in acs:
+                        cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq, mbs,
+                                                   args.pp_schedule, nnodes, degrees, ac))
     out = args.out or Path("results") / f"fit-{new_run_id()}"
     if (out / RECORDS).exists():
         raise UsageError(f"--out {out}: already holds {RECORDS}; choose a new directory")
@@ -120,6 +123,7 @@ def register(sub) -> None:
     p.add_argument("--sizes", help="workload sizes (default tiny on CPU, small on GPU)")
     p.add_argument("--strategies", default="fsdp", help="fsdp,zero2,hsdp,tp,tp-sp,pp,fsdp+tp,pp+fsdp,pp+fsdp+tp,ddp")
     p.add_argument("--precision", help="fp32,bf16,... (default fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--ac", default="none", help="activation checkpointing: none,selective,full (a list fits each)")
     p.add_argument("--batch", default="1", help="micro-batch: sequences per data-parallel rank per micro-step "
                                                 "(per pipeline microbatch), or auto: the largest that fits")
     p.add_argument("--device-mem", help="memory budget per rank: GiB, or a preset's HBM (h100, h100-pcie, h200, a100); "

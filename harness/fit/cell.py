@@ -48,6 +48,8 @@ class FitCell:
     nnodes: int = 1
     degrees: dict | None = None
     device_kind: str = "cpu"
+    ac: str = "none"
+    """Activation checkpointing (:mod:`harness.parallel.levers`): the memory a user trades for recompute."""
 
     @property
     def global_batch(self) -> int:
@@ -59,6 +61,8 @@ class FitCell:
         parts = [self.size, self.strategy, self.precision, f"w{self.world_size}", f"mb{self.micro_batch}"]
         if self.strategy.startswith("pp"):
             parts.append(f"{self.pp_schedule}-m{self.microbatches}")
+        if self.ac != "none":
+            parts.append(f"ac-{self.ac}")
         return "-".join(parts)
 
     @property
@@ -69,13 +73,14 @@ class FitCell:
         dims = from_layout.dims
         gb = self.micro_batch * dims.dp * (self.microbatches if dims.pp_enabled else 1)
         return CellShape(size=size, dims=dims, strategy=self.strategy, precision=self.precision, global_batch=gb,
-                         microbatches=self.microbatches, pp_schedule=self.pp_schedule, device_kind=self.device_kind)
+                         microbatches=self.microbatches, pp_schedule=self.pp_schedule, device_kind=self.device_kind,
+                         recompute=self.ac)
 
     def role_spec(self, role: Role, steps: int, compute: str) -> RoleSpec:
         return RoleSpec(size=self.size, strategy=self.strategy, precision=self.precision, world_size=self.world_size,
                         rank=role.rank, micro_batch=self.micro_batch, seq_len=self.seq_len,
                         microbatches=self.microbatches, pp_schedule=self.pp_schedule, steps=steps,
-                        device_kind=self.device_kind, compute=compute, degrees=self.degrees)
+                        device_kind=self.device_kind, compute=compute, degrees=self.degrees, ac=self.ac)
 
 
 def plan_layout(strategy: str, world: int, degrees: dict | None, size, precision: str, pp_schedule: str,
@@ -88,7 +93,7 @@ def plan_layout(strategy: str, world: int, degrees: dict | None, size, precision
 
 def plan_fit_cell(size_name: str, strategy: str, precision: str, world: int, micro_batch: int, device_kind: str,
                   seq_len: int | None = None, microbatches: int | None = None, pp_schedule: str = "1f1b",
-                  nnodes: int = 1, degrees: dict | None = None) -> FitCell:
+                  nnodes: int = 1, degrees: dict | None = None, ac: str = "none") -> FitCell:
     """A validated cell; UsageError (naming the value and the fix) when the strategy cannot run at ``world``."""
     size = get_size(size_name)
     seq = seq_len or size.seq_len
@@ -97,7 +102,7 @@ def plan_fit_cell(size_name: str, strategy: str, precision: str, world: int, mic
                               microbatches, 1, world * (microbatches or 2 * world))
     return FitCell(size=size_name, strategy=strategy, precision=precision, world_size=world, micro_batch=micro_batch,
                    seq_len=seq, microbatches=mb if layout.dims.pp_enabled else 1, pp_schedule=pp_schedule,
-                   nnodes=nnodes, degrees=degrees, device_kind=device_kind)
+                   nnodes=nnodes, degrees=degrees, device_kind=device_kind, ac=ac)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class RoleSpec:
     compute: str = "real"
     """``real`` arithmetic, or ``fake`` (``FakeTensorMode``: shapes and allocations only)."""
     degrees: dict | None = None
+    ac: str = "none"
 
     @classmethod
     def from_dict(cls, d: dict) -> RoleSpec:
@@ -121,7 +122,7 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
         model = GPT(size)
     fake_group = dist.get_backend() == "fake"
     par = parallelize(model, layout, device, precision, spec.pp_schedule, spec.microbatches, loss_fn=lm_loss,
-                      stage_shapes=_stage_shapes(spec, size, layout, precision),
+                      stage_shapes=_stage_shapes(spec, size, layout, precision), ac=spec.ac,
                       ddp_comm_hook=_reduced_in_place if fake_group and layout.data_parallel == "ddp" else None)
     fake = FakeTensorMode(allow_non_fake_inputs=True) if spec.compute == "fake" else contextlib.nullcontext()
     with fake:

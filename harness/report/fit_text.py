@@ -28,7 +28,8 @@ def fit_table(records: list[dict]) -> str:
     rows = []
     for r in records:
         c, m = r["config"], r["metrics"]
-        head = [f"{c['size']} {c['strategy']} {c['precision']}", c["world_size"], _degrees(c.get("degrees")),
+        ac = f" ac-{c['ac']}" if c.get("ac", "none") != "none" else ""
+        head = [f"{c['size']} {c['strategy']} {c['precision']}{ac}", c["world_size"], _degrees(c.get("degrees")),
                 f"{c['micro_batch']} / {c['global_batch']}"]
         for role in m.get("roles", []):
             pred_state = role["predicted_model_state_bytes"] / MIB

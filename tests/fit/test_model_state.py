@@ -12,7 +12,7 @@ import pytest
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.roles import rank_roles
-from harness.model.memory import state_bytes_by_rank
+from harness.model.memory import peak_bytes, state_bytes_by_rank
 from tests.fit._fake import run_fake_roles
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "hsdp", "tp", "fsdp+tp", "pp", "pp+fsdp")
@@ -50,3 +50,18 @@ def test_model_states_per_role_equal_the_model_exactly(size, expect_invalid, tmp
             assert measured == predicted[role.rank].as_dict(), (cell.cell_id, role.name)
             checked += 1
     assert checked >= len(cells)
+
+
+def test_activation_checkpointing_keeps_the_states_and_lowers_each_role_peak(tmp_path):
+    """``harness fit --ac full``: the same model states per role (exact), a lower measured peak in
+    every role, and the model predicting the lower peak too (FakeTensorMode roles, tiny at N = 8)."""
+    cells = [plan_fit_cell("tiny", s, "fp32", 8, 2, "cpu", seq_len=SEQ, ac=ac) for s in ("fsdp", "pp+fsdp")
+             for ac in ("none", "full")]
+    results = run_fake_roles(cells, tmp_path, steps=1, compute="fake")
+    for eager, full in zip(cells[::2], cells[1::2]):
+        assert full.cell_id == eager.cell_id + "-ac-full"
+        assert peak_bytes(full.shape, 0.0) < peak_bytes(eager.shape, 0.0)
+        for role in rank_roles(eager.shape):
+            a, b = results[(eager.cell_id, role.rank)], results[(full.cell_id, role.rank)]
+            assert b["model_state_bytes"] == a["model_state_bytes"], (full.cell_id, role.name)
+            assert b["peak_bytes"] < a["peak_bytes"], (full.cell_id, role.name, a["peak_bytes"], b["peak_bytes"])
