@@ -6,8 +6,8 @@ at ``k x split`` sequences per data-parallel rank (``split``: the pipeline's mic
 gradient-accumulation micro-steps, so the batch always divides). ``k`` doubles from 1 until a
 trial runs out of memory, then bisects (:func:`harness.search.largest_passing`). The trial at the
 batch found is the cell's measurement: no rerun, since a shorter trial under-reads the memory a
-longer run reaches (measured: a 1-warmup + 1-step trial fit 109 sequences per rank on CPU with
-``--mem-cap-gib 1``, the 5-step cell at 109 then ran out). A trial that fails any other way
+longer run reaches (a first version's 1-warmup + 1-step trials found a batch at which the full
+cell then ran out of memory). A trial that fails any other way
 (crashed, timeout) ends the search: the cell takes that status, since a bigger batch cannot be
 told to fit from a smaller one's crash.
 
