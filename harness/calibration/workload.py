@@ -3,6 +3,10 @@
 What :mod:`harness.model.compute` fits its per-pass cost model to (the docstring there has the
 model). Timed with a rank's thread count and K copies running at once, as K ranks of a node
 compute at once (sharing cores, caches and memory bandwidth); each time is the slowest copy's.
+The K copies run in lockstep: each waits for the others at a barrier before every timed pass, as
+the ranks of a data-parallel cell meet at every step's collectives. Unsynchronised copies drift
+apart (one still importing torch while another times its first passes), so each timed a
+different mix of contention: two calibrations of ``mini`` minutes apart differed by up to 30%.
 Runs in a child process (``python -m harness calibrate --workloads ...``); the entries live in
 the calibration store (:mod:`harness.calibration.store`) as kind ``workload``.
 """
@@ -32,14 +36,18 @@ from harness.model.predict import CPU_BASE_GIB
 from harness.model.shape import CellShape
 from harness.parallel.data_parallel import apply_fsdp
 from harness.parallel.dims import ParallelDims
-from harness.parallel.tp import apply_tp
+from harness.parallel.tp import apply_tp, reduce_partial_grads
 from harness.precision import PrecisionPlan
 from harness.units import GIB
 from workloads.model import GPT, lm_loss
 from workloads.sizes import get_size
 
 PROBE_ROWS = (1, 2, 4, 8)  # up to the local batch of a default 8-sequence single-device cell
-WORKLOAD_CALIBRATION_VERSION = 6  # 4: the tp-sp wrapper; 5: the wrappers' AdamW cost; 6: 8 rows
+WORKLOAD_CALIBRATION_VERSION = 7  # 4: the tp-sp wrapper; 5: the wrappers' AdamW cost; 6: 8 rows; 7: lockstep
+REPS = 5
+"""Timed repeats of every probe (the median is kept). The same count in every copy: lockstep copies
+must meet at the barrier equally often."""
+BARRIER_TIMEOUT_S = 600.0
 """Bumped when what the workload calibration measures changes, so older cache entries are re-measured."""
 RANK_IMPORTS = ("torch.distributed", "harness.parallel.parallelize", "harness.measure.monitor",
                 "harness.measure.nvtx_ranges", "harness.measure.comm", "harness.measure.gns", "workloads.model")
@@ -47,10 +55,26 @@ RANK_IMPORTS = ("torch.distributed", "harness.parallel.parallelize", "harness.me
 memory is measured after these, without importing the run layer from below."""
 
 
+_lockstep = None
+"""The barrier the concurrent copies share (set in each copy by :func:`_join_lockstep`), or None alone."""
+
+
+def _join_lockstep(barrier) -> None:
+    global _lockstep
+    _lockstep = barrier
+
+
+def _meet() -> None:
+    if _lockstep is not None:
+        _lockstep.wait(BARRIER_TIMEOUT_S)
+
+
 def _median_time(fn, reps: int) -> float:
+    _meet()
     fn()  # warmup
     ts = []
     for _ in range(reps):
+        _meet()
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
@@ -83,13 +107,7 @@ def _plain_passes(size, plan, device_kind: str, dev, reps: int) -> tuple[list[fl
     """Pass times at ``PROBE_ROWS`` and the AdamW step time; the model is freed on return."""
     model = _model(size, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    reps_by_rows = reps
-    for rows in PROBE_ROWS:
-        times.append(_median_time(_pass(model, plan, device_kind, _tokens(size, rows, dev)), reps_by_rows))
-        if times[-1] < 0.2:  # cheap passes: more repeats against this machine's noise
-            reps_by_rows = max(reps, 7)
-
+    times = [_median_time(_pass(model, plan, device_kind, _tokens(size, rows, dev)), reps) for rows in PROBE_ROWS]
     return times, _median_time(_optimizer_step(opt, device_kind), reps)
 
 
@@ -104,7 +122,7 @@ def _optimizer_step(opt: torch.optim.Optimizer, device_kind: str):
     return step
 
 
-def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str, reps: int = 3) -> dict:
+def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str, reps: int = REPS) -> dict:
     """Time forward+backward at ``PROBE_ROWS`` sequences and one AdamW step; fit alpha and beta."""
     dev = torch.device("cuda" if device_kind == "cuda" else "cpu")
     base_gib = _worker_base_gib(device_kind)
@@ -154,6 +172,7 @@ def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) 
     if "fsdp" in wrapper:
         apply_fsdp(model, dims.mesh("dp_shard"), True, plan.fsdp_policy())
     pass_s = _median_time(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps)
+    reduce_partial_grads(model.parameters())  # as the step does before its optimizer (tp-sp's LayerNorms)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return pass_s, _median_time(_optimizer_step(opt, device_kind), reps)
 
@@ -185,10 +204,14 @@ def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, th
 
     CPU ranks share cores, caches and memory bandwidth (GPU ranks share the host): a pass timed
     alone is faster than the same pass beside the other ranks. Each time is the slowest copy's;
-    alpha and beta are refitted from those.
+    alpha and beta are refitted from those. The copies time every pass in lockstep (a barrier
+    before each), as ranks that meet at every step's collectives.
     """
     jobs = [(size, seq_len, dtype, device_kind, threads, i) for i in range(concurrent)]
-    with ProcessPoolExecutor(max_workers=concurrent, mp_context=mp.get_context("spawn")) as pool:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(concurrent) if concurrent > 1 else None
+    with ProcessPoolExecutor(max_workers=concurrent, mp_context=ctx, initializer=_join_lockstep,
+                             initargs=(barrier,)) as pool:
         runs = list(pool.map(_measure_in_child, jobs))
     out = dict(runs[0])
     out["pass_s"] = [max(r["pass_s"][i] for r in runs) for i in range(len(PROBE_ROWS))]

@@ -196,7 +196,11 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
         per_pass = ([(ar, lo)] * 2 + [(ar, hi)] * 4) * layers
         if last:
             per_pass += [(ag, logits), (ar, hi)]
-    return [Call(k, b, tp, "tp", False) for k, b in per_pass] * passes
+    calls = [Call(k, b, tp, "tp", False) for k, b in per_pass] * passes
+    if sp:  # the LayerNorms' partial gradients, summed once per step in one call (harness.parallel.tp)
+        norms = 2 * layers + (1 if last else 0)  # weight and bias of each
+        calls.append(Call(ar, norms * 2 * size.d_model * FP32, tp, "tp", False))
+    return calls
 
 
 def _pp_calls(c: CellShape, coord: RankCoord) -> list[Call]:

@@ -49,6 +49,51 @@ class ComputeRates:
     """Extra AdamW step cost over the wrappers' DTensor parameters (dispatch per tensor), whole model."""
 
 
+@dataclass(frozen=True)
+class CoreSharing:
+    """How a node's CPU ranks share its cores: processor sharing, relative to the calibrated rates.
+
+    A rank's pass with ``busy`` ranks computing at once (each on ``threads`` threads over
+    ``cores`` cores) takes ``max(1, busy * threads / cores)`` times its time alone; the rates
+    were calibrated with ``calibrated_busy`` ranks computing at once (the workload calibration
+    runs the node's ranks in lockstep; the roofline bound is one rank alone). Data and tensor
+    parallel ranks all compute at once, as calibrated; pipeline stages take turns, so in the
+    ramp-up and ramp-down fewer compete for the cores (:func:`pipeline_time_s`). GPUs share
+    nothing: :data:`NO_SHARING`.
+    """
+
+    cores: float
+    threads: int
+    calibrated_busy: int
+    node_ranks: int = 1
+    """The ranks on the node (all busy at once outside a pipeline)."""
+
+    def factor(self, busy: int) -> float:
+        """A pass's time with ``busy`` ranks computing, over its time at the calibrated rates."""
+        def load(n: int) -> float:
+            return max(1.0, n * max(1, self.threads) / self.cores)
+
+        return load(busy) / load(self.calibrated_busy)
+
+
+NO_SHARING = CoreSharing(cores=float("inf"), threads=1, calibrated_busy=1)
+
+
+def pipeline_time_s(stage_pass_s: float, pp: int, virtual: int, microbatches: int, ranks_per_stage: int,
+                    sharing: CoreSharing) -> float:
+    """The slowest stage's compute plus bubble over one step of a ``pp``-stage pipeline.
+
+    The schedule is ``v * m + p - 1`` slots of one chunk's pass (``stage_pass_s / v``), with
+    ``min(j + 1, p, v*m + p - 1 - j)`` stages busy in slot ``j`` (Narayanan et al. 2021): with no
+    sharing this is ``m * s * (1 + (p - 1) / (v m))``, compute plus the textbook bubble. CPU
+    stages share cores, so each slot's pass is slowed by the stages busy in it, and an
+    oversubscribed node fills part of the bubble with other stages' work.
+    """
+    slots = virtual * microbatches + pp - 1
+    busy = (min(j + 1, pp, slots - j) for j in range(slots))
+    return stage_pass_s / virtual * sum(sharing.factor(b * ranks_per_stage) for b in busy)
+
+
 def layer_flops_per_token(c: CellShape) -> float:
     s = c.size
     matmul_params = s.params_per_layer - 4 * s.d_model  # LayerNorm weights do no matmul

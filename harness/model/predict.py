@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 from harness.model.comm import comm_by_rank
 from harness.model.comm_fit import fitted_time_s
-from harness.model.compute import rates_from_entry, roofline_rates, with_recompute, wrapper_of
+from harness.model.compute import (
+    NO_SHARING,
+    CoreSharing,
+    rates_from_entry,
+    roofline_rates,
+    with_recompute,
+    wrapper_of,
+)
 from harness.model.memory import peak_bytes, state_bytes_by_rank
 from harness.model.shape import CellShape
 from harness.model.step_time import predict_step
@@ -41,11 +48,12 @@ class CalibrationInputs:
     """Comm entry (kind ``comm``) for a group of this many ranks, or None."""
 
 
-def core_share(device_kind: str, local_world: int, threads: int) -> float:
-    """Fraction of its threads' cores a CPU rank gets when ranks x threads oversubscribe the cores."""
+def core_sharing(device_kind: str, local_world: int, threads: int, calibrated_busy: int) -> CoreSharing:
+    """How the node's CPU ranks share its cores, against rates measured with ``calibrated_busy`` busy."""
     if device_kind != "cpu":
-        return 1.0
-    return min(1.0, (os.cpu_count() or 1) / (local_world * max(1, threads)))
+        return NO_SHARING
+    return CoreSharing(cores=float(os.cpu_count() or 1), threads=threads, calibrated_busy=calibrated_busy,
+                       node_ranks=local_world)
 
 
 def _comm_time_fn(comm: Callable[[int], dict | None]):
@@ -66,10 +74,11 @@ def predict_cell(cfg, cal: CalibrationInputs) -> dict:
     local_world = max(1, cfg.world_size // cfg.nnodes)
     notes = []
     rates = None
-    share = core_share(cfg.device_kind, local_world, cal.threads)
+    sharing = core_sharing(cfg.device_kind, local_world, cal.threads, calibrated_busy=1)  # the roofline: one rank alone
     if cal.workload is not None:
         rates = rates_from_entry(cal.workload, wrapper_of(c))
-        share = 1.0  # measured with the node's ranks computing at once: the sharing is in the rates
+        # measured with the node's ranks computing at once in lockstep: that sharing is in the rates
+        sharing = core_sharing(cfg.device_kind, local_world, cal.threads, calibrated_busy=local_world)
     elif cal.matmul_tflops is not None:
         rates = roofline_rates(c, cal.matmul_tflops)
         notes.append("no workload calibration: compute at the matmul peak (a lower bound on time)")
@@ -79,7 +88,7 @@ def predict_cell(cfg, cal: CalibrationInputs) -> dict:
         notes.append("compile on: priced at the eager rates (no compiled calibration yet)")
     step = None
     if rates is not None:
-        step = predict_step(c, rates, _comm_time_fn(cal.comm), share, hide_overlappable=cfg.device_kind == "cuda")
+        step = predict_step(c, rates, _comm_time_fn(cal.comm), sharing, hide_overlappable=cfg.device_kind == "cuda")
         notes += list(step.notes)
     else:
         notes.append(f"n/a: no calibration for {cfg.device_kind} {cal.dtype} threads={cal.threads}; "

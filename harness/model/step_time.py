@@ -10,7 +10,9 @@
   behind compute up to the compute time, except the first and the last such call (the first
   FSDP all-gather precedes all compute, the last DDP bucket / reduce-scatter follows it) on GPUs; on CPU ranks nothing is hidden (gloo reduces on the same cores that compute);
 * pipeline bubble: ``(p - 1) / (v * m)`` of the slowest stage's compute (Narayanan et al.
-  2021, section 2.2.1 and eq. for interleaving).
+  2021, section 2.2.1 and eq. for interleaving); CPU stages that share cores are priced slot by
+  slot (:func:`harness.model.compute.pipeline_time_s`): a slot with fewer stages busy runs
+  faster, so an oversubscribed node fills part of the bubble.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.model import comm as comm_model
-from harness.model.compute import ComputeRates, pass_time_s, stage_shares
+from harness.model.compute import NO_SHARING, ComputeRates, CoreSharing, pass_time_s, pipeline_time_s, stage_shares
 from harness.model.inventory import coords
 from harness.model.memory import state_bytes_by_rank
 from harness.model.shape import CellShape
@@ -51,10 +53,11 @@ def _p2p_name(collective: str) -> str:
     return "send_recv" if collective in ("send", "recv") else collective
 
 
-def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, core_share: float = 1.0,
+def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing: CoreSharing = NO_SHARING,
                  hide_overlappable: bool = True) -> StepPrediction:
     """The slowest rank's predicted step time (ranks wait for each other at every collective)."""
     dims = c.dims
+    all_busy = sharing.factor(sharing.node_ranks)  # data and tensor parallel ranks compute at once
     shares = stage_shares(c)
     states = state_bytes_by_rank(c)
     ranks = coords(dims)
@@ -67,9 +70,10 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, core_sh
         if k.dp_replicate or k.dp_shard or k.tp:  # ranks of one pipeline rank are alike; price one each
             continue
         flop_share, layer_share = shares[k.pp]
-        compute = passes * pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp) / core_share
+        one_pass = pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp)
+        compute = passes * one_pass * all_busy
         optimizer = (rates.optimizer_s_per_param * states[k.rank].params / 4
-                     + rates.wrapper_optimizer_s * layer_share) / core_share
+                     + rates.wrapper_optimizer_s * layer_share) * all_busy
         calls = comm_model.rank_calls(c, k)
         total = hidden_ok = 0.0
         exposed = 0.0
@@ -90,7 +94,10 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, core_sh
                 exposed += t
         if hide_overlappable and hidden_ok:
             exposed += max(sum(edge), hidden_ok - compute)
-        bubble = compute * bubble_frac
+        bubble = 0.0
+        if dims.pp_enabled:  # max(0, ...): only float rounding can make the schedule shorter than its work
+            bubble = max(0.0, pipeline_time_s(one_pass, dims.pp, v, c.microbatches, max(1, sharing.node_ranks // dims.pp),
+                                              sharing) - compute)
         comm_known = not missing
         step = compute + optimizer + exposed + bubble
         if missing:

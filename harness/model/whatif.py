@@ -126,7 +126,7 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         row["reason"] = str(e)
         return row
     dims = c.dims
-    p = predict_step(c, rates_for(s, c), comm_time_fn(s.device, dims), core_share=1.0, hide_overlappable=True)
+    p = predict_step(c, rates_for(s, c), comm_time_fn(s.device, dims), hide_overlappable=True)
     step = p.step_time_s
     assert step is not None, "the hardware table prices every collective"
     tokens_per_device = c.global_batch * c.size.seq_len / step / dims.world_size

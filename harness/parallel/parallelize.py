@@ -38,6 +38,8 @@ class Parallelized:
     pipeline: Pipeline | None
     data_parallel: str
     notes: list[str] = field(default_factory=list)
+    sequence_parallel: bool = False
+    """Whether replicated LayerNorm weights get partial gradients (:func:`harness.parallel.tp.reduce_partial_grads`)."""
 
     def parameters(self):
         for p in self.parts:
@@ -84,5 +86,7 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
     if dims.pp_enabled:
         pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn,
                               stage_shapes)
-        return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp)
-    return Parallelized(parts=[parts[0]], model=wrapped or parts[0], pipeline=None, data_parallel=dp)
+        return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp,
+                            sequence_parallel=dims.sequence_parallel)
+    return Parallelized(parts=[parts[0]], model=wrapped or parts[0], pipeline=None, data_parallel=dp,
+                        sequence_parallel=dims.sequence_parallel)

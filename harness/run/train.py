@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.parallel.parallelize import Parallelized
+from harness.parallel.tp import reduce_partial_grads
 from harness.precision import PrecisionPlan
 from workloads.model import lm_loss
 
@@ -73,6 +74,8 @@ def train_step(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) ->
         group["lr"] = lr
     ctx.optimizer.zero_grad(set_to_none=True)
     loss = _forward_backward(ctx, x, y)
+    if ctx.par.sequence_parallel:  # the LayerNorms' partial gradients, summed once (not at every AdamW use)
+        reduce_partial_grads(ctx.par.parameters())
     with ctx.ranges.range("optimizer"):
         if ctx.scaler is None:
             ctx.optimizer.step()

@@ -9,7 +9,7 @@ import pytest
 
 from harness.calibration import collectives as cc
 from harness.calibration import matmul as calibrate
-from harness.calibration import store
+from harness.calibration import store, workload
 from harness.cli import main
 from harness.model import comm_fit
 
@@ -250,3 +250,19 @@ def test_only_valid_cells_are_calibrated_for():
     spec4 = SweepSpec(**{**spec.__dict__, "gpus": (4,), "batch": 8, "reference": True})
     matmuls, workloads, comms = needs(spec4, [c for c in expand(spec4) if c.valid])
     assert comms == {4, 2} and {k for *_, k in workloads} == {1, 4}
+
+
+def test_workload_copies_meet_before_every_timed_pass(monkeypatch):
+    """The K copies of a workload calibration time each pass in lockstep, as ranks meet at every
+    step's collectives: a barrier before the warmup and before each timed repeat, the same count
+    in every copy (a copy that met fewer times would leave the others waiting)."""
+    events = []
+
+    class Barrier:
+        def wait(self, timeout):
+            assert timeout == workload.BARRIER_TIMEOUT_S
+            events.append("meet")
+
+    monkeypatch.setattr(workload, "_lockstep", Barrier())
+    workload._median_time(lambda: events.append("pass"), 3)
+    assert events == ["meet", "pass"] * 4

@@ -10,7 +10,7 @@ import pytest
 
 from harness.measure.stats import fit_line
 from harness.model import comm, memory
-from harness.model.compute import ComputeRates, pass_time_s, stage_shares
+from harness.model.compute import ComputeRates, CoreSharing, pass_time_s, pipeline_time_s, stage_shares
 from harness.model.inventory import coords, fsdp_local_numel, fsdp_padded_numel, param_specs
 from harness.model.shape import CellShape
 from harness.model.step_time import predict_step
@@ -171,6 +171,36 @@ def test_pipeline_bubble_is_p_minus_1_over_vm_of_the_slowest_stage():
     slowest = max(f for f, _ in stage_shares(c))
     assert p.compute_s == pytest.approx(4 * pass_time_s(rates, 2, slowest, 0, 1))  # 8 sequences in 4 microbatches
     assert p.bubble_s == pytest.approx(p.compute_s * (2 - 1) / 4)
+
+
+def test_cpu_sharing_is_relative_to_the_calibrated_load():
+    """Processor sharing: 4 one-thread ranks on 2 cores run at half speed; rates calibrated with
+    the 4 in lockstep already hold that, rates of one rank alone (the roofline) do not."""
+    lockstep = CoreSharing(cores=2, threads=1, calibrated_busy=4, node_ranks=4)
+    assert lockstep.factor(4) == pytest.approx(1.0)
+    assert lockstep.factor(2) == lockstep.factor(1) == pytest.approx(0.5)
+    alone = CoreSharing(cores=2, threads=1, calibrated_busy=1, node_ranks=4)
+    assert alone.factor(4) == pytest.approx(2.0) and alone.factor(2) == pytest.approx(1.0)
+    rates = ComputeRates(alpha_s=0.0, beta_s_per_row=0.02, optimizer_s_per_param=0.0, basis="matmul peak")
+    ddp4 = shape("ddp", 4)
+    assert predict_step(ddp4, rates, lambda *call: 0.0, alone).compute_s == pytest.approx(2 * 2 * 0.02)
+
+
+def test_pipeline_slots_price_the_bubble_and_fill_it_when_cores_are_oversubscribed():
+    s, m = 0.1, 8
+    gpu = pipeline_time_s(s, 4, 1, m, 1, CoreSharing(cores=float("inf"), threads=1, calibrated_busy=1))
+    assert gpu == pytest.approx(m * s * (1 + 3 / m))  # compute plus the textbook (p - 1) / m bubble
+    assert pipeline_time_s(s, 4, 2, m, 1, CoreSharing(cores=float("inf"), threads=1, calibrated_busy=1)) == \
+        pytest.approx(m * s * (1 + 3 / (2 * m)))  # interleaved: (p - 1) / (v m)
+    # 4 one-thread stages on 2 cores, rates calibrated with all 4 busy (each pass at half speed):
+    # busy stages per slot 1, 2, 3, 4 x 5, 3, 2, 1 -> factors 0.5, 0.5, 0.75, 1 x 5, 0.75, 0.5, 0.5
+    cpu = pipeline_time_s(s, 4, 1, m, 1, CoreSharing(cores=2, threads=1, calibrated_busy=4, node_ranks=4))
+    assert cpu == pytest.approx(s * (0.5 + 0.5 + 0.75 + 5 + 0.75 + 0.5 + 0.5))
+    assert m * s < cpu < gpu  # more than the work alone, less than the bubble at full contention
+    c = shape("pp", 4, microbatches=8)
+    rates = ComputeRates(alpha_s=0.0, beta_s_per_row=0.08, optimizer_s_per_param=0.0, basis="workload")
+    p = predict_step(c, rates, lambda *call: 0.0, CoreSharing(cores=2, threads=1, calibrated_busy=4, node_ranks=4))
+    assert p.bubble_s == pytest.approx(p.compute_s * (8.5 - 8) / 8)
 
 
 def test_uncalibrated_comm_gives_no_step_time_and_says_why():

@@ -162,7 +162,8 @@ def test_calls_carry_their_dimension_group_and_overlap() -> None:
     assert kinds(_calls(shape("hsdp", 4))) == {("all_gather", "dp", True, 2), ("reduce_scatter", "dp", True, 2),
                                                ("all_reduce", "dp", True, 2)}
     assert kinds(_calls(shape("tp", 2))) == {("all_reduce", "tp", False, 2), ("all_gather", "tp", False, 2)}
-    assert kinds(_calls(shape("tp-sp", 2))) == {("all_gather", "tp", False, 2), ("reduce_scatter", "tp", False, 2)}
+    assert kinds(_calls(shape("tp-sp", 2))) == {("all_gather", "tp", False, 2), ("reduce_scatter", "tp", False, 2),
+                                                ("all_reduce", "tp", False, 2)}
     for rank in (0, 1):  # activations go out asynchronously; a receive waits
         assert kinds(_calls(shape("pp", 2, microbatches=4), rank)) == {("send", "pp", True, 2), ("recv", "pp", False, 2)}
     assert kinds(_calls(shape("single", 1))) == set()
@@ -172,14 +173,18 @@ def test_tp_sp_swaps_each_all_reduce_for_a_gather_scatter_pair() -> None:
     act = 8 * 128 * 128 * 4  # rows x S x d, fp32
     logits = 8 * 128 * 256 * 4
     # per layer 2 x (gather, scatter, gather, scatter); the head gathers its input and the logits and
-    # scatters its input gradient; the embedding output is gathered once.
+    # scatters its input gradient; the embedding output is gathered once. The LayerNorms' partial
+    # gradients (4 blocks x 2 norms + the final one, weight and bias) are summed in one all-reduce.
+    norm_grads = {"calls_per_step": 1, "bytes_per_step": (4 * 2 + 1) * 2 * 128 * 4}
     assert _summary(shape("tp-sp", 2)) == {
+        "all_reduce": norm_grads,
         "all_gather": {"calls_per_step": 8 * 2 + 2 + 1, "bytes_per_step": (8 * 2 + 2) * act + logits},
         "reduce_scatter": {"calls_per_step": 8 * 2 + 1, "bytes_per_step": (8 * 2 + 1) * act},
     }
     # bf16: the scattered/gathered matmul outputs halve, the fp32 residual stream does not.
     lo, hi = act // 2, act
     assert _summary(shape("tp-sp", 2, precision="bf16")) == {
+        "all_reduce": norm_grads,  # fp32 parameters: fp32 gradients under autocast
         "all_gather": {"calls_per_step": 19, "bytes_per_step": 8 * hi + 8 * lo + 2 * hi + logits // 2},
         "reduce_scatter": {"calls_per_step": 17, "bytes_per_step": 8 * lo + 8 * hi + hi},
     }
