@@ -137,9 +137,13 @@ def calibration_inputs(cfg: CellConfig) -> CalibrationInputs:
         return CalibrationInputs(dtype=dtype, threads=threads)
     concurrent = local_world if cfg.device_kind == "cpu" else 1
     matmul = lookup_matmul(cfg.device_kind, dtype, threads)
+    workload = lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads, concurrent, compiled=True) \
+        if cfg.compile else None
+    compiled = workload is not None
+    if workload is None:  # eager passes, or a compiled cell whose compiled passes were not timed (the prediction says so)
+        workload = lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads, concurrent)
     return CalibrationInputs(
-        dtype=dtype, threads=threads,
-        workload=lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads, concurrent),
+        dtype=dtype, threads=threads, workload=workload, workload_compiled=compiled,
         matmul_tflops=matmul["tflops"] if matmul else None,
         comm=lambda group: lookup_comm(cfg.device_kind, group, nnodes=1 if group <= 1 else cfg.nnodes))
 

@@ -38,9 +38,10 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]], set[tuple[str, int, str, int, int]], set[int]]:
+def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]], set[tuple[str, int, str, int, int, bool]],
+                                                 set[int]]:
     """What the cells to run need: matmul (dtype, threads); workload (size, seq, dtype, threads,
-    ranks at once); comm rank counts. Only valid cells count: a ``--gpus 3`` sweep with no valid
+    ranks at once, compiled); comm rank counts. Only valid cells count: a ``--gpus 3`` sweep with no valid
     3-rank cell calibrates no 3-rank collectives."""
     matmuls, workloads, comms = set(), set(), set()
     for c in cells:
@@ -51,7 +52,8 @@ def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]], set[tuple
         if dtype not in matmul.DTYPES:  # fp8: no calibration yet; its prediction and calibrated MFU say n/a
             continue
         matmuls.add((dtype, threads))
-        workloads.add((cfg.size, cfg.seq_len, dtype, threads, local_world if spec.device_kind == "cpu" else 1))
+        workloads.add((cfg.size, cfg.seq_len, dtype, threads, local_world if spec.device_kind == "cpu" else 1,
+                       cfg.compile))
         if local_world >= 2:
             comms.update({local_world, 2})  # 2 ranks: the group size of every hybrid's inner dimensions
     return matmuls, workloads, comms
@@ -70,9 +72,9 @@ def _matmul(spec: SweepSpec, matmuls: set[tuple[str, int]]) -> None:
         _say(f"calibrated {spec.device_kind} {dt} threads={th}: {hit['tflops']:.4g} TFLOP/s matmul peak")
 
 
-def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int]]) -> None:
-    for name, seq, dt, th, k in sorted(workloads):
-        if lookup_workload(spec.device_kind, name, seq, dt, th, k) is not None:
+def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int, bool]]) -> None:
+    for name, seq, dt, th, k, compiled in sorted(workloads):
+        if lookup_workload(spec.device_kind, name, seq, dt, th, k, compiled=compiled) is not None:
             continue
         try:
             check_fits(name, seq, dt, spec.device_kind, k)
@@ -81,10 +83,11 @@ def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int]]) 
             continue
         rc, output = calibrate_in_child(["--device", spec.device_kind, "--dtype", dt, "--threads", str(max(1, th)),
                                          "--no-comm", "--workloads", name, "--seq-len", str(seq),
-                                         "--concurrent", str(k)])
+                                         "--concurrent", str(k), *(["--compile"] if compiled else [])])
         if rc != 0:  # the sweep goes on; its predictions say what was missing
-            print(f"workload calibration of {name} {dt} threads={th} x {k} failed (exit {rc}); "
-                  f"predictions fall back to the matmul peak", file=sys.stderr, flush=True)
+            print(f"workload calibration of {name} {dt} threads={th} x {k}{' compiled' if compiled else ''} failed "
+                  f"(exit {rc}); predictions fall back to the "
+                  f"{'eager passes' if compiled else 'matmul peak'}", file=sys.stderr, flush=True)
             continue
         _say("calibrated " + output.strip().splitlines()[-1])
 

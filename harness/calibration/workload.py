@@ -36,6 +36,7 @@ from harness.model.predict import CPU_BASE_GIB
 from harness.model.shape import CellShape
 from harness.parallel.data_parallel import apply_fsdp
 from harness.parallel.dims import ParallelDims
+from harness.parallel.levers import apply_compile
 from harness.parallel.tp import apply_tp, reduce_partial_grads
 from harness.precision import PrecisionPlan
 from harness.units import GIB
@@ -103,9 +104,14 @@ def _tokens(size, rows: int, dev):
     return torch.randint(0, size.vocab_size, (rows, size.seq_len), generator=torch.Generator().manual_seed(rows)).to(dev)
 
 
-def _plain_passes(size, plan, device_kind: str, dev, reps: int) -> tuple[list[float], float]:
-    """Pass times at ``PROBE_ROWS`` and the AdamW step time; the model is freed on return."""
+def _plain_passes(size, plan, device_kind: str, dev, reps: int, compiled: bool) -> tuple[list[float], float]:
+    """Pass times at ``PROBE_ROWS`` and the AdamW step time; the model is freed on return.
+
+    ``compiled``: each block's forward goes through ``torch.compile`` as a ``--compile on`` cell's
+    does; each probe's untimed warmup pass takes the (re)compilation for its batch shape."""
     model = _model(size, dev)
+    if compiled:
+        apply_compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = [_median_time(_pass(model, plan, device_kind, _tokens(size, rows, dev)), reps) for rows in PROBE_ROWS]
     return times, _median_time(_optimizer_step(opt, device_kind), reps)
@@ -122,7 +128,8 @@ def _optimizer_step(opt: torch.optim.Optimizer, device_kind: str):
     return step
 
 
-def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str, reps: int = REPS) -> dict:
+def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str, reps: int = REPS,
+                     compiled: bool = False) -> dict:
     """Time forward+backward at ``PROBE_ROWS`` sequences and one AdamW step; fit alpha and beta."""
     dev = torch.device("cuda" if device_kind == "cuda" else "cpu")
     base_gib = _worker_base_gib(device_kind)
@@ -130,9 +137,9 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
     plan = PrecisionPlan(dtype)
     plan.configure_backends(device_kind)
     # one model at a time (each helper frees its own): K concurrent copies of `small` must fit in host memory
-    times, opt_s = _plain_passes(size, plan, device_kind, dev, reps)
+    times, opt_s = _plain_passes(size, plan, device_kind, dev, reps, compiled)
     alpha, beta = fit_line(list(PROBE_ROWS), times)
-    wrapped = {w: _wrapped_pass_s(size, plan, device_kind, dev, w, reps) for w in WRAPPERS}
+    wrapped = {w: _wrapped_pass_s(size, plan, device_kind, dev, w, reps, compiled) for w in WRAPPERS}
     return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "pass_s": times,
             "alpha_s": alpha, "beta_s_per_row": beta, "optimizer_s": opt_s, "params": size.params,
             "optimizer_s_per_param": opt_s / size.params, "base_gib": base_gib,
@@ -154,7 +161,8 @@ def _worker_base_gib(device_kind: str) -> float:
     return psutil.Process().memory_info().rss / GIB
 
 
-def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) -> tuple[float, float]:
+def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int,
+                    compiled: bool) -> tuple[float, float]:
     """One-sequence forward+backward, and one AdamW step, through the strategy's real wrappers on a
     one-rank group: ``(pass_s, optimizer_s)``.
 
@@ -169,6 +177,8 @@ def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) 
     model = _model(size, dev)
     if "tp" in wrapper:
         apply_tp(model, dims.mesh("tp"), sequence_parallel=wrapper.endswith("-sp"))
+    if compiled:  # in the cell's order: TP, then compile, then FSDP (harness.parallel.parallelize)
+        apply_compile(model)
     if "fsdp" in wrapper:
         apply_fsdp(model, dims.mesh("dp_shard"), True, plan.fsdp_policy())
     pass_s = _median_time(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps)
@@ -178,28 +188,31 @@ def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int) 
 
 
 def workload_fingerprint(device_kind: str, size: str, seq_len: int, dtype: str, threads: int,
-                         concurrent: int = 1) -> dict:
-    return {"kind": "workload", "version": WORKLOAD_CALIBRATION_VERSION, "device_kind": device_kind,
-            "device_name": device_name(device_kind), "size": size, "seq_len": seq_len, "dtype": dtype,
-            "threads": threads if device_kind == "cpu" else None, "concurrent": concurrent, "torch": torch.__version__}
+                         concurrent: int = 1, compiled: bool = False) -> dict:
+    """What makes a workload entry reusable; ``compile`` appears only when on, so eager keys stay put."""
+    fp = {"kind": "workload", "version": WORKLOAD_CALIBRATION_VERSION, "device_kind": device_kind,
+          "device_name": device_name(device_kind), "size": size, "seq_len": seq_len, "dtype": dtype,
+          "threads": threads if device_kind == "cpu" else None, "concurrent": concurrent, "torch": torch.__version__}
+    return {**fp, "compile": True} if compiled else fp
 
 
 def lookup_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
-                    cache: Path | None = None) -> dict | None:
-    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent)
+                    cache: Path | None = None, compiled: bool = False) -> dict | None:
+    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent, compiled)
     return store.get("workload", fp, cache)
 
 
 def _measure_in_child(args: tuple) -> dict:
-    size, seq_len, dtype, device_kind, threads, index = args
+    size, seq_len, dtype, device_kind, threads, index, compiled = args
     if device_kind == "cpu":
         torch.set_num_threads(threads)
     else:
         torch.cuda.set_device(index)
-    return measure_workload(size, seq_len, dtype, device_kind)
+    return measure_workload(size, seq_len, dtype, device_kind, compiled=compiled)
 
 
-def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, threads: int, concurrent: int) -> dict:
+def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, threads: int, concurrent: int,
+                       compiled: bool = False) -> dict:
     """Run the measurement in ``concurrent`` processes at once, as a node's ranks compute at once.
 
     CPU ranks share cores, caches and memory bandwidth (GPU ranks share the host): a pass timed
@@ -207,7 +220,7 @@ def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, th
     alpha and beta are refitted from those. The copies time every pass in lockstep (a barrier
     before each), as ranks that meet at every step's collectives.
     """
-    jobs = [(size, seq_len, dtype, device_kind, threads, i) for i in range(concurrent)]
+    jobs = [(size, seq_len, dtype, device_kind, threads, i, compiled) for i in range(concurrent)]
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(concurrent) if concurrent > 1 else None
     with ProcessPoolExecutor(max_workers=concurrent, mp_context=ctx, initializer=_join_lockstep,
@@ -253,14 +266,14 @@ def check_fits(size: str, seq_len: int, dtype: str, device_kind: str, concurrent
 
 
 def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
-                       cache: Path | None = None, force: bool = False) -> dict:
+                       cache: Path | None = None, force: bool = False, compiled: bool = False) -> dict:
     """Measure (or reuse) the workload rates and keep them in the calibration store."""
     if not force:
-        hit = lookup_workload(device_kind, size, seq_len, dtype, threads, concurrent, cache)
+        hit = lookup_workload(device_kind, size, seq_len, dtype, threads, concurrent, cache, compiled)
         if hit is not None:
             return hit
     check_fits(size, seq_len, dtype, device_kind, concurrent)
-    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent)
+    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent, compiled)
     entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             **measure_concurrent(size, seq_len, dtype, device_kind, threads, concurrent)}
+             **measure_concurrent(size, seq_len, dtype, device_kind, threads, concurrent, compiled)}
     return store.put("workload", fp, entry, cache)

@@ -22,6 +22,7 @@ from harness.calibration.collectives import (
 from harness.calibration.workload import calibrate_workload, lookup_workload
 from harness.cli.args import csv_list, int_arg
 from harness.errors import UsageError
+from harness.parallel.levers import check_levers
 from harness.spec import default_device_kind
 from workloads.sizes import get_size
 
@@ -71,8 +72,9 @@ def _origin(cached: bool, e: dict) -> str:
 
 def _print_workload(e: dict, threads: int, origin: str) -> None:
     passes = ", ".join(f"{r}: {t * 1e3:.1f} ms" for r, t in zip(e["rows"], e["pass_s"]))
+    compiled = " compiled" if e["fingerprint"].get("compile") else ""
     print(f"workload {e['size']} seq {e['seq_len']} {e['dtype']} threads={threads} x {e['fingerprint']['concurrent']} "
-          f"at once: forward+backward {passes}; "
+          f"at once{compiled}: forward+backward {passes}; "
           f"fit alpha {e['alpha_s'] * 1e3:.1f} ms + {e['beta_s_per_row'] * 1e3:.1f} ms/sequence; "
           f"AdamW step {e['optimizer_s'] * 1e3:.1f} ms for {e['params']:,} params {origin}")
 
@@ -101,6 +103,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     comm = None if args.no_comm else _comm_args(args, device)
     workloads = _workload_args(args)
     concurrent = int_arg("--concurrent", args.concurrent, 1) if args.concurrent is not None else 1
+    if args.compile:
+        if not workloads:
+            raise UsageError("--compile times compiled workload passes: name the sizes with --workloads, e.g. "
+                             "--workloads tiny --compile")
+        check_levers(device, tp_enabled=False, warmup=1, compile=True, ac="none", optimizer="adamw")
     path = store.default_path()
     why = store.unwritable(path)
     if why is not None:
@@ -118,8 +125,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for name, seq in workloads:
         for dt in csv_list(args.dtype):
             th = threads if device == "cpu" else 0
-            cached = not args.force and lookup_workload(device, name, seq, dt, th, concurrent) is not None
-            e = calibrate_workload(device, name, seq, dt, th, concurrent, force=args.force)
+            cached = not args.force and lookup_workload(device, name, seq, dt, th, concurrent,
+                                                        compiled=args.compile) is not None
+            e = calibrate_workload(device, name, seq, dt, th, concurrent, force=args.force, compiled=args.compile)
             _print_workload(e, threads, _origin(cached, e))
     if comm is not None:
         n, lo, hi = comm
@@ -145,4 +153,6 @@ def register(sub) -> None:
                                        "performance model, e.g. tiny,small")
     k.add_argument("--seq-len", help="sequence length for --workloads (default: the size's)")
     k.add_argument("--concurrent", help="--workloads: copies measured at once, as many as a node's ranks (default 1)")
+    k.add_argument("--compile", action="store_true",
+                   help="--workloads: time the passes with each block torch.compile'd, as --compile on cells run")
     k.set_defaults(fn=cmd_calibrate)

@@ -42,6 +42,8 @@ class CalibrationInputs:
     """CPU threads per rank (0 on GPU)."""
     workload: dict | None = None
     """Workload entry (kind ``workload``) at the cell's size, sequence, dtype, threads and ranks at once."""
+    workload_compiled: bool = False
+    """Whether ``workload`` timed compiled passes (``harness calibrate --workloads SIZE --compile``)."""
     matmul_tflops: float | None = None
     """Measured matmul peak (kind ``matmul``): the roofline fallback without a workload entry."""
     comm: Callable[[int], dict | None] = lambda group: None
@@ -84,8 +86,9 @@ def predict_cell(cfg, cal: CalibrationInputs) -> dict:
         notes.append("no workload calibration: compute at the matmul peak (a lower bound on time)")
     if rates is not None and c.recompute != "none":
         rates = with_recompute(rates, c)
-    if cfg.compile:
-        notes.append("compile on: priced at the eager rates (no compiled calibration yet)")
+    if cfg.compile and not cal.workload_compiled:
+        notes.append("compile on: priced at the eager rates (no compiled workload calibration: "
+                     "harness calibrate --workloads SIZE --compile)")
     step = None
     if rates is not None:
         step = predict_step(c, rates, _comm_time_fn(cal.comm), sharing, hide_overlappable=cfg.device_kind == "cuda")

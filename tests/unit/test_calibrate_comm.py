@@ -249,7 +249,7 @@ def test_only_valid_cells_are_calibrated_for():
     assert needs(spec, [c for c in cells if c.valid]) == (set(), set(), set()), "no 3-rank collectives to measure"
     spec4 = SweepSpec(**{**spec.__dict__, "gpus": (4,), "batch": 8, "reference": True})
     matmuls, workloads, comms = needs(spec4, [c for c in expand(spec4) if c.valid])
-    assert comms == {4, 2} and {k for *_, k in workloads} == {1, 4}
+    assert comms == {4, 2} and {w[4] for w in workloads} == {1, 4} and not any(w[5] for w in workloads)
 
 
 def test_workload_copies_meet_before_every_timed_pass(monkeypatch):

@@ -244,3 +244,44 @@ def test_compiled_blocks_train_like_eager_and_keep_their_parameter_names():
         if float(g.norm()) < DEAD_GRAD_FRACTION * total:  # the key bias: zero in exact arithmetic, noise here
             continue
         assert float((grads1[name] - g).norm() / g.norm()) <= 1e-5, name
+
+
+def test_compiled_cells_are_priced_from_compiled_passes_when_calibrated(tmp_path, monkeypatch):
+    """A --compile on cell asks for a compiled workload calibration (its own store key; eager keys
+    unchanged), is predicted from it when present, and says it fell back to the eager passes when not."""
+    from harness.calibration import auto, store, workload
+    from harness.plan import calibration_inputs, predict_cells
+    from harness.spec import SweepSpec
+
+    monkeypatch.setenv(store.ENV, str(tmp_path / "cal.json"))
+    eager_fp = workload.workload_fingerprint("cpu", "tiny", 64, "fp32", 1, 2)
+    compiled_fp = workload.workload_fingerprint("cpu", "tiny", 64, "fp32", 1, 2, compiled=True)
+    assert "compile" not in eager_fp and compiled_fp == {**eager_fp, "compile": True}
+    assert store.key("workload", eager_fp) != store.key("workload", compiled_fp)
+
+    spec = SweepSpec(sizes=("tiny",), strategies=("ddp",), precisions=("fp32",), gpus=(2,), device_kind="cpu",
+                     batch=8, seq_len=64, steps=3, warmup=1, reference=False, compiles=(False, True))
+    cells = [c for c in expand(spec) if c.valid]
+    assert {w[5] for w in auto.needs(spec, cells)[1]} == {False, True}
+    asked = []
+    monkeypatch.setattr(auto, "calibrate_in_child", lambda args: (asked.append(args), (1, "boom"))[1])
+    monkeypatch.setattr(auto, "check_fits", lambda *a: None)
+    auto._workloads(spec, auto.needs(spec, cells)[1])
+    assert sum("--compile" in a for a in asked) == 1 and len(asked) == 2  # the eager and the compiled passes
+
+    entry = {"alpha_s": 0.01, "beta_s_per_row": 0.02, "optimizer_s_per_param": 1e-8}
+    store.put("workload", eager_fp, entry)
+    compiled_cell = next(c for c in cells if c.config.compile)
+    before = predict_cells([compiled_cell])[0].predicted
+    assert any("priced at the eager rates" in n for n in before["notes"])
+    assert not calibration_inputs(compiled_cell.config).workload_compiled
+    store.put("workload", compiled_fp, {**entry, "beta_s_per_row": 0.01})
+    assert calibration_inputs(compiled_cell.config).workload_compiled
+    after = predict_cells([compiled_cell])[0].predicted
+    assert not any("eager rates" in n for n in after["notes"])
+    assert after["breakdown"]["compute_s"] < before["breakdown"]["compute_s"]
+
+
+def test_calibrate_compile_needs_workloads(capsys):
+    assert main(["calibrate", "--device", "cpu", "--compile", "--no-comm"]) == 2
+    assert "--compile times compiled workload passes: name the sizes with --workloads" in capsys.readouterr().err
