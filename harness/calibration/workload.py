@@ -4,9 +4,10 @@ What :mod:`harness.model.compute` fits its per-pass cost model to (the docstring
 model). Timed with a rank's thread count and K copies running at once, as K ranks of a node
 compute at once (sharing cores, caches and memory bandwidth); each time is the slowest copy's.
 The K copies run in lockstep: each waits for the others at a barrier before every timed pass, as
-the ranks of a data-parallel cell meet at every step's collectives. Unsynchronised copies drift
-apart (one still importing torch while another times its first passes), so each timed a
-different mix of contention: two calibrations of ``mini`` minutes apart differed by up to 30%.
+the ranks of a data-parallel cell meet at every step's collectives; unsynchronised copies could
+time their passes while another copy was still importing torch. (On a shared 2-core machine the
+passes stay noisy: two lockstep calibrations of ``mini`` minutes apart differed by up to 39% at
+one probe.)
 Runs in a child process (``python -m harness calibrate --workloads ...``); the entries live in
 the calibration store (:mod:`harness.calibration.store`) as kind ``workload``.
 """

@@ -36,6 +36,7 @@ class TrialFailed(Exception):
     def __init__(self, outcome: Outcome, rows: int, trials: list[dict]) -> None:
         super().__init__(f"batch auto: the trial at {rows} sequences per rank ended {outcome.status}: {outcome.error}")
         self.outcome = outcome
+        self.rows = rows
         self.trials = trials
 
 

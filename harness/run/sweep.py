@@ -100,13 +100,16 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
 def _search_batch(cell: PlannedCell, trial: Callable[[CellConfig, str], Outcome],
                   replan: Callable[[PlannedCell], PlannedCell] | None) -> tuple[PlannedCell, BatchSearch, Outcome]:
     """``--batch auto``: the cell at the largest batch that fit, the search, and the cell's outcome:
-    the trial at the batch found, or the one that ended the search (crashed, timed out, nothing fit)."""
+    the trial at the batch found, or the one that ended the search (crashed, timed out, nothing fit).
+    The cell's config is that trial's: the record names the batch that was run, not the plan's placeholder."""
     cfg = cell.config
     try:
         found = batch_search.search(cfg, trial)
     except batch_search.TrialFailed as e:
-        return cell, BatchSearch(None, e.trials), replace(e.outcome, error=str(e))
+        failed = replace(cell, config=batch_search.trial_config(cfg, e.rows))
+        return failed, BatchSearch(None, e.trials), replace(e.outcome, error=str(e))
     if found.rows_per_rank is None:
+        cell = replace(cell, config=batch_search.trial_config(cfg, batch_search.split_of(cfg)))
         return cell, found, Outcome(status="oom", error=f"batch auto: not even {batch_search.split_of(cfg)} "
                                     f"sequences per rank fit", result=None, returncode=None,
                                     wall_s=sum(t["wall_s"] for t in found.trials))

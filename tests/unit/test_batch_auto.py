@@ -61,6 +61,26 @@ def test_nothing_fits_and_a_crashed_trial_end_the_search():
     assert [t["status"] for t in e.value.trials] == ["ok", "ok", "crashed"]
 
 
+def test_a_search_that_ends_without_a_batch_records_the_batch_it_ran():
+    """The record of a crashed (or nothing-fit) search carries the trial that ended it, not the
+    plan's placeholder batch: a reader sees which batch crashed."""
+    from harness.plan import PlannedCell
+    from harness.run.sweep import _search_batch
+
+    cfg = _cfg()
+    cell = PlannedCell(cell_id=cfg.cell_id, config=cfg, raw={}, valid=True, reason=None)
+    run, _ = _trials(fit_rows=3, status_over="crashed")
+    crashed, found, outcome = _search_batch(cell, run, None)
+    assert outcome.status == "crashed" and found.rows_per_rank is None
+    assert crashed.config.global_batch == 4 * 2 and crashed.cell_id == cell.cell_id  # 4 per rank x 2 ranks
+    run, _ = _trials(fit_rows=0)
+    none_fit, _, outcome = _search_batch(cell, run, None)
+    assert outcome.status == "oom" and none_fit.config.global_batch == 1 * 2
+    run, _ = _trials(fit_rows=11)
+    fit, found, outcome = _search_batch(cell, run, None)
+    assert outcome.status == "ok" and fit.config.global_batch == 11 * 2
+
+
 @pytest.mark.parametrize("args,message", [
     (["--batch", "auto"], "--batch auto with --scaling strong: auto finds the batch per device"),
     (["--batch", "auto", "--scaling", "weak"], "--batch auto on CPU needs --mem-cap-gib"),

@@ -135,6 +135,36 @@ def test_fused_adamw_takes_plain_tensors_and_dtensors_in_separate_groups():
     assert not build_optimizer(params, "adamw", 1e-3).defaults["fused"]
 
 
+def test_fused_adamw_steps_dtensors_as_the_default_kernel_does(tmp_path):
+    """Under TP the linears are DTensors beside plain embeddings: fused AdamW takes them in their own
+    group and updates both kinds exactly as torch's default kernel does (a one-rank mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        stepped = {}
+        for kind in ("adamw", "adamw-fused"):
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(4)),
+                      torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))]
+            opt = build_optimizer(params, kind, 1e-2)
+            assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.full_like(p, 0.5)
+                opt.step()
+            stepped[kind] = [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
+        for eager, fused in zip(stepped["adamw"], stepped["adamw-fused"], strict=True):
+            assert torch.allclose(eager, fused, atol=1e-6)
+        assert not torch.allclose(stepped["adamw"][1], torch.zeros(4, 4))
+    finally:
+        dist.destroy_process_group()
+
+
 def _rec(cell_id: str, median_s: float, peak_gib: float, predicted_gib: float, **levers) -> dict:
     config = {"size": "tiny", "strategy": "ddp", "precision": "fp32", "world_size": 2, "global_batch": 8,
               "compile": False, "ac": "none", "optimizer": "adamw", **levers}
