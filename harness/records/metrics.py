@@ -119,6 +119,9 @@ class RunMetrics(TypedDict, total=False):
     parity: dict[str, Any]
     batch_search: dict[str, Any]
     """``--batch auto`` only (:meth:`harness.run.batch_search.BatchSearch.as_dict`)."""
+    machine_probe_s: dict[str, float]
+    """CPU only: ``{"before", "after"}``, the normaliser workload timed around the cell
+    (:mod:`harness.measure.machine_probe`)."""
 
 
 class CellMetrics(WorkerMetrics, CalibratedMfuMetrics, RunMetrics, total=False):

@@ -2,11 +2,17 @@
 
 Error % = 100 x (predicted - measured) / measured, signed (positive: the model expected a
 slower step / more bytes / more memory). The sweep's mean and max are over absolute errors.
+
+On CPU the sweep times the run's normaliser workload before and after each cell
+(``metrics.machine_probe_s``); their mean over the run's calibration record (timed when the run
+was calibrated) is the machine's slowdown while the cell ran. The step time is also held
+against the prediction scaled by it: what is left is the model's error, not the machine's drift.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +40,29 @@ def error_pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured
 
 
+def _normaliser_s(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per run id, the median of its calibration record's samples (the first, as ``harness compare`` takes)."""
+    out: dict[str, float] = {}
+    for r in records:
+        times = (r.get("samples") or {}).get("step_time_s")
+        if r.get("kind") == "calibration" and times and r.get("run_id") not in out:
+            out[r.get("run_id")] = statistics.median(times)
+    return out
+
+
+def machine_factor(record: dict[str, Any], normaliser: dict[str, float]) -> float:
+    """How much slower the machine ran the normaliser around this cell than when the run was calibrated."""
+    probe = (record.get("metrics") or {}).get("machine_probe_s") or {}
+    ref = normaliser.get(record.get("run_id"))
+    if not ref or "before" not in probe or "after" not in probe:
+        return math.nan
+    return (probe["before"] + probe["after"]) / 2 / ref
+
+
 def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     """One row per ok cell with a prediction (its latest record): predicted, measured and error % per quantity."""
     rows = []
+    normaliser = _normaliser_s(records)
     for r in latest_per_cell(list(records))[0]:
         if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not r.get("predicted"):
             continue
@@ -52,6 +78,8 @@ def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
             pv = num(p["peak_tensor_gib"])
             row.update(peak_mem_predicted=pv, peak_mem_measured=tensor, peak_mem_error_pct=error_pct(pv, tensor))
         row["peak_mem_basis"] = "tensor_bytes" if math.isfinite(tensor) else m.get("peak_mem_kind")
+        row["machine_factor"] = factor = machine_factor(r, normaliser)
+        row["step_time_adjusted_error_pct"] = error_pct(row["step_time_predicted"] * factor, row["step_time_measured"])
         row["comm_exact"] = row["comm_bytes_predicted"] == row["comm_bytes_measured"]
         rows.append(row)
     return pd.DataFrame(rows)
@@ -87,13 +115,14 @@ def model_section(records: Sequence[dict[str, Any]]) -> str:
     rows = []
     for _, r in df.iterrows():
         rows.append([r["cell_id"], _f(r["step_time_measured"] * 1e3, ".1f"), _f(r["step_time_predicted"] * 1e3, ".1f"),
-                     _f(r["step_time_error_pct"], "+.0f"),
+                     _f(r["step_time_error_pct"], "+.0f"), _f(r["machine_factor"], ".2f"),
+                     _f(r["step_time_adjusted_error_pct"], "+.0f"),
                      _f(r["comm_bytes_measured"] / MIB, ".2f"), _f(r["comm_bytes_predicted"] / MIB, ".2f"),
                      "yes" if r["comm_exact"] else "no",
                      _f(r["model_state_error_pct"], "+.2f"), _f(r["peak_mem_measured"], ".3f"),
                      _f(r["peak_mem_predicted"], ".3f"), _f(r["peak_mem_error_pct"], "+.0f"),
                      r["peak_mem_basis"] or "-", r["basis"] or "-"])
-    headers = ["cell", "step ms", "predicted ms", "error %", "comm MiB/step", "predicted MiB", "bytes exact",
+    headers = ["cell", "step ms", "predicted ms", "error %", "machine x", "error adj. %", "comm MiB/step", "predicted MiB", "bytes exact",
                "model-state error %", "peak GiB", "predicted GiB", "peak error %", "peak measure", "compute basis"]
     lines = ["## Predicted vs measured (harness.model)", "",
              tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
@@ -103,12 +132,20 @@ def model_section(records: Sequence[dict[str, Any]]) -> str:
         if s.n:
             lines.append(f"- {label}: mean |error| {s.mean_abs_pct:.1f}%, max {s.max_abs_pct:.1f}% "
                          f"(`{s.worst_cell}`) over {s.n} cells")
+        adj = error_summary(df, "step_time_adjusted") if q == "step_time" else ErrorSummary(0, math.nan, math.nan, None)
+        if adj.n:
+            lines.append(f"- step time against the prediction x the machine's slowdown at the cell (machine x): "
+                         f"mean |error| {adj.mean_abs_pct:.1f}%, max {adj.max_abs_pct:.1f}% (`{adj.worst_cell}`) "
+                         f"over {adj.n} cells")
     lines += ["", "error % = 100 x (predicted - measured) / measured; the step time is the measured median. "
               "Peak memory is held against the measure the model predicts: live tensor bytes on CPU ranks "
               "(`metrics.peak_tensor_gib`, the model without the process), the allocator on GPU; older CPU "
               "records without it fall back to RSS against the model plus the process base. "
               "Predictions are written before the cell runs, from calibration files only "
-              "(`harness calibrate`: matmul peak, workload passes, collective busbw).", ""]
+              "(`harness calibrate`: matmul peak, workload passes, collective busbw). machine x = the run's "
+              "normaliser workload timed before and after the cell (`metrics.machine_probe_s`, mean) over "
+              "its time when the run was calibrated (CPU sweeps); error adj. % holds the step time against "
+              "the prediction times machine x.", ""]
     return "\n".join(lines)
 
 

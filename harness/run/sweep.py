@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from harness.measure.machine_probe import machine_probe_s
 from harness.plan import PlannedCell
 from harness.precision import PrecisionPlan
 from harness.records.env import capture
@@ -77,6 +78,7 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
                                     rdzv_id=rdzv_id, env_extra=env_extra, worker_prefix=worker_prefix)
 
             found, outcome = None, None
+            probe = machine_probe_s(device_kind) if device_kind == "cpu" else None
             if cell.config.batch_auto:
                 trials, rdzv_id = cell_dir / "batch-trials", _rdzv_id(opts, index)
                 cell, found, outcome = _search_batch(cell, lambda cfg, name, trials=trials, rdzv_id=rdzv_id: job(
@@ -86,6 +88,8 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
             rec = _record(cell, outcome, opts.run_id, env, references)
             if found is not None:
                 rec["metrics"]["batch_search"] = found.as_dict()
+            if probe is not None:  # how fast the machine was around the cell (harness.measure.machine_probe)
+                rec["metrics"]["machine_probe_s"] = {"before": probe, "after": machine_probe_s(device_kind)}
             _keep_reference(references, rec)
         if writer:
             side = append_record(records_path, rec)

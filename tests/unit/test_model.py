@@ -227,6 +227,34 @@ def test_error_summary_is_mean_and_max_of_absolute_errors():
     assert error_summary(pd.DataFrame()).n == 0
 
 
+def test_step_error_is_also_held_against_the_machine_s_speed_at_the_cell():
+    """The normaliser timed around a cell (metrics.machine_probe_s) over its time when the run was
+    calibrated is the machine's slowdown; the adjusted error scales the prediction by it."""
+    from harness.report.model_error import model_section
+
+    def cell(cid: str, probe: dict | None) -> dict:
+        metrics = {"step_time_s": {"median": 0.13}, "comm_bytes_per_step": 0, "model_state_bytes_per_rank": 1,
+                   "peak_mem_gib": 1.0}
+        if probe is not None:
+            metrics["machine_probe_s"] = probe
+        return {"kind": "cell", "status": "ok", "cell_id": cid, "run_id": "r", "config": {"world_size": 2},
+                "predicted": {"step_time_s": 0.1, "comm_bytes_per_step": 0, "model_state_bytes_per_rank": 1,
+                              "peak_mem_gib": 1.0}, "metrics": metrics}
+
+    normaliser = {"kind": "calibration", "cell_id": "calibration", "status": "ok", "run_id": "r",
+                  "samples": {"step_time_s": [0.011, 0.010, 0.009]}}
+    recs = [normaliser, cell("slowed", {"before": 0.012, "after": 0.014}), cell("unprobed", None)]
+    df = model_frame(recs).set_index("cell_id")
+    assert df.loc["slowed", "machine_factor"] == pytest.approx(1.3)
+    assert df.loc["slowed", "step_time_error_pct"] == pytest.approx(100 * (0.1 - 0.13) / 0.13)
+    assert df.loc["slowed", "step_time_adjusted_error_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert math.isnan(df.loc["unprobed", "machine_factor"])
+    text = model_section(recs)
+    assert "machine x" in text and "mean |error| 0.0%, max 0.0% (`slowed`) over 1 cells" in text
+    other_run = [{**normaliser, "run_id": "other"}, cell("slowed", {"before": 0.012, "after": 0.014})]
+    assert math.isnan(model_frame(other_run)["machine_factor"].iloc[0]), "only the cell's own run calibrates it"
+
+
 def test_sequence_parallel_shards_layernorm_activations():
     base = shape("tp", 2)
     sp = replace(base, dims=degrees_for("tp-sp", 2), strategy="tp-sp")

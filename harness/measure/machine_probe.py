@@ -1,0 +1,48 @@
+"""How fast the machine is right now: a fixed matmul workload, timed.
+
+The run's normaliser (:mod:`harness.calibration.normaliser`) times it once when the run is
+calibrated; on CPU the sweep times it again before and after every cell
+(``metrics.machine_probe_s``). A shared machine's speed drifts by tens of percent within a
+minute (tiny's forward+backward, alone on a 2-core machine, ran at 57 to 93 ms in 3-second
+windows over 150 s), so the two say how much slower the machine was while the cell ran than
+when its prediction's calibration was measured (:func:`harness.report.model_error.machine_factor`).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from harness.measure.timer import StepTimer
+
+PROBE_SAMPLES = 9
+"""Samples of the workload in one :func:`machine_probe_s` (about 0.1 s on a CPU)."""
+
+
+def side(device_kind: str) -> int:
+    """The square matmul's side: 2048 on a GPU, 384 on a CPU."""
+    return 2048 if device_kind == "cuda" else 384
+
+
+def matmul_times(device_kind: str, samples: int) -> list[float]:
+    """Seconds per 4 square matmuls, ``samples`` times after 2 untimed."""
+    dev = "cuda" if device_kind == "cuda" else "cpu"
+    n = side(device_kind)
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    timer = StepTimer(device_kind)
+    times = []
+    for i in range(samples + 2):
+        timer.start()
+        for _ in range(4):
+            a @ b
+        t = timer.stop()
+        if i >= 2:
+            times.append(t)
+    return times
+
+
+def machine_probe_s(device_kind: str, samples: int = PROBE_SAMPLES) -> float:
+    """The workload now: median seconds, held against the run's calibration record."""
+    return statistics.median(matmul_times(device_kind, samples))
