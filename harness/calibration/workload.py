@@ -46,11 +46,12 @@ from workloads.sizes import get_size
 
 PROBE_ROWS = (1, 2, 4, 8)  # up to the local batch of a default 8-sequence single-device cell
 WORKLOAD_CALIBRATION_VERSION = 7  # 4: the tp-sp wrapper; 5: the wrappers' AdamW cost; 6: 8 rows; 7: lockstep
+"""Bumped when what the workload calibration measures changes, so older cache entries are re-measured."""
 REPS = 5
 """Timed repeats of every probe (the median is kept). The same count in every copy: lockstep copies
 must meet at the barrier equally often."""
 BARRIER_TIMEOUT_S = 600.0
-"""Bumped when what the workload calibration measures changes, so older cache entries are re-measured."""
+"""How long a copy waits for the others at the barrier before the calibration fails."""
 RANK_IMPORTS = ("torch.distributed", "harness.parallel.parallelize", "harness.measure.monitor",
                 "harness.measure.nvtx_ranges", "harness.measure.comm", "harness.measure.gns", "workloads.model")
 """What a rank imports before its model exists (``harness.run.worker``'s heavy imports): the base

@@ -147,6 +147,18 @@ def diff_runs(a_records: Sequence[dict[str, Any]], b_records: Sequence[dict[str,
     return RunDiff(cells, only_a, [str(r.get("cell_id")) for r in b_left.values()])
 
 
+def step_spread_pct(diff: RunDiff) -> tuple[int, float, float, float] | None:
+    """Over the cells ok on both sides: ``(n, mean, median, max)`` of ``100 |B/A - 1|`` of the median
+    step: how far apart the two runs are as a whole (two runs of the same code: the machine's
+    run-to-run spread). None when no cell is ok on both sides."""
+    d = [100 * abs(_metric(c.b, "step_time_s", "median") / _metric(c.a, "step_time_s", "median") - 1)
+         for c in diff.cells if c.a.get("status") == "ok" and c.b.get("status") == "ok"]
+    d = [x for x in d if np.isfinite(x)]
+    if not d:
+        return None
+    return len(d), float(np.mean(d)), float(np.median(d)), float(np.max(d))
+
+
 # ---- presentation ------------------------------------------------------------------------------
 
 
@@ -243,6 +255,11 @@ def diff_markdown(diff: RunDiff, a_name: str, b_name: str, a_records: Sequence[d
         out += [_md(cells_table(diff)), ""]
         out += ["Throughput: the gate's statistics over per-step samples (ratio of medians B/A, percentile "
                 "bootstrap 95% CI, one-sided Mann-Whitney U for B slower); `A -> B` for every other metric.", ""]
+        spread = step_spread_pct(diff)
+        if spread is not None:
+            n, mean, median, top = spread
+            out += [f"Median step, B against A, over the {n} cells ok in both: mean |B/A - 1| {mean:.1f}%, "
+                    f"median {median:.1f}%, max {top:.1f}%.", ""]
     else:
         out += ["No cell is in both runs.", ""]
     notes = [f"- `{c.cell_id}`: {c.note}" for c in diff.cells if c.note]

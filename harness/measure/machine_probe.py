@@ -3,9 +3,10 @@
 The run's normaliser (:mod:`harness.calibration.normaliser`) times it once when the run is
 calibrated; on CPU the sweep times it again before and after every cell
 (``metrics.machine_probe_s``). A shared machine's speed drifts by tens of percent within a
-minute (tiny's forward+backward, alone on a 2-core machine, ran at 57 to 93 ms in 3-second
-windows over 150 s), so the two say how much slower the machine was while the cell ran than
-when its prediction's calibration was measured (:func:`harness.report.model_error.machine_factor`).
+minute (``scripts/machine_drift.py``; results/reference/machine-drift), and the two are meant
+to say how much slower the machine was around the cell than when its prediction's calibration
+was measured (:func:`harness.report.model_error.machine_factor`). On the CPU reference
+``model-cpu-tiny-mini-w2-w4-r4`` they did not explain the model's error.
 """
 
 from __future__ import annotations

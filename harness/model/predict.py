@@ -76,11 +76,12 @@ def predict_cell(cfg, cal: CalibrationInputs) -> dict:
     local_world = max(1, cfg.world_size // cfg.nnodes)
     notes = []
     rates = None
-    sharing = core_sharing(cfg.device_kind, local_world, cal.threads, calibrated_busy=1)  # the roofline: one rank alone
+    # workload passes were timed with the node's ranks computing at once (that sharing is in the
+    # rates); the roofline is one rank alone
+    busy = local_world if cal.workload is not None else 1
+    sharing = core_sharing(cfg.device_kind, local_world, cal.threads, calibrated_busy=busy)
     if cal.workload is not None:
         rates = rates_from_entry(cal.workload, wrapper_of(c))
-        # measured with the node's ranks computing at once in lockstep: that sharing is in the rates
-        sharing = core_sharing(cfg.device_kind, local_world, cal.threads, calibrated_busy=local_world)
     elif cal.matmul_tflops is not None:
         rates = roofline_rates(c, cal.matmul_tflops)
         notes.append("no workload calibration: compute at the matmul peak (a lower bound on time)")

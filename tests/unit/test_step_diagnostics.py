@@ -20,7 +20,7 @@ import pytest
 
 from harness.cli import main
 from harness.compare.changepoint import detect_steps
-from harness.compare.diff import attribution, diff_runs
+from harness.compare.diff import attribution, diff_runs, step_spread_pct
 from harness.compare.history import Run, find_changes, history_frame
 from harness.measure.nvtx_ranges import Ranges
 from harness.measure.step_composition import (
@@ -153,6 +153,10 @@ def test_diff_attributes_the_optimizer_sleep_and_the_extra_all_reduce() -> None:
     comm_b = _latest(INJECTED, DDP)["metrics"]["comm"]["all_reduce"]["bytes_per_step"]
     assert comm_b - comm_a == EXTRA_MIB * 2**20
     assert cell.throughput.verdict == "REGRESSION"
+    # the runs as a whole: the one cell ok in both moved by |B/A - 1| of its median step
+    ratio = _latest(INJECTED, DDP)["metrics"]["step_time_s"]["median"] / _latest(BASE, DDP)["metrics"]["step_time_s"]["median"]
+    n, mean, median, top = step_spread_pct(diff)
+    assert n == 1 and mean == median == top == pytest.approx(100 * abs(ratio - 1))
 
 
 def test_diff_lists_unmatched_cells_and_writes_diff_md(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -164,6 +168,7 @@ def test_diff_lists_unmatched_cells_and_writes_diff_md(tmp_path: Path, capsys: p
                     "tiny-pp-fp32-w2-gb8-strong-1f1b-m4"):
         assert f"- only in A: `{cell_id}`" in text
     assert "exposed all_reduce" in text and "| optimizer" in text and "REGRESSION" in text
+    assert "over the 1 cells ok in both: mean |B/A - 1|" in text
 
 
 def test_diff_of_missing_run_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
