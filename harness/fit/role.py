@@ -18,6 +18,8 @@ import contextlib
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -178,14 +180,18 @@ def _child(spec: RoleSpec, conn) -> None:
         conn.close()
 
 
-def _forked(spec: RoleSpec) -> dict:
+def _start(spec: RoleSpec):
     """:func:`run_fake` in a forked child: a fresh process group and DTensor caches per role (torch's
     caches keyed by group name do not survive a destroyed group), at no interpreter start-up cost."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(spec, child))
+    proc = ctx.Process(target=_child, args=(spec, child), daemon=True)  # dies with this process
     proc.start()
     child.close()
+    return parent, proc
+
+
+def _finish(spec: RoleSpec, parent, proc) -> dict:
     try:
         status, payload = parent.recv()
     except EOFError:
@@ -196,6 +202,24 @@ def _forked(spec: RoleSpec) -> dict:
     return payload
 
 
+def _forked_all(specs: list[RoleSpec]) -> list[dict]:
+    """Every spec in a forked child of its own (:func:`_start`), as many at once as this process
+    may use cores; the results in the specs' order."""
+    workers = max(1, len(os.sched_getaffinity(0)))
+    results: list[dict] = [{} for _ in specs]
+    pending = list(enumerate(specs))
+    running: dict = {}  # the child's pipe -> (index, process)
+    while pending or running:
+        while pending and len(running) < workers:
+            i, spec = pending.pop(0)
+            parent, proc = _start(spec)
+            running[parent] = (i, proc)
+        for parent in multiprocessing.connection.wait(list(running)):
+            i, proc = running.pop(parent)
+            results[i] = _finish(specs[i], parent, proc)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     """One spec (``harness fit``: one role per process), or a list run in turn (tests of model states)."""
     ap = argparse.ArgumentParser(prog="harness.fit.role")
@@ -204,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     raw = json.loads(args.spec.read_text())
     if isinstance(raw, list):
-        write_json_atomic(args.out, [_forked(RoleSpec.from_dict(d)) for d in raw])
+        write_json_atomic(args.out, _forked_all([RoleSpec.from_dict(d) for d in raw]))
     else:
         write_json_atomic(args.out, run_fake(RoleSpec.from_dict(raw)))
     return 0

@@ -75,24 +75,27 @@ def local_params(c: CellShape) -> int:
     return max(s.params for s in state_bytes_by_rank(c)) // 4
 
 
-def _layers_on_rank(c: CellShape) -> int:
-    return max(rank_layers(c.size.n_layers, c.dims.pp, c.virtual, p) for p in range(c.dims.pp))
+def _layers_on_rank(c: CellShape, pp_rank: int | None = None) -> int:
+    """Blocks pipeline rank ``pp_rank`` holds (``None``: the most any holds)."""
+    ranks = range(c.dims.pp) if pp_rank is None else (pp_rank,)
+    return max(rank_layers(c.size.n_layers, c.dims.pp, c.virtual, p) for p in ranks)
 
 
-def inflight_microbatches(c: CellShape) -> int:
-    """Microbatches whose activations a pipeline rank holds at once: all for GPipe, ``pp`` for 1F1B."""
+def inflight_microbatches(c: CellShape, pp_rank: int = 0) -> int:
+    """Microbatches whose activations a pipeline rank holds at once: all for GPipe; for 1F1B,
+    ``pp - pp_rank`` (the first stage holds ``pp``, the last one), and ``pp`` when interleaved."""
     if not c.dims.pp_enabled:
         return 1
     if c.pp_schedule == "gpipe":
         return c.microbatches
-    return min(c.microbatches, c.dims.pp)
+    if c.virtual > 1:
+        return min(c.microbatches, c.dims.pp)
+    return min(c.microbatches, c.dims.pp - pp_rank)
 
 
-def activation_bytes(c: CellShape) -> int:
-    """Saved activations at the peak of one rank's step (the first stage, which holds the most)."""
-    s, d, tp = c.size.seq_len, c.size.d_model, c.dims.tp
-    rows = c.microbatch_rows
-    lo, hi = c.compute_bytes, c.residual_bytes
+def _block_token_bytes(c: CellShape) -> float:
+    """Bytes one block saves per token for its backward (under ``selective``, what it keeps)."""
+    d, tp, lo, hi = c.size.d_model, c.dims.tp, c.compute_bytes, c.residual_bytes
     sp = tp if c.dims.sequence_parallel else 1
     # per token: LN in/out x2 (hi), q/k/v/attn-out and GELU in/out (lo, / tp). Under SP the LayerNorms
     # save their sequence-sharded inputs, but the column-parallel linears save the all-gathered
@@ -101,19 +104,47 @@ def activation_bytes(c: CellShape) -> int:
     per_layer = ln + 12 * d * lo / tp
     if c.recompute == "selective":
         per_layer -= 4 * d * lo / tp
-    layers = _layers_on_rank(c)
-    tokens = rows * s
-    inflight = inflight_microbatches(c)
-    if c.recompute == "full":  # every in-flight microbatch keeps its block inputs; one block is recomputed at a time
-        return int(tokens * (inflight * layers * d * hi / sp + per_layer))
-    return int(tokens * layers * per_layer * inflight)
+    return per_layer
+
+
+def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
+    """Activations saved for backward at the turn from forward to backward on pipeline rank
+    ``pp_rank`` (the first holds the most): every layer's, or under ``full`` each block's input
+    only; in a pipeline, also each in-flight microbatch's stage output, which the schedule keeps
+    for its backward (but on the last stage, whose output is the loss)."""
+    layers = _layers_on_rank(c, pp_rank)
+    tokens = c.microbatch_rows * c.size.seq_len * inflight_microbatches(c, pp_rank)
+    sp = c.dims.tp if c.dims.sequence_parallel else 1
+    block_input = c.size.d_model * c.residual_bytes / sp
+    per_layer = block_input if c.recompute == "full" else _block_token_bytes(c)
+    stage_output = block_input if c.dims.pp_enabled and pp_rank < c.dims.pp - 1 else 0
+    return int(tokens * (layers * per_layer + stage_output))
+
+
+def block_backward_bytes(c: CellShape) -> int:
+    """Activations one block's backward adds to what is saved: under ``full`` its recomputed
+    activations, and in every mode the GELU gradient (``4 d / tp`` per token) of one microbatch."""
+    tokens = c.microbatch_rows * c.size.seq_len
+    gelu_grad = 4 * c.size.d_model * c.compute_bytes / c.dims.tp
+    return int(tokens * ((_block_token_bytes(c) if c.recompute == "full" else 0) + gelu_grad))
+
+
+def grads_live_in_forward(c: CellShape) -> bool:
+    """Whether gradients exist while activations are saved: the step frees them (``zero_grad(set_to_none)``)
+    before its forward, so only a later pipeline microbatch or accumulation micro-step sees them."""
+    return c.dims.pp_enabled or c.grad_accum > 1
 
 
 def logits_bytes(c: CellShape) -> int:
-    """Logits (compute dtype), their fp32 copy for the loss and its gradient, on the last stage."""
+    """Logits (compute dtype), their fp32 copy for the loss and its gradient, on the last stage.
+
+    Under tensor parallel the head is column-parallel with replicated logits
+    (:mod:`harness.parallel.tp`): every rank holds its vocabulary shard and the gathered whole.
+    """
     rows = c.microbatch_rows
     v = c.size.vocab_size
-    return int(rows * c.size.seq_len * v * (c.compute_bytes + 2 * 4))
+    shard = c.compute_bytes / c.dims.tp if c.dims.tp > 1 else 0
+    return int(rows * c.size.seq_len * v * (c.compute_bytes + 2 * 4 + shard))
 
 
 def transient_param_bytes(c: CellShape) -> int:
@@ -138,6 +169,26 @@ def transient_param_bytes(c: CellShape) -> int:
 
 
 def peak_bytes(c: CellShape, base_bytes: float) -> float:
-    """Predicted peak per rank: model states + transient buffers + activations + logits + base."""
-    states = max(s.total for s in state_bytes_by_rank(c))
-    return states + transient_param_bytes(c) + activation_bytes(c) + logits_bytes(c) / c.dims.tp + base_bytes
+    """Predicted peak per rank (the largest over pipeline ranks): parameters and optimizer state +
+    transient buffers + the largest of three moments of the step + base.
+
+    * the turn from forward to backward: every saved activation and the logits (last stage);
+    * the top block's backward: every saved activation and what that block's backward adds;
+    * the bottom block's backward, the step's last: every gradient and one block's activations.
+      It is the peak under ``ac full`` when the gradients outweigh the block inputs.
+
+    Gradients count in the first two only when they outlive a step's forward (:func:`grads_live_in_forward`).
+    """
+    by_rank = state_bytes_by_rank(c)
+    block = block_backward_bytes(c)
+    one_block = 0 if c.recompute == "full" else c.microbatch_rows * c.size.seq_len * _block_token_bytes(c)
+    transient = transient_param_bytes(c)
+    peaks = []
+    for pp_rank in range(c.dims.pp):
+        states = max((s for s, k in zip(by_rank, coords(c.dims)) if k.pp == pp_rank), key=lambda s: s.total)
+        live_grads = states.grads if grads_live_in_forward(c) else 0
+        saved = activation_bytes(c, pp_rank)
+        logits = logits_bytes(c) if pp_rank == c.dims.pp - 1 else 0
+        moments = (saved + logits + live_grads, saved + block + live_grads, states.grads + one_block + block)
+        peaks.append(states.params + states.optimizer + transient + max(moments))
+    return max(peaks) + base_bytes

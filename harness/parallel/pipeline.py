@@ -106,16 +106,20 @@ class Pipeline:
     n_stages: int
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-        """One forward+backward over all microbatches; returns this rank's microbatch losses."""
+        """One forward+backward over all microbatches; returns this rank's microbatch losses.
+
+        ``return_outputs=False``: the last stage would otherwise keep every microbatch's logits
+        until the step ends, to return them merged (nothing here reads them; the losses suffice).
+        """
         losses: list[torch.Tensor] = []
         if self.has_first and self.has_last:
-            self.schedule.step(x, target=y, losses=losses)
+            self.schedule.step(x, target=y, losses=losses, return_outputs=False)
         elif self.has_first:
-            self.schedule.step(x)
+            self.schedule.step(x, return_outputs=False)
         elif self.has_last:
-            self.schedule.step(target=y, losses=losses)
+            self.schedule.step(target=y, losses=losses, return_outputs=False)
         else:
-            self.schedule.step()
+            self.schedule.step(return_outputs=False)
         return losses
 
 

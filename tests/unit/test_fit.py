@@ -64,6 +64,35 @@ def test_tensor_bytes_counts_live_storages_once_and_keeps_the_peak():
     assert tb.peak_bytes == 440
 
 
+def test_tensor_bytes_counts_unreachable_storages_once():
+    """DDP's buckets: counted ahead (hold_unseen), then written into by an op; a new allocation is not one."""
+    bucket, grad = torch.zeros(100), torch.ones(10)
+    with TensorBytes() as tb:
+        tb.hold_unseen(400)
+        torch.mul(grad, 2.0, out=bucket[:10])  # the reducer copying a gradient into its bucket
+        assert tb.live_bytes == 400
+        fresh = torch.mul(grad, 2.0)
+        assert tb.live_bytes == 440 and fresh.numel() == 10
+        del bucket  # the bucket is now tracked: its free is seen
+        assert tb.live_bytes == 40
+    with pytest.raises(ValueError, match="nbytes >= 0"):
+        TensorBytes().hold_unseen(-1)
+
+
+def test_tensor_bytes_follows_storages_resized_in_place():
+    """FSDP2 frees and re-allocates its unsharded parameters with ``UntypedStorage.resize_``."""
+    assert "resize_" not in torch.UntypedStorage.__dict__
+    with TensorBytes() as tb:
+        a = torch.empty(100)
+        a.untyped_storage().resize_(0)
+        assert tb.live_bytes == 0
+        a.untyped_storage().resize_(800)
+        assert tb.live_bytes == 800 and tb.peak_bytes == 800
+    assert "resize_" not in torch.UntypedStorage.__dict__  # torch's own again once tracking ends
+    a.untyped_storage().resize_(0)
+    assert tb.live_bytes == 800
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpus", "5", "--strategies", "hsdp"],
      "harness fit: error: strategy hsdp needs a device count >= 4 divisible by 2 (2 replicas x >= 2 shards), "

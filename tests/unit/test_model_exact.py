@@ -43,7 +43,7 @@ def test_tiny_inventory_is_what_the_model_builds() -> None:
     # rows x S tokens x layers x per-layer bytes per token
     ("single", 1, {}, 8 * 128 * 4 * (16 * 128 + 48 * 128)),  # fp32: 4d*4 + 12d*4 = 64 d bytes
     ("single", 1, {"recompute": "selective"}, 8 * 128 * 4 * (64 - 16) * 128),
-    ("single", 1, {"recompute": "full"}, 8 * 128 * (4 * 128 * 4 + 64 * 128)),
+    ("single", 1, {"recompute": "full"}, 8 * 128 * 4 * 128 * 4),  # each block's input only
     ("single", 1, {"precision": "bf16"}, 8 * 128 * 4 * (4 * 128 * 4 + 12 * 128 * 2)),
     ("single", 1, {"precision": "bf16", "recompute": "selective"}, 8 * 128 * 4 * (4 * 128 * 4 + 8 * 128 * 2)),
     ("single", 1, {"grad_accum": 2}, 4 * 128 * 4 * 64 * 128),  # one micro-step of 4 rows
@@ -51,13 +51,13 @@ def test_tiny_inventory_is_what_the_model_builds() -> None:
     ("tp", 2, {}, 8 * 128 * 4 * (4 * 128 * 4 + 12 * 128 * 4 // 2)),
     # SP: the LayerNorm inputs sequence-sharded (2d / tp), their outputs saved all-gathered by the linears (2d)
     ("tp-sp", 2, {}, 8 * 128 * 4 * (2 * 128 * 4 // 2 + 2 * 128 * 4 + 12 * 128 * 4 // 2)),
-    ("tp-sp", 2, {"recompute": "full"},
-     8 * 128 * (4 * 128 * 4 // 2 + 2 * 128 * 4 // 2 + 2 * 128 * 4 + 12 * 128 * 4 // 2)),
+    ("tp-sp", 2, {"recompute": "full"}, 8 * 128 * 4 * 128 * 4 // 2),  # block inputs, sequence-sharded
     ("fsdp", 2, {"precision": "bf16"}, 4 * 128 * 4 * (4 * 128 * 2 + 12 * 128 * 2)),  # MP casts the stream too
-    # pp 2, 4 microbatches of 2 rows, 2 layers per stage; 1F1B holds pp = 2 microbatches, GPipe all 4
-    ("pp", 2, {"microbatches": 4}, 2 * 128 * 2 * 64 * 128 * 2),
-    ("pp", 2, {"microbatches": 4, "pp_schedule": "gpipe"}, 2 * 128 * 2 * 64 * 128 * 4),
-    ("pp", 2, {"microbatches": 8, "global_batch": 16}, 2 * 128 * 2 * 64 * 128 * 2),
+    # pp 2, 4 microbatches of 2 rows, 2 layers per stage; 1F1B holds pp = 2 microbatches, GPipe all 4;
+    # each in-flight microbatch also keeps the first stage's output (d fp32 per token) for its backward
+    ("pp", 2, {"microbatches": 4}, 2 * 128 * 2 * (2 * 64 * 128 + 4 * 128)),
+    ("pp", 2, {"microbatches": 4, "pp_schedule": "gpipe"}, 2 * 128 * 4 * (2 * 64 * 128 + 4 * 128)),
+    ("pp", 2, {"microbatches": 8, "global_batch": 16}, 2 * 128 * 2 * (2 * 64 * 128 + 4 * 128)),
 ])
 def test_activation_bytes_exact(strategy: str, world: int, kw: dict, expected: int) -> None:
     assert memory.activation_bytes(shape(strategy, world, **kw)) == expected
@@ -124,19 +124,32 @@ def test_pipeline_stages_hold_their_own_layers() -> None:
     assert [s.optimizer for s in ranks] == [8 * stage0 + 4 * (2 + 32), 8 * stage1 + 4 * (32 + 3)]
 
 
-def test_peak_is_states_plus_buffers_plus_activations_plus_logits_plus_base() -> None:
+def test_peak_is_the_largest_moment_of_the_step() -> None:
+    """Parameters and AdamW state, buffers, and the largest of: the turn from forward to backward
+    (saved activations and logits), the top block's backward (saved activations and the GELU
+    gradient) and the last block backward (every gradient and one block's activations)."""
+    tokens = 8 * 128
+    gelu = tokens * 4 * 128 * 4
+    states = 12 * PARAMS + 4 * TENSORS  # fp32 params, two fp32 moments, a step per tensor; no gradients yet
     c = shape("single", 1)
-    expected = (16 * PARAMS + 4 * TENSORS) + 0 + 8 * 128 * 4 * 64 * 128 + 8 * 128 * 256 * 12 + 1000
-    assert memory.peak_bytes(c, 1000) == expected == 50_705_660
-    tp = shape("tp", 2)
-    states = max(s.total for s in memory.state_bytes_by_rank(tp))
-    assert memory.peak_bytes(tp, 0.0) == states + memory.activation_bytes(tp) + 8 * 128 * 256 * 12 / 2
-    ddp = shape("ddp", 2)
-    assert memory.peak_bytes(ddp, 0.0) == (16 * PARAMS + 4 * TENSORS) + 4 * PARAMS + 4 * 128 * 4 * 64 * 128 \
-        + 4 * 128 * 256 * 12
-    fsdp = replace(shape("fsdp", 2), recompute="full")
-    assert memory.peak_bytes(fsdp, 0.0) == (16 * PARAMS // 2 + 4 * TENSORS) + 4 * (ROOT + 2 * BLOCK) \
-        + 4 * 128 * (4 * 128 * 4 + 64 * 128) + 4 * 128 * 256 * 12
+    acts, logits = tokens * 4 * 64 * 128, tokens * 256 * 12
+    assert memory.peak_bytes(c, 1000) == states + acts + logits + 1000
+    full = replace(c, recompute="full")  # block inputs only: the last block backward, with every gradient, wins
+    bottom = 4 * PARAMS + tokens * 64 * 128 + gelu
+    assert bottom > tokens * 4 * 128 * 4 + max(logits, tokens * 64 * 128 + gelu)
+    assert memory.peak_bytes(full, 0.0) == states + bottom
+    ddp = shape("ddp", 2)  # DDP's buckets (4 bytes per parameter) beside the states; 4 local rows
+    assert memory.peak_bytes(ddp, 0.0) == states + 4 * PARAMS + tokens // 2 * (4 * 64 * 128 + 256 * 12)
+    tp = shape("tp", 2)  # the column-parallel head's shard and the gathered logits on every rank
+    s = max(memory.state_bytes_by_rank(tp), key=lambda x: x.total)
+    assert memory.peak_bytes(tp, 0.0) == s.params + s.optimizer + memory.activation_bytes(tp) \
+        + tokens * 256 * (4 + 8 + 4 // 2)
+    pp = shape("pp", 2, microbatches=4)  # gradients live from the first microbatch's backward on
+    first, last = memory.state_bytes_by_rank(pp)
+    rows = 2 * 128
+    peak_first = first.total + rows * 2 * (2 * 64 * 128 + 4 * 128) + rows * 4 * 128 * 4  # 2 in flight + GELU grad
+    peak_last = last.total + rows * 2 * 64 * 128 + rows * 256 * 12  # one in flight and its logits
+    assert memory.peak_bytes(pp, 0.0) == max(peak_first, peak_last)
 
 
 # ---- communication per rank: exact calls, bytes, mesh dimension and overlap (harness/model/comm.py)
