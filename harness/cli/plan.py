@@ -30,7 +30,7 @@ from workloads.sizes import get_size
 FIT_BANNER = ("PREDICTIONS from the analytic model (harness/model), except peak memory where `harness fit` measured "
               "it (--fit-from; noted per row): nothing here ran on the named hardware.")
 
-ERROR_FROM = Path("results/reference/model-cpu-tiny-mini-w2-w4-r4")
+ERROR_FROM = Path("results/reference/model-cpu-tiny-mini-w2-w4-r5")
 
 
 def add_whatif_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
                                         "(default: MAMF x kernel efficiency measured on one H200)")
     g.add_argument("--error-from", type=Path, default=None,
                    help="run directory whose records carry predictions, for the model's measured error "
-                        "(default results/reference/model-cpu-tiny-mini-w2-w4-r4)")
+                        "(default results/reference/model-cpu-tiny-mini-w2-w4-r5)")
     g.add_argument("--fit-from", type=Path, default=None,
                    help="harness fit run directory: its measured peaks replace the predicted ones where a record "
                         "matches (size, strategy, N, precision, global batch)")

@@ -5,8 +5,9 @@ calibrated; on CPU the sweep times it again before and after every cell
 (``metrics.machine_probe_s``). A shared machine's speed drifts by tens of percent within a
 minute (``scripts/machine_drift.py``; results/reference/machine-drift), and the two are meant
 to say how much slower the machine was around the cell than when its prediction's calibration
-was measured (:func:`harness.report.model_error.machine_factor`). On the CPU reference
-``model-cpu-tiny-mini-w2-w4-r4`` they did not explain the model's error.
+was measured (:func:`harness.report.model_error.machine_factor`). On the CPU references they
+explain part of the model's error at most: ``-r4`` 21.5% raw against 21.4% adjusted, ``-r5``
+(a sweep the machine ran 1.1-1.8x slower than it calibrated) 31.7% against 16.6%.
 """
 
 from __future__ import annotations

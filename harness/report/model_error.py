@@ -6,9 +6,10 @@ slower step / more bytes / more memory). The sweep's mean and max are over absol
 On CPU the sweep times the run's normaliser workload before and after each cell
 (``metrics.machine_probe_s``); their mean over the run's calibration record (timed when the run
 was calibrated) is the machine's slowdown around the cell. The step time is also held against
-the prediction scaled by it, to tell the model's error from the machine's drift; on the CPU
-references (results/reference/model-cpu-tiny-mini-w2-w4-r4) it did not tell them apart: the
-drift that moves the cells is not the one a 0.1 s probe between cells sees.
+the prediction scaled by it, to tell the model's error from the machine's drift. On the CPU
+references it tells them apart only in part: results/reference/model-cpu-tiny-mini-w2-w4-r4
+21.5% raw against 21.4% adjusted, ``-r5`` 31.7% against 16.6%; much of the drift that moves a
+cell is not what a 0.1 s probe between cells sees.
 """
 
 from __future__ import annotations
