@@ -40,7 +40,7 @@ from harness.compare.stats import (  # noqa: F401  (re-exported: the gate's verd
     judge_samples,
 )
 from harness.errors import UsageError
-from harness.records.reader import latest_per_cell, load_any
+from harness.records.reader import calibration_medians, latest_per_cell, load_any
 
 COLUMNS = [
     "cell_id", "verdict", "base_median_tok_per_s", "cand_median_tok_per_s", "ratio",
@@ -79,13 +79,10 @@ def _tokens_per_step(record: dict[str, Any]) -> float | None:
 
 
 def calibration_time_s(records: Iterable[dict[str, Any]], label: str) -> float:
-    """Median time of the run's calibration workload (``kind == "calibration"``)."""
-    for record in records:
-        if record.get("kind") == "calibration":
-            times = (record.get("samples") or {}).get("step_time_s") or []
-            if not times:
-                break
-            return float(np.median(np.asarray(times, dtype=float)))
+    """Median time of the run's calibration workload (the first calibration record's)."""
+    first = next(iter(calibration_medians(records).values()), None)
+    if first is not None:
+        return float(first)
     raise UsageError(
         f"{label}: no calibration record with samples.step_time_s (kind == 'calibration'); "
         "rerun with calibration enabled or use --normalize none"

@@ -221,7 +221,8 @@ def _forked_all(specs: list[RoleSpec]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One spec (``harness fit``: one role per process), or a list run in turn (tests of model states)."""
+    """One spec (``harness fit``: one role per process), or a list, as many at once as there are
+    cores (:func:`_forked_all`; tests of model states)."""
     ap = argparse.ArgumentParser(prog="harness.fit.role")
     ap.add_argument("--spec", required=True, type=Path, help="a RoleSpec as JSON, or a list of them")
     ap.add_argument("--out", required=True, type=Path)

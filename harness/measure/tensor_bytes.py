@@ -45,8 +45,9 @@ class TensorBytes(TorchDispatchMode):
         """id() of each tracked storage -> its bytes (an entry leaves when the storage is freed)."""
         self._unseen = 0
         """Bytes counted ahead for pre-existing storages no tensor reached (:meth:`hold_unseen`)."""
-        self._resize: tuple | None = None
-        """What ``UntypedStorage`` itself defined as ``resize_`` before :meth:`__enter__` (restored on exit)."""
+        self._own_resize = None
+        """What ``UntypedStorage`` itself defined as ``resize_`` before :meth:`__enter__`, restored on
+        exit (None as shipped: it inherits torch's C method)."""
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -106,9 +107,8 @@ class TensorBytes(TorchDispatchMode):
 
     def __enter__(self):
         """Track, and count resizes of tracked storages (``UntypedStorage.resize_`` wrapped until exit)."""
-        own = torch.UntypedStorage.__dict__.get("resize_")  # None: inherited from torch's C base, as shipped
+        self._own_resize = torch.UntypedStorage.__dict__.get("resize_")
         resize = torch.UntypedStorage.resize_
-        self._resize = (own,)
 
         def counted_resize_(storage, size):
             out = resize(storage, size)
@@ -119,11 +119,10 @@ class TensorBytes(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        (own,) = self._resize
-        if own is None:
+        if self._own_resize is None:
             del torch.UntypedStorage.resize_
         else:
-            torch.UntypedStorage.resize_ = own
+            torch.UntypedStorage.resize_ = self._own_resize
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -75,12 +75,6 @@ def local_params(c: CellShape) -> int:
     return max(s.params for s in state_bytes_by_rank(c)) // 4
 
 
-def _layers_on_rank(c: CellShape, pp_rank: int | None = None) -> int:
-    """Blocks pipeline rank ``pp_rank`` holds (``None``: the most any holds)."""
-    ranks = range(c.dims.pp) if pp_rank is None else (pp_rank,)
-    return max(rank_layers(c.size.n_layers, c.dims.pp, c.virtual, p) for p in ranks)
-
-
 def inflight_microbatches(c: CellShape, pp_rank: int = 0) -> int:
     """Microbatches whose activations a pipeline rank holds at once: all for GPipe; for 1F1B,
     ``pp - pp_rank`` (the first stage holds ``pp``, the last one), and ``pp`` when interleaved."""
@@ -112,7 +106,7 @@ def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
     ``pp_rank`` (the first holds the most): every layer's, or under ``full`` each block's input
     only; in a pipeline, also each in-flight microbatch's stage output, which the schedule keeps
     for its backward (but on the last stage, whose output is the loss)."""
-    layers = _layers_on_rank(c, pp_rank)
+    layers = rank_layers(c.size.n_layers, c.dims.pp, c.virtual, pp_rank)
     tokens = c.microbatch_rows * c.size.seq_len * inflight_microbatches(c, pp_rank)
     sp = c.dims.tp if c.dims.sequence_parallel else 1
     block_input = c.size.d_model * c.residual_bytes / sp
@@ -121,12 +115,15 @@ def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
     return int(tokens * (layers * per_layer + stage_output))
 
 
+def _gelu_grad_bytes(c: CellShape) -> int:
+    """The GELU gradient one block's backward allocates, one microbatch (``4 d / tp`` per token)."""
+    return int(c.microbatch_rows * c.size.seq_len * 4 * c.size.d_model * c.compute_bytes / c.dims.tp)
+
+
 def block_backward_bytes(c: CellShape) -> int:
-    """Activations one block's backward adds to what is saved: under ``full`` its recomputed
-    activations, and in every mode the GELU gradient (``4 d / tp`` per token) of one microbatch."""
-    tokens = c.microbatch_rows * c.size.seq_len
-    gelu_grad = 4 * c.size.d_model * c.compute_bytes / c.dims.tp
-    return int(tokens * ((_block_token_bytes(c) if c.recompute == "full" else 0) + gelu_grad))
+    """Activations live in one block's backward, one microbatch: the block's (saved, or recomputed
+    under ``full``) and its GELU gradient."""
+    return int(c.microbatch_rows * c.size.seq_len * _block_token_bytes(c)) + _gelu_grad_bytes(c)
 
 
 def grads_live_in_forward(c: CellShape) -> bool:
@@ -181,7 +178,7 @@ def peak_bytes(c: CellShape, base_bytes: float) -> float:
     """
     by_rank = state_bytes_by_rank(c)
     block = block_backward_bytes(c)
-    one_block = 0 if c.recompute == "full" else c.microbatch_rows * c.size.seq_len * _block_token_bytes(c)
+    top_adds = block if c.recompute == "full" else _gelu_grad_bytes(c)  # what the top block's backward adds to the saved
     transient = transient_param_bytes(c)
     peaks = []
     for pp_rank in range(c.dims.pp):
@@ -189,6 +186,6 @@ def peak_bytes(c: CellShape, base_bytes: float) -> float:
         live_grads = states.grads if grads_live_in_forward(c) else 0
         saved = activation_bytes(c, pp_rank)
         logits = logits_bytes(c) if pp_rank == c.dims.pp - 1 else 0
-        moments = (saved + logits + live_grads, saved + block + live_grads, states.grads + one_block + block)
+        moments = (saved + logits + live_grads, saved + top_adds + live_grads, states.grads + block)
         peaks.append(states.params + states.optimizer + transient + max(moments))
     return max(peaks) + base_bytes

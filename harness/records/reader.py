@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -162,6 +164,17 @@ def latest_per_cell(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]]
         if r.get("kind", "cell") == "cell":
             attempts[key] = attempts.get(key, 0) + 1
     return [latest[k] for k in order], attempts
+
+
+def calibration_medians(records: Iterable[dict[str, Any]]) -> dict[Any, float | None]:
+    """Per run id, in file order, the median ``samples.step_time_s`` of the run's first calibration
+    record (``kind == "calibration"``: the normaliser workload), or None when it has no samples."""
+    out: dict[Any, float | None] = {}
+    for r in records:
+        if r.get("kind") == "calibration" and r.get("run_id") not in out:
+            times = (r.get("samples") or {}).get("step_time_s")
+            out[r.get("run_id")] = statistics.median(times) if times else None
+    return out
 
 
 def is_benchmark_json(path: str | Path) -> bool:

@@ -15,7 +15,6 @@ cell is not what a 0.1 s probe between cells sees.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 import pandas as pd
 from tabulate import tabulate
 
-from harness.records.reader import RECORDS_FILENAME, latest_per_cell, load_records
+from harness.records.reader import RECORDS_FILENAME, calibration_medians, latest_per_cell, load_records
 from harness.report.frame import get, num
 from harness.units import MIB
 
@@ -43,18 +42,9 @@ def error_pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured
 
 
-def _normaliser_s(records: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Per run id, the median of its calibration record's samples (the first, as ``harness compare`` takes)."""
-    out: dict[str, float] = {}
-    for r in records:
-        times = (r.get("samples") or {}).get("step_time_s")
-        if r.get("kind") == "calibration" and times and r.get("run_id") not in out:
-            out[r.get("run_id")] = statistics.median(times)
-    return out
-
-
-def machine_factor(record: dict[str, Any], normaliser: dict[str, float]) -> float:
-    """How much slower the machine ran the normaliser around this cell than when the run was calibrated."""
+def machine_factor(record: dict[str, Any], normaliser: dict[Any, float | None]) -> float:
+    """How much slower the machine ran the normaliser around this cell than when the run was
+    calibrated (``normaliser``: :func:`harness.records.reader.calibration_medians`)."""
     probe = (record.get("metrics") or {}).get("machine_probe_s") or {}
     ref = normaliser.get(record.get("run_id"))
     if not ref or "before" not in probe or "after" not in probe:
@@ -65,7 +55,7 @@ def machine_factor(record: dict[str, Any], normaliser: dict[str, float]) -> floa
 def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     """One row per ok cell with a prediction (its latest record): predicted, measured and error % per quantity."""
     rows = []
-    normaliser = _normaliser_s(records)
+    normaliser = calibration_medians(records)
     for r in latest_per_cell(list(records))[0]:
         if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not r.get("predicted"):
             continue
