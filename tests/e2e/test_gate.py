@@ -1,7 +1,10 @@
 """The regression gate end to end on CPU: real runs, a really slower candidate, real exit codes.
 
-The slowdown is real extra work in every training step (extra forward passes), injected by this
-test through ``tests/e2e/inject_slow/sitecustomize.py``, not by any flag of the product.
+The slowdown is real extra work in every training step (a busy wait twice the step's own time, so
+the candidate runs at about a third of the base's speed whatever the machine's load that hour),
+injected by this test through ``tests/e2e/inject_gate/sitecustomize.py``, not by any flag of the
+product. A fixed count of extra forward passes, used before, measured from 0.46 to 0.64 of the base
+on this machine against the 0.60 bound.
 """
 
 from __future__ import annotations
@@ -15,26 +18,26 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
-SLOW = Path(__file__).resolve().parent / "inject_slow"
+SLOW = Path(__file__).resolve().parent / "inject_gate"
 CELL = ["--device", "cpu", "--gpus", "1", "--sizes", "tiny", "--strategies", "single", "--batch", "4",
         "--steps", "12", "--warmup", "2", "--no-calibrate"]
 # Separate runs on a shared 2-core machine differ by up to ~35% as a whole (measured: an unchanged
 # rerun at 0.66 normalised), so this end-to-end test of the committed-baseline mode uses a 40%
-# threshold and a candidate that does ~2.5x the work. It does not normalise: the calibration
+# threshold and a candidate that does ~3x the work. It does not normalise: the calibration
 # workload, measured once per run, amplified noise (an unchanged rerun judged "slower by 54.8%"
 # in a CI run of this suite); CI's own gate is the A/B mode (tests/e2e/test_gate_ab.py).
 GATE = ["--threshold", "0.4"]
 
 
-def _env(tmp: Path, extra_forwards: int = 0) -> dict:
+def _env(tmp: Path, slowdown: float = 0.0) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
     env.update(PYTHONPATH=os.pathsep.join([str(SLOW), str(REPO)]), HARNESS_FORCE_CPU="1",
-               HARNESS_CALIBRATION=str(tmp / "cal.json"), HARNESS_TEST_EXTRA_FORWARDS=str(extra_forwards))
+               HARNESS_CALIBRATION=str(tmp / "cal.json"), HARNESS_TEST_SLOWDOWN=str(slowdown))
     return env
 
 
-def _harness(tmp: Path, *args: str, extra_forwards: int = 0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness", *args], env=_env(tmp, extra_forwards), cwd=REPO,
+def _harness(tmp: Path, *args: str, slowdown: float = 0.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", *args], env=_env(tmp, slowdown), cwd=REPO,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -42,10 +45,10 @@ def _harness(tmp: Path, *args: str, extra_forwards: int = 0) -> subprocess.Compl
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gate")
     out = {}
-    for name, args, slow in (("base", CELL, 0), ("same", CELL, 0), ("slow", CELL, 5),
+    for name, args, slow in (("base", CELL, 0), ("same", CELL, 0), ("slow", CELL, 2.0),
                              ("bf16", [*CELL[:-5], "--steps", "3", "--warmup", "1", "--no-calibrate",
                                        "--precision", "bf16"], 0)):
-        r = _harness(tmp, "bench", *args, "--out", str(tmp / name), extra_forwards=slow)
+        r = _harness(tmp, "bench", *args, "--out", str(tmp / name), slowdown=slow)
         assert r.returncode == 0, f"{name}: {r.stderr[-2000:]}"
         out[name] = tmp / name
     out["tmp"] = tmp

@@ -1,7 +1,10 @@
 """The A/B gate end to end: two checkouts' CI cells measured in turn on this machine.
 
 The candidate is a git worktree of HEAD. Unchanged, with a CPU hog running through part of the
-gate, it must PASS (neither REGRESSION nor IMPROVED); slowed by 40% (a test-only injection,
+gate, it must not be judged: no REGRESSION and no IMPROVED, exit 0 (PASS, or INCONCLUSIVE when the
+hog moved the medians past the threshold without the statistics to back it: one clean-clone CI run
+measured the unchanged candidate at 0.868 with a CI of [0.765, 1.032], the candidate slower in 4 of
+5 rounds, and said INCONCLUSIVE, the honest answer; CI's gate exits 0 on it as on PASS); slowed by 40% (a test-only injection,
 tests/e2e/inject_gate/sitecustomize.py, copied into the candidate checkout) it must be a REGRESSION.
 The 15% power of the gate is measured with more gates by scripts/gate_power.py
 (results/reference/gate-ab/: 10 of 10); one 5-round gate in a busy test run measured a 15%
@@ -60,7 +63,8 @@ def test_unchanged_candidate_with_a_cpu_hog_passes(candidate):
             hog["proc"].wait()
     assert "proc" in hog, "the hog never ran; the test proves nothing"
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "1 PASS" in r.stdout and "IMPROVED" not in r.stdout and "REGRESSION" not in r.stdout, r.stdout[-2000:]
+    assert "IMPROVED" not in r.stdout and "REGRESSION" not in r.stdout, r.stdout[-2000:]
+    assert "1 PASS" in r.stdout or "1 INCONCLUSIVE" in r.stdout, r.stdout[-2000:]
 
 
 def test_a_40_percent_slower_candidate_is_a_regression(candidate):

@@ -3,7 +3,8 @@
 Copied into the root of a candidate worktree, which the gate puts on that side's PYTHONPATH (so
 Python imports it at start-up there, and only there). With ``HARNESS_TEST_SLOWDOWN=F`` it wraps
 ``harness.run.train.train_step`` so each step computes F times its own duration longer (a busy
-wait: extra work on the CPU, as a slower commit would add).
+wait: extra work on the CPU, as a slower commit would add). tests/e2e/test_gate.py puts its folder on
+PYTHONPATH for its slower run.
 """
 
 import os
