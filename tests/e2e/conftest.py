@@ -26,10 +26,11 @@ INJECT = Path(__file__).resolve().parent / "inject"
 TINY = ["--device", "cpu", "--sizes", "tiny", "--steps", "3", "--warmup", "1", "--batch", "4", "--no-calibrate"]
 """The smallest honest cell: 1 warmup + 3 measured steps of the tiny GPT, 4 sequences per step."""
 
-# Python ignores SIGINT when its parent did (e.g. pytest started in the background by a
-# non-interactive shell); the CLI under test must see Ctrl-C as a user would.
-_MAIN = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-         "sys.argv[0] = 'harness'; runpy.run_module('harness', run_name='__main__', alter_sys=True)")
+
+def _as_a_background_job() -> None:
+    """The harness starts with SIGINT ignored, as a non-interactive shell starts ``harness ... &``:
+    Ctrl-C (SIGINT sent to the harness) must still stop it, so the entry point has to undo this."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @dataclass
@@ -59,8 +60,8 @@ class HarnessCLI:
     def popen(self, *args: str, faults: list[dict] | None = None, log: str = "harness") -> subprocess.Popen:
         out = open(self.tmp / f"{log}.stdout", "w")
         err = open(self.tmp / f"{log}.stderr", "w")
-        return subprocess.Popen([sys.executable, "-c", _MAIN, *args], cwd=REPO, env=self.env(faults),
-                                stdout=out, stderr=err)
+        return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=REPO, env=self.env(faults),
+                                stdout=out, stderr=err, preexec_fn=_as_a_background_job)
 
     def run(self, *args: str, timeout: float, faults: list[dict] | None = None,
             log: str = "harness") -> subprocess.CompletedProcess:

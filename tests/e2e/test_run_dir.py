@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,30 @@ def _one_line_and_nothing_left(harness_cli, e2e, proc, log: str, out) -> None:
         time.sleep(0.2)
     assert e2e.job_processes(proc.pid) == [], "a process the harness started outlived it"
     assert e2e.survivors(str(out)) == []
+
+
+def _handles_sigint(pid: int) -> bool:
+    """The process has a SIGINT handler installed (bit 2 of SigCgt in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) & (1 << (signal.SIGINT - 1)))
+
+
+def test_ctrl_c_while_the_harness_starts_is_one_line(harness_cli, e2e):
+    """The first second of the first command: the harness was started with SIGINT ignored (as by
+    ``harness ... &`` in a script), and Ctrl-C arrives while it still imports torch."""
+    out = harness_cli.tmp / "run"
+    proc = harness_cli.popen("bench", *e2e.TINY, *DDP, "--out", str(out), log="start")
+    rc = _interrupt_when(proc, harness_cli, "start", lambda: _handles_sigint(proc.pid), "the harness's SIGINT handler")
+    err = harness_cli.stderr("start")
+    assert rc == 130, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "interrupted (Ctrl-C)" in lines[0], lines
+    assert e2e.job_processes(proc.pid) == [] and e2e.survivors(str(out)) == []
 
 
 def test_ctrl_c_during_calibration_leaves_no_process_and_one_line(harness_cli, e2e):
