@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -125,11 +127,17 @@ def kill_job(proc: subprocess.Popen, tag: str) -> None:
     proc.wait()
 
 
-def run_job(cmd: list[str], log_path: Path, timeout_s: float, env_extra: dict[str, str] | None = None) -> int | None:
+WATCH_POLL_S = 0.5
+
+
+def run_job(cmd: list[str], log_path: Path, timeout_s: float, env_extra: dict[str, str] | None = None,
+            watchdog: Callable[[], bool] | None = None) -> int | None:
     """Run ``cmd`` as a tagged job with stdout and stderr to ``log_path``; its exit code, None on timeout.
 
-    Whatever happens (clean exit, crash, timeout, Ctrl-C, SIGTERM under :func:`sigterm_as_interrupt`),
-    no process of the job outlives this call; the interrupt is re-raised after the job is killed.
+    ``watchdog``, polled every :data:`WATCH_POLL_S` while the job runs, ends it early (as a timeout)
+    by returning True. Whatever happens (clean exit, crash, timeout, Ctrl-C, SIGTERM under
+    :func:`sigterm_as_interrupt`), no process of the job outlives this call; the interrupt is
+    re-raised after the job is killed.
     """
     tag = new_tag()
     env = job_env(tag, env_extra)
@@ -138,8 +146,13 @@ def run_job(cmd: list[str], log_path: Path, timeout_s: float, env_extra: dict[st
         try:
             with _interrupts_deferred():
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    return proc.wait(timeout=min(left, WATCH_POLL_S) if watchdog else left)
+                except subprocess.TimeoutExpired:
+                    if watchdog is not None and watchdog():
+                        return None
             return None
         finally:
             if proc is not None:

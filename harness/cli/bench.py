@@ -65,8 +65,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cells = expand(spec)
     if args.resume is None:
         check_valid_any(cells)
-    if args.cell_timeout is not None and args.cell_timeout <= 0:
-        raise UsageError(f"--cell-timeout {args.cell_timeout}: must be > 0 seconds")
+    for flag, value in (("--cell-timeout", args.cell_timeout), ("--stall-timeout", args.stall_timeout)):
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag} {value:g}: must be > 0 seconds")
     node_rank = args.node_rank or 0
     run = start_run(args.out, args.resume, node_rank)
     try:
@@ -85,7 +86,8 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
     print(f"run {run.run_id}: {sum(c.valid for c in todo)} cells to run, {sum(not c.valid for c in todo)} invalid "
           f"-> {out}", flush=True)
     rdzv = Rendezvous(nnodes=spec.nnodes, node_rank=node_rank, endpoint=args.rdzv_endpoint)
-    opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout, rdzv=rdzv, resume=run.resume)
+    opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout,
+                        stall_timeout_s=args.stall_timeout, rdzv=rdzv, resume=run.resume)
     try:
         if node_rank == 0:
             if not args.no_calibrate:
@@ -113,6 +115,9 @@ def register(sub) -> None:
     b.add_argument("--out", type=Path, help="run directory (default results/<run-id>); never overwritten")
     b.add_argument("--resume", type=Path, help="finish an interrupted run: re-run cells without an ok record")
     b.add_argument("--cell-timeout", type=float, help="seconds per cell before it is killed (default from steps)")
+    b.add_argument("--stall-timeout", type=float,
+                   help="seconds a rank may go without finishing a measured step before its cell is killed as a "
+                        "hang (default: off, only --cell-timeout)")
     b.add_argument("--node-rank", type=int, help="this machine's rank in a multi-node sweep")
     b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
     b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from harness.jobs import free_port, run_job
 from harness.records.atomic import write_json_atomic
+from harness.run import heartbeat
+from harness.run.heartbeat import StallWatch
 from harness.spec import CellConfig
 
 
@@ -126,8 +128,12 @@ def _failed_rank(cell_dir: Path, launcher_err: str) -> tuple[int | None, str]:
 
 
 def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, rdzv_id: str,
-                 env_extra: dict | None = None, worker_prefix: list[str] | None = None) -> Outcome:
-    """Run the cell; classify ok / oom / crashed / timeout. Ctrl-C kills the job, then re-raises."""
+                 env_extra: dict | None = None, worker_prefix: list[str] | None = None,
+                 stall_timeout_s: float | None = None) -> Outcome:
+    """Run the cell; classify ok / oom / crashed / timeout. Ctrl-C kills the job, then re-raises.
+
+    ``stall_timeout_s``: a rank inside the measured window that finishes no step for this long
+    ends the cell as ``timeout`` (:mod:`harness.run.heartbeat`), before ``timeout_s``."""
     cell_dir.mkdir(parents=True, exist_ok=True)
     for stale in [cell_dir / "result.json", *cell_dir.glob("error-rank*.json")]:
         stale.unlink(missing_ok=True)  # left by an interrupted attempt (--resume): never this job's outcome
@@ -136,12 +142,18 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
     log_dir = cell_dir / "logs"
     cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, worker_prefix)
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env_extra or {})}
+    watch = StallWatch(cell_dir, stall_timeout_s) if stall_timeout_s else None
+    heartbeat.clear(cell_dir)
     t0 = time.monotonic()
-    rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env)
+    try:
+        rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env, watchdog=watch.stalled if watch else None)
+    finally:
+        heartbeat.clear(cell_dir)
     wall = time.monotonic() - t0
     if rc is None:
-        return Outcome("timeout", f"no result within the cell timeout ({timeout_s:.0f} s); job killed "
-                                  f"(raise --cell-timeout if the cell is just slow)", None, None, wall)
+        return Outcome("timeout", watch.reason if watch and watch.reason else
+                       f"no result within the cell timeout ({timeout_s:.0f} s); job killed "
+                       f"(raise --cell-timeout if the cell is just slow)", None, None, wall)
     result_path = cell_dir / "result.json"
     if rc == 0 and (result_path.exists() or rdzv.node_rank != 0):
         result = json.loads(result_path.read_text()) if result_path.exists() else None

@@ -41,6 +41,8 @@ class SweepOptions:
     out: Path
     run_id: str
     cell_timeout_s: float | None = None
+    stall_timeout_s: float | None = None
+    """A rank that finishes no measured step for this long ends its cell as ``timeout`` (None: off)."""
     rdzv: Rendezvous = Rendezvous()
     resume: bool = False
 
@@ -75,7 +77,8 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
 
             def job(cfg: CellConfig, where: Path, rdzv_id: str) -> Outcome:
                 return run_cell_job(cfg, where, opts.cell_timeout_s or default_timeout_s(cfg), opts.rdzv,
-                                    rdzv_id=rdzv_id, env_extra=env_extra, worker_prefix=worker_prefix)
+                                    rdzv_id=rdzv_id, env_extra=env_extra, worker_prefix=worker_prefix,
+                                    stall_timeout_s=opts.stall_timeout_s)
 
             found, outcome = None, None
             probe = machine_probe_s(device_kind) if device_kind == "cpu" else None

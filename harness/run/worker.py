@@ -40,6 +40,7 @@ from harness.records.atomic import write_json_atomic
 from harness.records.env import capture
 from harness.records.record import clean
 from harness.run import train
+from harness.run.heartbeat import Heartbeat
 from harness.run.record_metrics import worker_metrics
 from harness.scaling import lr_at
 from harness.spec import CellConfig, threads_per_rank
@@ -140,11 +141,13 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     monitor = None
     reset_peak(cfg.device_kind)
     dynamo = {"start": dynamo_counts()} if cfg.compile else {}
+    beat = Heartbeat(out_dir, rank)
     for step in range(total):
         if step == cfg.warmup:
             if cfg.compile:
                 dynamo["window"] = dynamo_counts()
             monitor = _start_monitor(cfg, local_rank, device)
+            beat.open_window()
             ranges.window_start()
         x, y = batch(step)
         lr = _lr(cfg, step)
@@ -153,6 +156,8 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
             timer.start()
             loss, was_skipped = train.train_step(ctx, x, y, lr)
             times.append(timer.stop())
+        if step >= cfg.warmup:
+            beat.beat()
         if step == 0:  # after the clock stopped: the probe's gathers are never timed
             probe = tensor_sq_norms(par.parts)
         skipped += int(was_skipped)
@@ -162,6 +167,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
             gns_state.take(scale=scale)
             g_big.append(gns.grad_sq_norm(params) if not was_skipped else float("nan"))
     ranges.window_stop()
+    beat.close_window()
     monitor_result = monitor.stop() if monitor is not None else None
     compiled = {"warmup": asdict(dynamo["window"].since(dynamo["start"])),
                 "measured": asdict(dynamo_counts().since(dynamo["window"]))} if cfg.compile else None
