@@ -31,7 +31,7 @@ bench_args = --gpus $(GPUS) \
 	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) \
 	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
 
-.PHONY: setup lint test bench plan trace compare gate report bench-ci workloads mutate clean
+.PHONY: setup lint test test-slow test-all bench plan trace compare gate report bench-ci workloads mutate clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,8 +50,17 @@ lint: setup
 	$(BIN)/ruff check harness workloads tests scripts
 	$(BIN)/lint-imports
 
+# Test tiers (README "Tests"): `make test` is the fast tier, `make test-slow` the rest (statistical
+# benchmarks, faults, long end-to-end runs, world size 4), `make test-all` both, as CI runs them.
+# A tier that selects no test fails (pytest exit 5), never passes quietly.
+PYTEST = $(BIN)/python -m pytest -q -p no:cacheprovider
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(PYTEST) -m "not slow" tests
+
+test-slow: setup
+	$(PYTEST) -m slow tests
+
+test-all: test test-slow
 
 bench: setup
 	$(BIN)/harness bench $(bench_args)

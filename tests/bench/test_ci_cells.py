@@ -7,10 +7,13 @@ divides throughput by the calibration workload measured in the same run.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness.run import train
 from tests.bench.conftest import make_context
+
+pytestmark = pytest.mark.slow  # statistical benchmarks: make test-slow
 
 ROUNDS = 30
 

@@ -23,12 +23,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from harness.run import train
 from harness.spec import threads_per_rank
 from tests.bench import bare_loop
 from tests.bench.conftest import bare_step, interleaved, make_context
+
+pytestmark = pytest.mark.slow  # statistical benchmarks: make test-slow
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_COST_BOUND = 1.03

@@ -84,6 +84,7 @@ def test_parity_world2(world2, reference, strategy):
     assert diff <= TOL, f"{strategy}: max rel loss diff {diff:.2e} > {TOL:.0e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", W4 + ["pp+fsdp+tp"])
 def test_parity_world4(world4, reference, strategy):
     res = next(r for cid, r in world4.items() if cid.startswith(f"tiny-{strategy}-fp32-w4-"))
@@ -96,10 +97,18 @@ def _ref_record(reference, gb):
     return {**reference[cid], "cell_id": cid}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_step1_gradient_and_parameters_match_one_device(world, world2, world4, reference):
+WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
+"""World size 4 runs in the slow tier (make test-slow): its fixture costs ~40 s on 2 cores."""
+
+
+def _world(request, world: int) -> dict:
+    return request.getfixturevalue(f"world{world}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_step1_gradient_and_parameters_match_one_device(world, request, reference):
     """Every strategy's step-1 gradient norm and per-tensor parameter norms equal one device's."""
-    results, gb = (world2, 8) if world == 2 else (world4, 16)
+    results, gb = _world(request, world), 8 if world == 2 else 16
     assert results, "no cells ran"
     for cid, res in results.items():
         d = parity_diffs(res["metrics"], res["samples"], _ref_record(reference, gb))
@@ -161,6 +170,7 @@ def test_ddp_all_reduces_exactly_4_bytes_per_param(world2):
     assert comm["all_reduce"]["bytes_per_step"] == 4 * params
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_params_twice_and_reduce_scatters_grads(world4):
     params = _params()
     fsdp = world4["tiny-fsdp-fp32-w4-gb16-strong"]["metrics"]["comm"]
@@ -174,6 +184,7 @@ def test_fsdp_gathers_params_twice_and_reduce_scatters_grads(world4):
     assert "all_reduce" not in fsdp
 
 
+@pytest.mark.slow
 def test_fsdp_model_state_at_most_03_of_ddp(world4):
     ddp = world4["tiny-ddp-fp32-w4-gb16-strong"]["metrics"]["model_state_bytes_per_rank"]
     fsdp = world4["tiny-fsdp-fp32-w4-gb16-strong"]["metrics"]["model_state_bytes_per_rank"]
@@ -258,20 +269,23 @@ def test_model_predicts_counted_comm_and_states_world1(reference):
     _check_model(reference)
 
 
+@pytest.mark.slow
 def test_model_predicts_counted_comm_and_states_world4(world4):
     _check_model(world4)
 
 
+@pytest.mark.slow
 def test_model_predicts_counted_comm_and_states_bf16_world4(bf16_world4):
     _check_model(bf16_world4)
 
 
-def test_worker_metrics_follow_the_typed_schema(world2, world4, reference):
+@pytest.mark.parametrize("world", [1, *WORLDS])
+def test_worker_metrics_follow_the_typed_schema(world, request, reference):
     """Every metric rank 0 writes is a declared WorkerMetrics key, and every required one is there."""
     from harness.records.metrics import WorkerMetrics
 
     declared = WorkerMetrics.__required_keys__ | WorkerMetrics.__optional_keys__
-    for results in (reference, world2, world4):
+    for results in [reference if world == 1 else _world(request, world)]:
         for cid, res in results.items():
             keys = set(res["metrics"])
             assert keys <= declared, f"{cid}: undeclared metrics {sorted(keys - declared)}"

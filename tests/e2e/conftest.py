@@ -178,6 +178,46 @@ def e2e() -> type[E2E]:
     return E2E
 
 
+BENCH_RUN = ["--device", "cpu", "--gpus", "4", "--sizes", "tiny", "--strategies", "tp,pp,fsdp+tp", "--steps", "4",
+             "--warmup", "1", "--batch", "8", "--no-calibrate"]
+"""The fast tier's one sweep: tensor, pipeline and hybrid cells at 4 ranks and the single-device
+reference the planner adds, read by every test that needs real records (the joints between the
+worker, the record builder and the formulas; bench -> records -> report)."""
+
+
+@dataclass
+class BenchRun:
+    out: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    records: list[dict]
+
+    def cells(self, status: str | None = "ok") -> list[dict]:
+        return [r for r in self.records if r["kind"] == "cell" and (status is None or r["status"] == status)]
+
+    def cell(self, strategy: str) -> dict:
+        found = [r for r in self.cells(None) if r["config"]["strategy"] == strategy]
+        assert len(found) == 1, f"{strategy}: {len(found)} records"
+        return found[0]
+
+
+@pytest.fixture(scope="session")
+def bench_run(tmp_path_factory) -> BenchRun:
+    """``harness bench`` of :data:`BENCH_RUN`, once per test session, through the real CLI and launcher."""
+    tmp = tmp_path_factory.mktemp("bench-run")
+    cli = HarnessCLI(tmp)
+    out = tmp / "run"
+    try:
+        res = cli.run("bench", *BENCH_RUN, "--out", str(out), timeout=900)
+    finally:
+        kill_all(str(tmp))
+    run = BenchRun(out=out, returncode=res.returncode, stdout=res.stdout, stderr=res.stderr,
+                   records=read_records(out, kind=None))
+    assert run.returncode == 0, f"harness bench exited {res.returncode}; stderr tail:\n{res.stderr[-3000:]}"
+    return run
+
+
 @pytest.fixture
 def harness_cli(tmp_path: Path):
     cli = HarnessCLI(tmp_path)

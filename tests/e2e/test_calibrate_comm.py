@@ -23,6 +23,7 @@ def _calibrate(tmp: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_calibrate_caches_comm_entry_next_to_matmul(tmp_path):
     r = _calibrate(tmp_path, "--device", "cpu", "--gpus", "2", "--dtype", "fp32", "--comm-max-bytes", "64KiB")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -87,6 +87,7 @@ def sweep(tmp_path_factory, e2e) -> Sweep:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_every_cell_has_one_record_and_healthy_cells_are_ok(sweep):
     assert [r["cell_id"] for r in sweep.records] == list(sweep.cells.values()), "one record per cell, in plan order"
     for r in sweep.records:
@@ -96,6 +97,7 @@ def test_every_cell_has_one_record_and_healthy_cells_are_ok(sweep):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_records_carry_the_models_prediction_even_when_uncalibrated(sweep):
     """Every record, failed ones too, has ``predicted``; the counted bytes of ok cells equal it exactly.
 
@@ -113,6 +115,7 @@ def test_records_carry_the_models_prediction_even_when_uncalibrated(sweep):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_rank_killed_mid_step_is_crashed_naming_rank_and_signal(sweep):
     cell = sweep.cells[KILLED]
     assert sweep.cli.fired(cell, "sigkill"), "the injected SIGKILL never fired; the test proves nothing"
@@ -127,6 +130,7 @@ def test_rank_killed_mid_step_is_crashed_naming_rank_and_signal(sweep):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_rank_stopped_in_a_collective_times_out_and_is_killed(sweep):
     cell = sweep.cells[STOPPED]
     assert sweep.cli.fired(cell, "sigstop"), "the injected SIGSTOP never fired; the test proves nothing"
@@ -143,6 +147,7 @@ def test_rank_stopped_in_a_collective_times_out_and_is_killed(sweep):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_rank_over_its_memory_cap_is_oom_and_the_sweep_goes_on(sweep):
     cell = sweep.cells[OVER_CAP]
     assert sweep.cli.fired(cell, "alloc"), "the injected allocation never ran; the test proves nothing"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 SLOW = Path(__file__).resolve().parent / "inject_gate"
 CELL = ["--device", "cpu", "--gpus", "1", "--sizes", "tiny", "--strategies", "single", "--batch", "4",
@@ -45,34 +45,12 @@ def _harness(tmp: Path, *args: str, slowdown: float = 0.0) -> subprocess.Complet
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gate")
     out = {}
-    for name, args, slow in (("base", CELL, 0), ("same", CELL, 0), ("slow", CELL, 2.0),
-                             ("bf16", [*CELL[:-5], "--steps", "3", "--warmup", "1", "--no-calibrate",
-                                       "--precision", "bf16"], 0)):
+    for name, args, slow in (("base", CELL, 0), ("same", CELL, 0), ("slow", CELL, 2.0)):
         r = _harness(tmp, "bench", *args, "--out", str(tmp / name), slowdown=slow)
         assert r.returncode == 0, f"{name}: {r.stderr[-2000:]}"
         out[name] = tmp / name
     out["tmp"] = tmp
     return out
-
-
-def test_bench_writes_records_and_summary(runs):
-    """`harness bench --gpus 1 --sizes tiny --out DIR`: an ok record with the foundation's metrics."""
-    import json
-
-    records = [json.loads(l) for l in (runs["base"] / "records.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == ["calibration", "cell"]
-    rec = records[1]
-    assert rec["schema_version"] == 1 and rec["status"] == "ok" and rec["error"] is None
-    for key in ("git_sha", "git_dirty", "python", "torch", "device_name", "cpu_model", "hostname"):
-        assert key in rec["env"]
-    m = rec["metrics"]
-    for key in ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "peak_mem_gib", "loss"):
-        assert m[key] is not None, key
-    assert m["mfu_pct"] is None and m["mfu_reason"].startswith("n/a: no datasheet peak for CPU")
-    assert m["step_time_s"]["n"] == 12 and len(rec["samples"]["step_time_s"]) == 12
-    assert len(m["loss"]) == 14  # warmup + measured
-    assert (runs["base"] / "summary.md").read_text().startswith("# Benchmark summary, produced on cpu")
-    assert (runs["base"] / "summary.csv").exists()
 
 
 def test_unchanged_rerun_passes(runs):
@@ -85,11 +63,6 @@ def test_really_slower_candidate_is_a_regression(runs):
     r = _harness(runs["tmp"], "compare", str(runs["base"]), str(runs["slow"]), *GATE)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "REGRESSION" in r.stdout
-
-
-def test_precision_mismatch_is_not_comparable(runs):
-    r = _harness(runs["tmp"], "compare", str(runs["base"]), str(runs["bf16"]), *GATE)
-    assert r.returncode == 3, r.stdout + r.stderr
 
 
 def test_torn_tail_is_reported_and_the_complete_records_compared(runs):

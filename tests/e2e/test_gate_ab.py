@@ -1,11 +1,10 @@
 """The A/B gate end to end: two checkouts' CI cells measured in turn on this machine.
 
-The candidate is a git worktree of HEAD. Unchanged, with a CPU hog running through part of the
-gate, it must not be judged: no REGRESSION and no IMPROVED, exit 0 (PASS, or INCONCLUSIVE when the
-hog moved the medians past the threshold without the statistics to back it: one clean-clone CI run
-measured the unchanged candidate at 0.868 with a CI of [0.765, 1.032], the candidate slower in 4 of
-5 rounds, and said INCONCLUSIVE, the honest answer; CI's gate exits 0 on it as on PASS); slowed by 40% (a test-only injection,
-tests/e2e/inject_gate/sitecustomize.py, copied into the candidate checkout) it must be a REGRESSION.
+The candidate is a git worktree of HEAD, slowed by 40% (a test-only injection,
+tests/e2e/inject_gate/sitecustomize.py, copied into the candidate checkout): it must be a REGRESSION.
+An unchanged candidate is what CI's own gate judges on every run (``make gate`` after the tests,
+.ci/run), where a false REGRESSION fails CI; scripts/gate_power.py measures the false-positive rate
+beside a CPU hog (results/reference/gate-ab/: 0 of 10).
 The 15% power of the gate is measured with more gates by scripts/gate_power.py
 (results/reference/gate-ab/: 10 of 10); one 5-round gate in a busy test run measured a 15%
 slowdown at ratio 0.903, too close to the 10% threshold for a test that must not flake, and one
@@ -18,12 +17,11 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).resolve().parent / "inject_gate" / "sitecustomize.py"
 GATE = ["--base", "HEAD", "--rounds", "5", "--threshold", "0.10"]
@@ -44,27 +42,6 @@ def _gate(cand: Path, slowdown: float) -> subprocess.CompletedProcess:
     env.update(HARNESS_TEST_SLOWDOWN=str(slowdown), PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "harness", "gate", *GATE, "--cand", str(cand)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
-
-
-def test_unchanged_candidate_with_a_cpu_hog_passes(candidate):
-    hog = {}
-
-    def start() -> None:
-        hog["proc"] = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-
-    timer = threading.Timer(8.0, start)  # the hog arrives mid-gate, after the first rounds
-    timer.start()
-    try:
-        r = _gate(candidate, 0.0)
-    finally:
-        timer.cancel()
-        if "proc" in hog:
-            hog["proc"].kill()
-            hog["proc"].wait()
-    assert "proc" in hog, "the hog never ran; the test proves nothing"
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "IMPROVED" not in r.stdout and "REGRESSION" not in r.stdout, r.stdout[-2000:]
-    assert "1 PASS" in r.stdout or "1 INCONCLUSIVE" in r.stdout, r.stdout[-2000:]
 
 
 def test_a_40_percent_slower_candidate_is_a_regression(candidate):

@@ -21,6 +21,7 @@ NODE_TIMEOUT_S = 420
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_two_nodes_share_each_cell_and_node_0_writes_the_records(harness_cli, e2e):
     out = harness_cli.tmp / "run"
     planned = [c.cell_id for c in e2e.planned(*FLAGS) if c.valid]

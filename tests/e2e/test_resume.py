@@ -29,6 +29,7 @@ def _first_cell_line(path) -> bytes | None:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_sigint_keeps_finished_records_and_resume_finishes_the_rest(harness_cli, e2e):
     planned = [c.cell_id for c in e2e.planned(*FLAGS) if c.valid]
     assert len(planned) >= 3

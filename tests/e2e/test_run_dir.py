@@ -17,6 +17,7 @@ pytestmark = pytest.mark.e2e
 DDP = ["--gpus", "2", "--strategies", "ddp", "--no-reference"]
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_out_exactly_one_runs(harness_cli, e2e):
     out = harness_cli.tmp / "run"
     procs = [harness_cli.popen("bench", *e2e.TINY, *DDP, "--out", str(out), log=f"run{i}") for i in range(2)]
@@ -35,6 +36,7 @@ def test_two_runs_into_one_out_exactly_one_runs(harness_cli, e2e):
     assert "taking over the lock of a run that is gone (pid 999999 on elsewhere, started then)" in res.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_mid_cell_kills_the_job_and_leaves_the_cell_unrecorded(harness_cli, e2e):
     out = harness_cli.tmp / "run"
     proc = harness_cli.popen("bench", *e2e.TINY[:-5], "--steps", "400", "--warmup", "1", "--batch", "4",
@@ -112,6 +114,7 @@ def test_ctrl_c_while_the_harness_starts_is_one_line(harness_cli, e2e):
     assert e2e.job_processes(proc.pid) == [] and e2e.survivors(str(out)) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_calibration_leaves_no_process_and_one_line(harness_cli, e2e):
     """Interrupted while the workload calibration's pool (2 copies, as 2 ranks compute) is running."""
     out = harness_cli.tmp / "run"
@@ -126,6 +129,7 @@ def test_ctrl_c_during_calibration_leaves_no_process_and_one_line(harness_cli, e
     _one_line_and_nothing_left(harness_cli, e2e, proc, "calib", out)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_cell_leaves_no_process_and_one_line(harness_cli, e2e):
     out = harness_cli.tmp / "run"
     proc = harness_cli.popen("bench", *e2e.TINY[:-5], "--steps", "400", "--warmup", "1", "--batch", "4",

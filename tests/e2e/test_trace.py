@@ -17,7 +17,7 @@ import torch
 
 from harness.measure.nsys import nsys_available
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 NSYS = nsys_available()
 

@@ -22,7 +22,7 @@ from harness.fit.roles import rank_roles
 from tests.distributed._spawn import _free_port, cell, run_cells
 from tests.fit._fake import run_fake_roles
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STRATEGIES = ("ddp", "fsdp", "zero2", "hsdp", "tp", "fsdp+tp", "pp", "pp+fsdp")
 WORLD, SEQ, MICRO, STEPS = 4, 64, 2, 2
 PEAK_TOL = 0.10

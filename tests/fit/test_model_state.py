@@ -34,7 +34,7 @@ def _cells(size: str):
 @pytest.mark.parametrize("size, expect_invalid", [
     # tiny: 4 heads and 4 layers; mini: 8 heads and 6 layers (tp = N and pp = N are presets)
     ("tiny", {("tp", 8), ("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}),
-    ("mini", {("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}),
+    pytest.param("mini", {("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}, marks=pytest.mark.slow),
 ])
 def test_model_states_per_role_equal_the_model_exactly(size, expect_invalid, tmp_path):
     cells, invalid = _cells(size)

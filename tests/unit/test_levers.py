@@ -254,6 +254,7 @@ def pulled_levers_of(r: dict) -> dict:
     return pulled_levers(r["config"])
 
 
+@pytest.mark.slow  # torch.compile on CPU: tens of seconds
 def test_compiled_blocks_train_like_eager_and_keep_their_parameter_names():
     """One live compile (CPU inductor, ~20 s: the only compiled graph in the suite): the loss and
     every gradient of a compiled tiny model match eager within fp32 reassociation (1e-5)."""
