@@ -21,8 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.compare import compare  # noqa: E402
 from harness.compare.stats import REGRESSION, CompareOptions  # noqa: E402
+from harness.compare.verdicts import compare  # noqa: E402
 from harness.run.ab import run_ab, worktree  # noqa: E402
 
 INJECT = REPO / "tests" / "e2e" / "inject_gate" / "sitecustomize.py"

@@ -11,7 +11,7 @@ The message size ``S`` of one call, per rank:
 
 ``algbw = S / t`` and ``busbw = algbw * factor(n)`` with factor ``2(n-1)/n`` for all_reduce,
 ``(n-1)/n`` for all_gather, reduce_scatter and all_to_all, ``1`` for broadcast and send_recv
-(``harness.measure.comm.BUS_FACTOR``): busbw is the per-link rate a ring algorithm needs to
+(``harness.measure.comm_counter.BUS_FACTOR``): busbw is the per-link rate a ring algorithm needs to
 reach that algbw, so it is comparable across collectives and rank counts and with the link's
 peak. ``t`` is the time of one call, the slowest rank's (nccl-tests reports the same max).
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from harness.calibration import matmul as calibrate
 from harness.calibration import store
 from harness.jobs import free_port, run_job
-from harness.measure.comm import BUS_FACTOR
+from harness.measure.comm_counter import BUS_FACTOR
 from harness.records.atomic import write_json_atomic
 from harness.spec import threads_per_rank
 

@@ -30,7 +30,7 @@ from harness.calibration import store
 from harness.calibration.matmul import device_name
 from harness.errors import UsageError
 from harness.jobs import free_port
-from harness.measure.stats import fit_line
+from harness.measure.step_stats import fit_line
 from harness.model.compute import WRAPPERS
 from harness.model.memory import peak_bytes
 from harness.model.predict import CPU_BASE_GIB
@@ -53,7 +53,7 @@ must meet at the barrier equally often."""
 BARRIER_TIMEOUT_S = 600.0
 """How long a copy waits for the others at the barrier before the calibration fails."""
 RANK_IMPORTS = ("torch.distributed", "harness.parallel.parallelize", "harness.measure.monitor",
-                "harness.measure.nvtx_ranges", "harness.measure.comm", "harness.measure.gns", "workloads.model")
+                "harness.measure.nvtx_ranges", "harness.measure.comm_counter", "harness.measure.gns", "workloads.model")
 """What a rank imports before its model exists (``harness.run.worker``'s heavy imports): the base
 memory is measured after these, without importing the run layer from below."""
 

@@ -14,7 +14,7 @@ from harness.calibration.normaliser import calibration_record
 from harness.cli.args import add_sweep_args, device_line, spec_from_args, sweep_arg_values
 from harness.errors import UsageError
 from harness.jobs import Terminated, sigterm_as_interrupt
-from harness.plan import PlannedCell, expand, predict_cells
+from harness.planner import PlannedCell, expand, predict_cells
 from harness.records.reader import RECORDS_FILENAME, append_record
 from harness.report import write_report
 from harness.run.launch import Rendezvous

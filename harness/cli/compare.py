@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.compare import NORMALIZE_CHOICES, run_compare
+from harness.compare.verdicts import NORMALIZE_CHOICES, run_compare
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness.compare.diff import diff_markdown, diff_runs
+from harness.compare.run_diff import diff_markdown, diff_runs
 from harness.compare.stats import CompareOptions
 from harness.records.atomic import write_text_atomic
 from harness.records.reader import load_records, resolve_records_path

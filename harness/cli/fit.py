@@ -13,8 +13,8 @@ import torch
 from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
-from harness.fit.role import COMPUTE
-from harness.fit.sweep import RECORDS, fit_all
+from harness.fit.fit_cells import RECORDS, fit_all
+from harness.fit.role_process import COMPUTE
 from harness.model.hardware import DEVICES
 from harness.parallel.levers import AC_MODES
 from harness.records.atomic import write_text_atomic

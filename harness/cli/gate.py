@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness.compare import compare, exit_code, format_table, verdict_summary
 from harness.compare.stats import CompareOptions
+from harness.compare.verdicts import compare, exit_code, format_table, verdict_summary
 from harness.errors import UsageError
 from harness.jobs import REPO, sigterm_as_interrupt
 from harness.run.ab import run_ab, worktree

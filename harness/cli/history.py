@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.compare.history import Run, find_changes, history_frame, history_markdown
+from harness.compare.run_history import Run, find_changes, history_frame, history_markdown
 from harness.errors import UsageError
 from harness.records.atomic import write_text_atomic
 from harness.records.reader import load_records, resolve_records_path
@@ -52,7 +52,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     markdown = history_markdown(frame, changes, runs, args.order, args.alpha, args.min_shift)
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "history.md", markdown)
-    from harness.report.plots import save_history_plot  # noqa: PLC0415  (heavy: matplotlib only when drawing)
+    from harness.report.plot_files import save_history_plot  # noqa: PLC0415  (heavy: matplotlib only when drawing)
 
     plot = save_history_plot(frame, changes, args.out / "history.png")
     sys.stdout.write(markdown)

@@ -18,10 +18,10 @@ from harness.cli.args import (
     spec_from_args,
 )
 from harness.errors import UsageError
-from harness.fit.whatif import load_fit_records, with_measured_peaks
+from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
 from harness.model.hardware import get_device
 from harness.model.whatif import plan_at_scale, scenario
-from harness.plan import expand
+from harness.planner import expand
 from harness.report.model_error import model_error
 from harness.report.plan_text import plan_table
 from harness.report.whatif_text import BANNER, assumptions_lines, error_line, whatif_table

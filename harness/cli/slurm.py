@@ -18,7 +18,7 @@ from pathlib import Path
 
 from harness.cli.args import add_sweep_args, spec_from_args, sweep_actions
 from harness.errors import UsageError
-from harness.plan import expand
+from harness.planner import expand
 from harness.records.record import new_run_id
 
 SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)")

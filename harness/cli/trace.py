@@ -11,7 +11,7 @@ from harness.cli.args import add_sweep_args, device_line, spec_from_args
 from harness.errors import UsageError
 from harness.jobs import sigterm_as_interrupt
 from harness.measure import nsys as nsys_mod
-from harness.plan import expand
+from harness.planner import expand
 from harness.run.launch import Rendezvous
 from harness.run.rundir import start_run
 from harness.run.sweep import SweepOptions, run_sweep

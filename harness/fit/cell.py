@@ -1,6 +1,6 @@
 """A fit cell: validate it, run each rank role in its own process, compare with the model, record it.
 
-Each role runs as ``python -m harness.fit.role`` (a child job that never outlives this call,
+Each role runs as ``python -m harness.fit.role_process`` (a child job that never outlives this call,
 :mod:`harness.jobs`), so process groups and peaks never leak from one role into the next.
 The record (``kind: "fit"``, docs/records.md) holds every role's measured peak and model-state
 bytes beside the analytic model's (:mod:`harness.model.memory`), and whether the largest peak
@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from harness.fit.role import RoleSpec
+from harness.fit.role_process import RoleSpec
 from harness.fit.roles import Role, rank_roles
 from harness.jobs import run_job
 from harness.model.memory import peak_bytes, state_bytes_by_rank
@@ -124,7 +124,7 @@ def run_roles(cell: FitCell, work_dir: Path, steps: int, compute: str) -> list[R
                                             work_dir / f"{tag}.log")
         write_json_atomic(spec_path, cell.role_spec(role, steps, compute).to_dict())
         result_path.unlink(missing_ok=True)
-        rc = run_job([sys.executable, "-m", "harness.fit.role", "--spec", str(spec_path), "--out", str(result_path)],
+        rc = run_job([sys.executable, "-m", "harness.fit.role_process", "--spec", str(spec_path), "--out", str(result_path)],
                      log_path, ROLE_TIMEOUT_S)
         if rc == 0 and result_path.exists():
             out.append(RoleOutcome(role, "ok", json.loads(result_path.read_text())))

@@ -1,6 +1,6 @@
 """Every collective one rank issues in a training step, with its bytes in nccl-tests sizes.
 
-The bytes are those :class:`harness.measure.comm.CommCounter` counts (all-gather: the gathered
+The bytes are those :class:`harness.measure.comm_counter.CommCounter` counts (all-gather: the gathered
 output; reduce-scatter: the unsharded input; all-reduce, send, recv: the tensor), derived from
 what each strategy's code does, so the prediction can be held to equality in a test:
 

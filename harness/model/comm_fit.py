@@ -6,7 +6,7 @@ and ``sync_s``); the planner looks the entry up and hands it to the model.
 
 from __future__ import annotations
 
-from harness.measure.stats import fit_line
+from harness.measure.step_stats import fit_line
 
 
 def alpha_beta(entry: dict, collective: str) -> tuple[float, float]:

@@ -6,7 +6,7 @@ predictions. Bandwidths are GB/s (1e9 bytes/s) **per GPU per direction**; NVIDIA
 as the bidirectional total, so 900 GB/s NVLink 4 is 450 GB/s each way.
 
 **Collective time** (Hockney alpha-beta model, with the nccl-tests bus-bandwidth convention of
-``harness.measure.comm.BUS_FACTOR``; nccl-tests ``doc/PERFORMANCE.md``)::
+``harness.measure.comm_counter.BUS_FACTOR``; nccl-tests ``doc/PERFORMANCE.md``)::
 
     t = latency + nbytes * busbw_factor(collective, n) / link_bw
 
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.errors import UsageError
-from harness.measure.comm import BUS_FACTOR
+from harness.measure.comm_counter import BUS_FACTOR
 from harness.measure.peaks import datasheet_peaks
 from harness.parallel.dims import ParallelDims
 from harness.units import GIB, MIB

@@ -84,7 +84,7 @@ def reduce_partial_grads(params) -> int:
     sequence shard, so their gradients are ``Partial``. Left so, AdamW's foreach ops redistribute
     each one at every use: three all-reduces per tensor (measured on ``tiny``, tp-sp over 2 ranks:
     54 calls for its 18 LayerNorm tensors), issued inside DTensor's op dispatch, where a dispatch
-    mode above it (:class:`harness.measure.comm.CommCounter`) cannot see them. Megatron-LM
+    mode above it (:class:`harness.measure.comm_counter.CommCounter`) cannot see them. Megatron-LM
     all-reduces these sequence-parallel gradients in one coalesced call before the optimizer;
     this does the same, and the collective is counted. Returns the tensors reduced.
     """

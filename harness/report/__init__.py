@@ -23,7 +23,7 @@ def write_report(run_dir: Path) -> str:
 
     Files are written atomically (temp file + os.replace). Returns the markdown.
     """
-    from harness.report.plots import write_plots  # noqa: PLC0415  (heavy: matplotlib only when files are written)
+    from harness.report.plot_files import write_plots  # noqa: PLC0415  (heavy: matplotlib only when files are written)
 
     run_dir = Path(run_dir)
     records = load_records(run_dir)

@@ -2,7 +2,7 @@
 measured, memory per rank against capacity, scaling curves, and the throughput history.
 
 Each builder takes frames (no records, no files) and returns a ``matplotlib.figure.Figure`` or
-None when it has no data; :mod:`harness.report.plots` saves them.
+None when it has no data; :mod:`harness.report.plot_files` saves them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pandas as pd
 from tabulate import tabulate
 
 from harness.report.frame import cells_frame, device_title, text
-from harness.report.levers import levers_section
+from harness.report.lever_gains import levers_section
 from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
 

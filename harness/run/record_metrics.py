@@ -1,4 +1,4 @@
-"""The record's metrics, built in one place from typed parts (:mod:`harness.records.metrics`).
+"""The record's metrics, built in one place from typed parts (:mod:`harness.records.schema`).
 
 Rank 0 of the worker summarises what every rank measured into :class:`WorkerMetrics`
 (:func:`worker_metrics`); the sweep completes it with the calibrated MFU and
@@ -14,10 +14,11 @@ from typing import Any
 
 from harness.measure import gns
 from harness.measure.compile_stats import DynamoCounts, compile_metrics
-from harness.measure.probe import merge
-from harness.measure.stats import Stats
+from harness.measure.parity_probe import merge
+from harness.measure.step_stats import Stats
 from harness.parallel.presets import expected_bubble, stages_per_rank
-from harness.records.metrics import (
+from harness.records.record import pulled_levers
+from harness.records.schema import (
     CalibratedMfuMetrics,
     CellMetrics,
     CommMetrics,
@@ -28,8 +29,7 @@ from harness.records.metrics import (
     TimingMetrics,
     WorkerMetrics,
 )
-from harness.records.record import pulled_levers
-from harness.run.metrics import (
+from harness.run.formulas import (
     CONVENTIONS,
     calibrated_mfu_fields,
     global_loss,

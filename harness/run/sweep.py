@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.measure.machine_probe import machine_probe_s
-from harness.plan import PlannedCell
+from harness.planner import PlannedCell
 from harness.precision import PrecisionPlan
 from harness.records.env import capture
 from harness.records.reader import RECORDS_FILENAME, append_record, latest_per_cell

@@ -23,12 +23,12 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from harness.measure import gns
-from harness.measure.comm import CommCounter
+from harness.measure.comm_counter import CommCounter
 from harness.measure.compile_stats import dynamo_counts
-from harness.measure.memory import model_state_bytes, peak_memory, reset_peak
 from harness.measure.monitor import make_monitor
 from harness.measure.nvtx_ranges import PhaseAnnotations, Ranges
-from harness.measure.probe import tensor_sq_norms
+from harness.measure.parity_probe import tensor_sq_norms
+from harness.measure.rank_memory import model_state_bytes, peak_memory, reset_peak
 from harness.measure.step_composition import PHASE_PREFIX, composition_from_frames
 from harness.measure.tensor_bytes import holding_tracker
 from harness.measure.timer import StepTimer

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness.run.metrics import max_rel_diff
+from harness.run.formulas import max_rel_diff
 from harness.run.record_metrics import cell_metrics, parity_diffs
 from tests.distributed import _inject
 from tests.distributed._spawn import cell, run_cells
@@ -282,7 +282,7 @@ def test_model_predicts_counted_comm_and_states_bf16_world4(bf16_world4):
 @pytest.mark.parametrize("world", [1, *WORLDS])
 def test_worker_metrics_follow_the_typed_schema(world, request, reference):
     """Every metric rank 0 writes is a declared WorkerMetrics key, and every required one is there."""
-    from harness.records.metrics import WorkerMetrics
+    from harness.records.schema import WorkerMetrics
 
     declared = WorkerMetrics.__required_keys__ | WorkerMetrics.__optional_keys__
     for results in [reference if world == 1 else _world(request, world)]:

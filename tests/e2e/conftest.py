@@ -159,7 +159,7 @@ class E2E:
     def planned(*flags: str) -> list:
         """The cells ``harness plan`` would list for these sweep flags, in run order."""
         from harness.cli import build_parser, spec_from_args
-        from harness.plan import expand
+        from harness.planner import expand
 
         args = build_parser().parse_args(["plan", *flags])
         return expand(spec_from_args(args))

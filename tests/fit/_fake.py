@@ -1,4 +1,4 @@
-"""Run many fit roles on fake process groups in one child process (``harness.fit.role`` with a list)."""
+"""Run many fit roles on fake process groups in one child process (``harness.fit.role_process`` with a list)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,6 @@ def run_fake_roles(cells: list[FitCell], tmp: Path, steps: int, compute: str) ->
     keys = [(c.cell_id, r.rank) for c in cells for r in rank_roles(c.shape)]
     spec_path, out = tmp / "specs.json", tmp / "results.json"
     spec_path.write_text(json.dumps(specs))
-    subprocess.run([sys.executable, "-m", "harness.fit.role", "--spec", str(spec_path), "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "harness.fit.role_process", "--spec", str(spec_path), "--out", str(out)],
                    check=True, env=job_env(new_tag()), timeout=900)
     return dict(zip(keys, json.loads(out.read_text())))

@@ -1,6 +1,6 @@
 """At N = 4, ``harness fit`` on fake collectives measures what a real 4-rank gloo run does.
 
-The same role code (``harness.fit.role.run_role``) runs on a real gloo group of 4 processes and,
+The same role code (``harness.fit.role_process.run_role``) runs on a real gloo group of 4 processes and,
 one role at a time, on fake groups; both measure with the same tensor-bytes tracker. Model-state
 bytes must be equal (and equal to what the harness worker records on gloo), peaks within 10%
 per rank role.
@@ -30,7 +30,7 @@ PEAK_TOL = 0.10
 
 def _gloo_main(rank: int, world: int, port: int, specs: list[dict], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from harness.fit.role import RoleSpec, run_role
+    from harness.fit.role_process import RoleSpec, run_role
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)

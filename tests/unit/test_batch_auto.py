@@ -64,7 +64,7 @@ def test_nothing_fits_and_a_crashed_trial_end_the_search():
 def test_a_search_that_ends_without_a_batch_records_the_batch_it_ran():
     """The record of a crashed (or nothing-fit) search carries the trial that ended it, not the
     plan's placeholder batch: a reader sees which batch crashed."""
-    from harness.plan import PlannedCell
+    from harness.planner import PlannedCell
     from harness.run.sweep import _search_batch
 
     cfg = _cfg()

@@ -239,7 +239,7 @@ def test_bench_falls_back_to_the_run_directory_when_the_store_is_unwritable(tmp_
 
 def test_only_valid_cells_are_calibrated_for():
     from harness.calibration.auto import needs
-    from harness.plan import expand
+    from harness.planner import expand
     from harness.spec import SweepSpec
 
     spec = SweepSpec(sizes=("tiny",), strategies=("tp",), precisions=("fp32",), gpus=(3,), device_kind="cpu",

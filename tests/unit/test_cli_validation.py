@@ -101,7 +101,7 @@ def test_cell_predicted_over_memory_is_refused_before_anything_runs(tmp_path, ca
 
 def test_force_plans_the_cell_the_memory_check_refuses(monkeypatch):
     from harness.cli import build_parser, spec_from_args
-    from harness.plan import expand
+    from harness.planner import expand
 
     monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
     _ram(monkeypatch, 0.5)

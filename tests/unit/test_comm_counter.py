@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from harness.measure.comm import BUS_FACTOR, CommCounter
+from harness.measure.comm_counter import BUS_FACTOR, CommCounter
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from scipy.stats import mannwhitneyu
 
-from harness import compare as cmp
 from harness.cli import main
 from harness.compare import stats
+from harness.compare import verdicts as cmp
 from harness.errors import UsageError
 from harness.records.reader import load_benchmark_json, load_records
 

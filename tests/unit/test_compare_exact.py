@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 from scipy.stats import mannwhitneyu
 
-from harness import compare as cmp
+from harness.compare import verdicts as cmp
 from harness.compare.stats import CompareOptions
 from harness.errors import UsageError
 

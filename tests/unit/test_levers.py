@@ -24,7 +24,7 @@ from harness.measure.tensor_bytes import TensorBytes
 from harness.parallel import levers
 from harness.parallel.levers import AC_MODES, OPTIMIZERS, apply_ac, build_optimizer, check_levers
 from harness.parallel.presets import STRATEGIES
-from harness.plan import expand
+from harness.planner import expand
 from harness.records.record import fingerprint_fields, pulled_levers
 from harness.run.record_metrics import DEAD_GRAD_FRACTION
 from harness.spec import cell_id_of
@@ -176,7 +176,7 @@ def _rec(cell_id: str, median_s: float, peak_gib: float, predicted_gib: float, *
 
 
 def test_lever_table_holds_each_lever_against_the_same_cell_without_it():
-    from harness.report.levers import lever_frame, levers_section
+    from harness.report.lever_gains import lever_frame, levers_section
 
     records = [_rec("eager", 0.200, 1.00, 1.10), _rec("ac", 0.250, 0.60, 0.55, ac="full"),
                _rec("compiled", 0.160, 1.00, 1.10, compile=True),
@@ -230,7 +230,7 @@ def test_committed_reference_compiled_and_checkpointed_cells_match_eager():
     """Must-show 2 on the committed run (tiny and mini, 4 CPU ranks): every compiled or checkpointed
     ddp, fsdp, tp and pp cell passes parity against the eager single device (fp32 tolerances), and
     ``ac full`` reproduces the same cell without it to 1e-6 relative in every step's loss."""
-    from harness.run.metrics import max_rel_diff
+    from harness.run.formulas import max_rel_diff
 
     cells = _reference_cells()
     levered = [r for r in cells.values() if r["config"]["strategy"] != "single" and pulled_levers_of(r)]
@@ -281,7 +281,7 @@ def test_compiled_cells_are_priced_from_compiled_passes_when_calibrated(tmp_path
     """A --compile on cell asks for a compiled workload calibration (its own store key; eager keys
     unchanged), is predicted from it when present, and says it fell back to the eager passes when not."""
     from harness.calibration import auto, store, workload
-    from harness.plan import calibration_inputs, predict_cells
+    from harness.planner import calibration_inputs, predict_cells
     from harness.spec import SweepSpec
 
     monkeypatch.setenv(store.ENV, str(tmp_path / "cal.json"))

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from harness.measure.stats import Stats
-from harness.run.metrics import (
+from harness.measure.step_stats import Stats
+from harness.run.formulas import (
     calibrated_mfu_fields,
     global_loss,
     max_rel_diff,

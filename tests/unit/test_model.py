@@ -8,7 +8,7 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from harness.measure.stats import fit_line
+from harness.measure.step_stats import fit_line
 from harness.model import comm, memory
 from harness.model.compute import ComputeRates, CoreSharing, pass_time_s, pipeline_time_s, stage_shares
 from harness.model.inventory import coords, fsdp_local_numel, fsdp_padded_numel, param_specs

@@ -12,7 +12,7 @@ import pytest
 from harness.calibration import matmul, store
 from harness.errors import UsageError
 from harness.parallel.presets import STRATEGIES, Layout, degrees_for, resolve
-from harness.plan import expand
+from harness.planner import expand
 from harness.records.fingerprint import digest
 from harness.records.reader import TornTail, append_record, latest_per_cell, load_records, read_records
 from harness.run.rundir import existing_records

@@ -8,7 +8,7 @@ import torch
 from harness.measure.gns import b_simple, two_batch_estimates
 from harness.precision import PrecisionPlan
 from harness.run import train
-from harness.run.metrics import max_rel_diff
+from harness.run.formulas import max_rel_diff
 from tests.bench.conftest import make_context
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.records import metrics as schema
+from harness.records import schema
 from harness.records.reader import load_records
 from harness.report.frame import cells_frame
 
@@ -48,7 +48,7 @@ def test_committed_records_load_and_use_only_known_metrics(run_dir):
     assert cells, f"{run_dir} holds no cell record"
     assert {r["schema_version"] for r in records} == {1}
     unknown = {k for r in cells for k in r["metrics"]} - schema.metric_keys()
-    assert not unknown, f"{run_dir}: metrics not in CellMetrics (add them to harness/records/metrics.py): {unknown}"
+    assert not unknown, f"{run_dir}: metrics not in CellMetrics (add them to harness/records/schema.py): {unknown}"
     ok = [r for r in cells if r["status"] == "ok"]
     required = schema.CellMetrics.__required_keys__
     for r in ok:

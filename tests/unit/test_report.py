@@ -15,7 +15,7 @@ from harness.errors import UsageError
 from harness.records.reader import load_records
 from harness.report import frame, summary
 from harness.report.figures import _cell_tick
-from harness.report.plots import LOSS_PNG, PEAK_MEM_PNG, SCALING_PNG, THROUGHPUT_PNG, write_plots
+from harness.report.plot_files import LOSS_PNG, PEAK_MEM_PNG, SCALING_PNG, THROUGHPUT_PNG, write_plots
 
 SEQ_LEN = 128
 OOM_ERROR = ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.35 GiB total capacity; "

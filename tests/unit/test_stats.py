@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from harness.measure.stats import Stats, fit_line, percentile
+from harness.measure.step_stats import Stats, fit_line, percentile
 
 STEP_S = 0.05  # a realistic step: 50 ms
 

@@ -20,8 +20,8 @@ import pytest
 
 from harness.cli import main
 from harness.compare.changepoint import detect_steps
-from harness.compare.diff import attribution, diff_runs, step_spread_pct
-from harness.compare.history import Run, find_changes, history_frame
+from harness.compare.run_diff import attribution, diff_runs, step_spread_pct
+from harness.compare.run_history import Run, find_changes, history_frame
 from harness.measure.nvtx_ranges import Ranges
 from harness.measure.step_composition import (
     PARTS,

@@ -1,6 +1,6 @@
 """One rank role of a cell: the real ``parallelize()`` and real training steps, memory measured.
 
-``python -m harness.fit.role --spec SPEC.json --out RESULT.json`` plays global rank
+``python -m harness.fit.role_process --spec SPEC.json --out RESULT.json`` plays global rank
 ``spec.rank`` of ``spec.world_size`` under the fake backend (collectives return at once, every
 tensor has its real sharded shape). :func:`run_role` takes any initialised process group, so a
 real gloo group runs the very same code (the distributed test compares the two).
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.measure.memory import model_state_bytes
 from harness.measure.nvtx_ranges import Ranges
+from harness.measure.rank_memory import model_state_bytes
 from harness.measure.tensor_bytes import holding_tracker, optimizer_tensors
 from harness.parallel.levers import build_optimizer
 from harness.parallel.parallelize import parallelize
@@ -223,7 +223,7 @@ def _forked_all(specs: list[RoleSpec]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     """One spec (``harness fit``: one role per process), or a list, as many at once as there are
     cores (:func:`_forked_all`; tests of model states)."""
-    ap = argparse.ArgumentParser(prog="harness.fit.role")
+    ap = argparse.ArgumentParser(prog="harness.fit.role_process")
     ap.add_argument("--spec", required=True, type=Path, help="a RoleSpec as JSON, or a list of them")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)

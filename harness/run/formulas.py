@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from harness.measure.peaks import datasheet_peak_tflops, mfu_pct
-from harness.measure.stats import Stats
+from harness.measure.step_stats import Stats
 
 CONVENTIONS = {
     "step_time": "slowest rank per step; warmup excluded",

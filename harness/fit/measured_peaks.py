@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.fit.sweep import RECORDS
+from harness.fit.fit_cells import RECORDS
 from harness.model.whatif import rank_rows
 from harness.records.reader import load_records
 

@@ -1,6 +1,6 @@
 """``harness diff A B``: every metric of every cell of two runs side by side, and where the time went.
 
-Cells pair by fingerprint (the gate's pairing, :func:`harness.compare._index_cells`), else by cell id
+Cells pair by fingerprint (the gate's pairing, :func:`harness.compare.verdicts._index_cells`), else by cell id
 with the fingerprint fields that differ named; cells on one side only are listed, never dropped.
 Throughput carries the gate's statistics (ratio of medians, its bootstrap CI, Mann-Whitney U:
 :mod:`harness.compare.stats`). When both sides were profiled, the step composition
@@ -22,8 +22,8 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from harness.compare import _index_cells, fingerprint_diff, throughput_samples
 from harness.compare.stats import CompareOptions, PairResult, judge_samples
+from harness.compare.verdicts import _index_cells, fingerprint_diff, throughput_samples
 from harness.measure.step_composition import PARTS
 from harness.units import MIB
 

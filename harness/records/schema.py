@@ -95,7 +95,7 @@ class InstrumentMetrics(TypedDict, total=False):
 
 
 class ProbeMetrics(TypedDict, total=False):
-    """Step 1 in numbers (:mod:`harness.measure.probe`); absent from records before they were added."""
+    """Step 1 in numbers (:mod:`harness.measure.parity_probe`); absent from records before they were added."""
 
     grad_norm_step1: float | None
     """Global L2 norm of the gradient the optimizer saw at step 1 (unscaled); null if a parameter had none."""

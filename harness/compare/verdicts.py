@@ -1,0 +1,289 @@
+"""Regression gate: compare per-step throughput of a candidate run against a baseline.
+
+The statistics are in :mod:`harness.compare.stats`; this module pairs records, judges each
+pair and formats the verdicts; ``harness compare`` (:mod:`harness.cli.compare`) is its CLI.
+
+Cells are paired by ``fingerprint`` (docs/records.md). Per pair the statistic is the
+ratio of median throughputs cand/base, with a seeded percentile-bootstrap confidence
+interval (Efron & Tibshirani 1993) and a one-sided Mann-Whitney U test (H1: cand < base).
+
+Exit codes of :func:`run_compare`: 0 all PASS / IMPROVED / INCONCLUSIVE / SKIPPED (same
+``invalid`` or ``oom`` status on both sides), 1 any REGRESSION (including a cell that fails
+only in the candidate),
+2 usage error (missing or malformed input), 3 any NOT COMPARABLE / MISSING /
+TOO FEW SAMPLES when there is no regression (a regression outranks "cannot judge").
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any, TextIO
+
+import numpy as np
+import pandas as pd
+from tabulate import tabulate
+
+from harness.compare.stats import (  # noqa: F401  (re-exported: the gate's verdicts and options)
+    CANNOT_JUDGE,
+    INCONCLUSIVE,
+    MISSING,
+    NORMALIZE_CHOICES,
+    NOT_COMPARABLE,
+    PASS,
+    REGRESSION,
+    SKIPPED,
+    UNCHANGED_FAILURES,
+    CompareOptions,
+    PairResult,
+    judge_samples,
+)
+from harness.errors import UsageError
+from harness.records.reader import calibration_medians, latest_per_cell, load_any
+
+COLUMNS = [
+    "cell_id", "verdict", "base_median_tok_per_s", "cand_median_tok_per_s", "ratio",
+    "ci_low", "ci_high", "p_value", "n_base", "n_cand", "reason",
+]
+
+# ---------------------------------------------------------------- records -> samples
+
+
+def throughput_samples(record: dict[str, Any]) -> np.ndarray:
+    """Per-step throughput ``tokens_per_step / step_time_s`` for each measured step.
+
+    ``tokens_per_step`` comes from ``metrics.tokens_per_step``, else
+    ``config.global_batch * config.seq_len``; with neither, no samples are returned.
+    """
+    times = np.asarray((record.get("samples") or {}).get("step_time_s") or [], dtype=float)
+    if np.any(~np.isfinite(times)) or np.any(times <= 0):
+        raise UsageError(
+            f"cell {record.get('cell_id')!r}: samples.step_time_s must be finite and > 0; "
+            "the record is corrupt, rerun the cell"
+        )
+    tokens = _tokens_per_step(record)
+    if tokens is None:
+        return np.empty(0)
+    return tokens / times
+
+
+def _tokens_per_step(record: dict[str, Any]) -> float | None:
+    metrics = record.get("metrics") or {}
+    if metrics.get("tokens_per_step") is not None:
+        return float(metrics["tokens_per_step"])
+    config = record.get("config") or {}
+    if config.get("global_batch") is not None and config.get("seq_len") is not None:
+        return float(config["global_batch"] * config["seq_len"])
+    return None
+
+
+def calibration_time_s(records: Iterable[dict[str, Any]], label: str) -> float:
+    """Median time of the run's calibration workload (the first calibration record's)."""
+    first = next(iter(calibration_medians(records).values()), None)
+    if first is not None:
+        return float(first)
+    raise UsageError(
+        f"{label}: no calibration record with samples.step_time_s (kind == 'calibration'); "
+        "rerun with calibration enabled or use --normalize none"
+    )
+
+
+def fingerprint_diff(base_fields: dict[str, Any], cand_fields: dict[str, Any]) -> str:
+    """Name the fingerprint fields that differ, e.g. ``precision differs (fp32 vs bf16)``."""
+    base_flat, cand_flat = _flatten(base_fields), _flatten(cand_fields)
+    diffs = [
+        f"{key} differs ({base_flat.get(key, 'absent')} vs {cand_flat.get(key, 'absent')})"
+        for key in sorted(set(base_flat) | set(cand_flat))
+        if base_flat.get(key, "absent") != cand_flat.get(key, "absent")
+    ]
+    return "; ".join(diffs) if diffs else "fingerprint differs but fingerprint_fields are equal"
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in (d or {}).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+# ---------------------------------------------------------------- pairing
+
+
+def _index_cells(records: Sequence[dict[str, Any]], label: str) -> dict[str, dict[str, Any]]:
+    """Cells by fingerprint, each cell id's latest record (a resumed run's earlier attempts are history)."""
+    by_fp: dict[str, dict[str, Any]] = {}
+    for record in latest_per_cell(list(records))[0]:
+        if record.get("kind", "cell") != "cell":
+            continue
+        fp = record.get("fingerprint")
+        if not fp:
+            raise UsageError(
+                f"{label}: cell {record.get('cell_id')!r} has no fingerprint; "
+                "records must follow docs/records.md schema_version 1"
+            )
+        if fp in by_fp and by_fp[fp].get("cell_id") != record.get("cell_id"):
+            raise UsageError(
+                f"{label}: cells {by_fp[fp].get('cell_id')!r} and {record.get('cell_id')!r} "
+                f"share fingerprint {fp}; fingerprints must be unique per cell"
+            )
+        by_fp[fp] = record
+    if not by_fp:
+        raise UsageError(f"{label}: no cell records (kind == 'cell'); pass a finished run")
+    return by_fp
+
+
+def _judge_pair(
+    base: dict[str, Any], cand: dict[str, Any], opts: CompareOptions, scales: tuple[float, float]
+) -> PairResult:
+    base_status, cand_status = base.get("status", "ok"), cand.get("status", "ok")
+    if base_status == cand_status and base_status in UNCHANGED_FAILURES:
+        return PairResult(SKIPPED, f"{base_status} on both sides: {_short(cand.get('error'))}")
+    if base_status != "ok":
+        reason = f"base status {base_status}: {_short(base.get('error'))}; rerun the base cell"
+        return PairResult(NOT_COMPARABLE, reason)
+    if cand_status != "ok":
+        reason = f"cand status {cand_status} (base ok): {_short(cand.get('error'))}"
+        return PairResult(REGRESSION, reason)
+    result = judge_samples(
+        throughput_samples(base) * scales[0], throughput_samples(cand) * scales[1], opts
+    )
+    notes = [f"{side} {(r.get('metrics') or {}).get('unstable_reason')}"
+             for side, r in (("base", base), ("cand", cand))
+             if (r.get("metrics") or {}).get("unstable_reason")]
+    if notes:
+        result = replace(result, reason="; ".join([result.reason, *notes]))
+    return result
+
+
+def _short(text: Any, limit: int = 60) -> str:
+    """First line of an error message, at most ``limit`` characters."""
+    if not text:
+        return "no error message"
+    return str(text).splitlines()[0][:limit]
+
+
+def compare(
+    base_records: Sequence[dict[str, Any]],
+    cand_records: Sequence[dict[str, Any]],
+    opts: CompareOptions,
+    base_label: str = "base",
+    cand_label: str = "cand",
+) -> pd.DataFrame:
+    """One row per paired, unpaired or not-comparable cell; columns :data:`COLUMNS`.
+
+    With ``opts.normalize == "calibration"`` each side's throughput is multiplied by its
+    calibration median time, i.e. expressed in units of the calibration throughput.
+    """
+    base_cells = _index_cells(base_records, base_label)
+    cand_cells = _index_cells(cand_records, cand_label)
+    scales = (1.0, 1.0)
+    if opts.normalize == "calibration":
+        scales = (calibration_time_s(base_records, base_label),
+                  calibration_time_s(cand_records, cand_label))
+    cand_only = {fp: r for fp, r in cand_cells.items() if fp not in base_cells}
+    cand_only_by_id = {r.get("cell_id"): fp for fp, r in cand_only.items()}
+    rows: list[dict[str, Any]] = []
+    for fp, base in base_cells.items():
+        cell_id = base.get("cell_id")
+        if fp in cand_cells:
+            rows.append(_row(cell_id, _judge_pair(base, cand_cells[fp], opts, scales)))
+        elif cell_id in cand_only_by_id:
+            cand = cand_only.pop(cand_only_by_id[cell_id])
+            diff = fingerprint_diff(base.get("fingerprint_fields") or {},
+                                    cand.get("fingerprint_fields") or {})
+            rows.append(_row(cell_id, PairResult(NOT_COMPARABLE, f"not comparable: {diff}")))
+        else:
+            rows.append(_row(cell_id, PairResult(MISSING, f"only in base; missing from {cand_label}")))
+    for cand in cand_only.values():
+        reason = f"only in cand; missing from {base_label}"
+        rows.append(_row(cand.get("cell_id"), PairResult(MISSING, reason)))
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    df.attrs["throughput_unit"] = "x calibration" if opts.normalize == "calibration" else "tok/s"
+    return df
+
+
+def _row(cell_id: Any, result: PairResult) -> dict[str, Any]:
+    return {
+        "cell_id": cell_id, "verdict": result.verdict,
+        "base_median_tok_per_s": result.base_median, "cand_median_tok_per_s": result.cand_median,
+        "ratio": result.ratio, "ci_low": result.ci_low, "ci_high": result.ci_high,
+        "p_value": result.p_value, "n_base": result.n_base, "n_cand": result.n_cand,
+        "reason": result.reason,
+    }
+
+
+def exit_code(df: pd.DataFrame) -> int:
+    """1 if any REGRESSION, else 3 if any cell cannot be judged, else 0."""
+    verdicts = set(df["verdict"])
+    if REGRESSION in verdicts:
+        return 1
+    if verdicts & set(CANNOT_JUDGE):
+        return 3
+    return 0
+
+
+# ---------------------------------------------------------------- presentation
+
+
+def format_table(df: pd.DataFrame) -> str:
+    """The comparison as a tabulate "github" table; NaN shows as ``n/a``.
+
+    Throughput is in tokens/s (ops/s for pytest-benchmark input), or in multiples of the
+    calibration throughput after ``--normalize calibration`` (``df.attrs["throughput_unit"]``).
+    """
+    def num(x: float, fmt: str) -> str:
+        return "n/a" if pd.isna(x) else format(x, fmt)
+
+    rows = [
+        [r.cell_id, r.verdict, num(r.base_median_tok_per_s, ",.1f"),
+         num(r.cand_median_tok_per_s, ",.1f"), num(r.ratio, ".3f"),
+         "n/a" if pd.isna(r.ci_low) else f"[{r.ci_low:.3f}, {r.ci_high:.3f}]",
+         num(r.p_value, ".2g"), f"{r.n_base}/{r.n_cand}", r.reason]
+        for r in df.itertuples(index=False)
+    ]
+    unit = df.attrs.get("throughput_unit", "tok/s")
+    headers = ["cell", "verdict", f"base median {unit}", f"cand median {unit}", "ratio cand/base",
+               "95% CI ratio", "MWU p", "n base/cand", "reason"]
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def verdict_summary(df: pd.DataFrame) -> str:
+    """One line counting verdicts, with the remedy for INCONCLUSIVE cells."""
+    counts = df["verdict"].value_counts()
+    line = ", ".join(f"{n} {v}" for v, n in counts.items())
+    code = exit_code(df)
+    if INCONCLUSIVE in counts:
+        line += (f"; {counts[INCONCLUSIVE]} INCONCLUSIVE: slower beyond the threshold without "
+                 "statistical confidence, rerun with more steps")
+    return f"verdicts: {line}; exit {code}"
+
+
+def run_compare(
+    base: str,
+    cand: str,
+    threshold: float = 0.05,
+    alpha: float = 0.05,
+    normalize: str = "none",
+    n_bootstrap: int = 2000,
+    seed: int = 0,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Load both sides, print the table and a verdict line to stdout, return the exit code."""
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    try:
+        opts = CompareOptions(threshold=threshold, alpha=alpha, n_bootstrap=n_bootstrap,
+                              seed=seed, normalize=normalize)
+        df = compare(load_any(base, err), load_any(cand, err), opts, base_label=base, cand_label=cand)
+    except UsageError as exc:
+        print(f"harness compare: error: {exc}", file=err)
+        return 2
+    print(format_table(df), file=out)
+    print(verdict_summary(df), file=out)
+    return exit_code(df)
