@@ -25,6 +25,7 @@ from tabulate import tabulate
 from harness.compare.stats import CompareOptions, PairResult, judge_samples
 from harness.compare.verdicts import _index_cells, fingerprint_diff, throughput_samples
 from harness.measure.step_composition import PARTS
+from harness.text import fmt_or
 from harness.units import MIB
 
 PART_LABELS = {
@@ -162,12 +163,8 @@ def step_spread_pct(diff: RunDiff) -> tuple[int, float, float, float] | None:
 # ---- presentation ------------------------------------------------------------------------------
 
 
-def _num(x: float, fmt: str) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
 def _pair(a: float, b: float, fmt: str) -> str:
-    return f"{_num(a, fmt)} -> {_num(b, fmt)}"
+    return f"{fmt_or(a, fmt)} -> {fmt_or(b, fmt)}"
 
 
 def _mfu(record: dict[str, Any]) -> tuple[float, str]:
@@ -183,7 +180,7 @@ def _parity(record: dict[str, Any]) -> str:
     ok = parity.get("ok")
     if ok is None:
         return "n/a"
-    return f"{'ok' if ok else 'FAIL'} {_num(rel, '.1e')}"
+    return f"{'ok' if ok else 'FAIL'} {fmt_or(rel, '.1e')}"
 
 
 def cells_table(diff: RunDiff) -> pd.DataFrame:
@@ -198,7 +195,7 @@ def cells_table(diff: RunDiff) -> pd.DataFrame:
             "cell": c.cell_id,
             "tok/s/dev A -> B": _pair(tok_a, tok_b, ",.0f"),
             "B/A (95% CI)": "n/a" if math.isnan(t.ratio) else f"{t.ratio:.3f} [{t.ci_low:.3f}, {t.ci_high:.3f}]",
-            "MWU p": _num(t.p_value, ".2g"),
+            "MWU p": fmt_or(t.p_value, ".2g"),
             "verdict": t.verdict,
             "step ms A -> B": _pair(_metric(a, "step_time_s", "median") * 1e3, _metric(b, "step_time_s", "median") * 1e3,
                                     ".1f"),

@@ -41,6 +41,7 @@ from harness.compare.stats import (  # noqa: F401  (re-exported: the gate's verd
 )
 from harness.errors import UsageError
 from harness.records.reader import calibration_medians, latest_per_cell, load_any
+from harness.text import first_line, fmt_or
 
 COLUMNS = [
     "cell_id", "verdict", "base_median_tok_per_s", "cand_median_tok_per_s", "ratio",
@@ -142,12 +143,12 @@ def _judge_pair(
 ) -> PairResult:
     base_status, cand_status = base.get("status", "ok"), cand.get("status", "ok")
     if base_status == cand_status and base_status in UNCHANGED_FAILURES:
-        return PairResult(SKIPPED, f"{base_status} on both sides: {_short(cand.get('error'))}")
+        return PairResult(SKIPPED, f"{base_status} on both sides: {first_line(cand.get('error'))}")
     if base_status != "ok":
-        reason = f"base status {base_status}: {_short(base.get('error'))}; rerun the base cell"
+        reason = f"base status {base_status}: {first_line(base.get('error'))}; rerun the base cell"
         return PairResult(NOT_COMPARABLE, reason)
     if cand_status != "ok":
-        reason = f"cand status {cand_status} (base ok): {_short(cand.get('error'))}"
+        reason = f"cand status {cand_status} (base ok): {first_line(cand.get('error'))}"
         return PairResult(REGRESSION, reason)
     result = judge_samples(
         throughput_samples(base) * scales[0], throughput_samples(cand) * scales[1], opts
@@ -158,13 +159,6 @@ def _judge_pair(
     if notes:
         result = replace(result, reason="; ".join([result.reason, *notes]))
     return result
-
-
-def _short(text: Any, limit: int = 60) -> str:
-    """First line of an error message, at most ``limit`` characters."""
-    if not text:
-        return "no error message"
-    return str(text).splitlines()[0][:limit]
 
 
 def compare(
@@ -236,14 +230,11 @@ def format_table(df: pd.DataFrame) -> str:
     Throughput is in tokens/s (ops/s for pytest-benchmark input), or in multiples of the
     calibration throughput after ``--normalize calibration`` (``df.attrs["throughput_unit"]``).
     """
-    def num(x: float, fmt: str) -> str:
-        return "n/a" if pd.isna(x) else format(x, fmt)
-
     rows = [
-        [r.cell_id, r.verdict, num(r.base_median_tok_per_s, ",.1f"),
-         num(r.cand_median_tok_per_s, ",.1f"), num(r.ratio, ".3f"),
+        [r.cell_id, r.verdict, fmt_or(r.base_median_tok_per_s, ",.1f"),
+         fmt_or(r.cand_median_tok_per_s, ",.1f"), fmt_or(r.ratio, ".3f"),
          "n/a" if pd.isna(r.ci_low) else f"[{r.ci_low:.3f}, {r.ci_high:.3f}]",
-         num(r.p_value, ".2g"), f"{r.n_base}/{r.n_cand}", r.reason]
+         fmt_or(r.p_value, ".2g"), f"{r.n_base}/{r.n_cand}", r.reason]
         for r in df.itertuples(index=False)
     ]
     unit = df.attrs.get("throughput_unit", "tok/s")

@@ -12,9 +12,8 @@ from pathlib import Path
 
 from harness.records.atomic import write_text_atomic
 from harness.records.reader import load_records
-from harness.report.frame import cells_frame
 from harness.report.html import report_html
-from harness.report.model_error import model_frame
+from harness.report.run_frames import RunFrames
 from harness.report.summary import summary_markdown
 
 
@@ -26,15 +25,13 @@ def write_report(run_dir: Path) -> str:
     from harness.report.plot_files import write_plots  # noqa: PLC0415  (heavy: matplotlib only when files are written)
 
     run_dir = Path(run_dir)
-    records = load_records(run_dir)
-    markdown = summary_markdown(records)
-    df = cells_frame(records)
+    frames = RunFrames.of(load_records(run_dir))  # each frame built once, read by every writer below
+    markdown = summary_markdown(frames)
     write_text_atomic(run_dir / "summary.md", markdown)
-    write_text_atomic(run_dir / "summary.csv", df.to_csv(index=False))
-    model = model_frame(records)
-    if not model.empty:
-        write_text_atomic(run_dir / "model.csv", model.to_csv(index=False))
-    written = write_plots(df, run_dir / "plots", records=records)
+    write_text_atomic(run_dir / "summary.csv", frames.cells.to_csv(index=False))
+    if not frames.model.empty:
+        write_text_atomic(run_dir / "model.csv", frames.model.to_csv(index=False))
+    written = write_plots(frames, run_dir / "plots")
     title = f"Benchmark report: {run_dir.name}"
-    write_text_atomic(run_dir / "report.html", report_html(records, {p.name: p.read_bytes() for p in written}, title))
+    write_text_atomic(run_dir / "report.html", report_html(frames, {p.name: p.read_bytes() for p in written}, title))
     return markdown

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from harness.text import degrees_label
 from harness.units import MIB
 
 BANNER = ("FIT: collectives are FAKE (torch's fake process group: they return at once), so no time or "
           "throughput is reported; memory is measured on this device as one rank of N.")
-
-
-def _degrees(d: dict | None) -> str:
-    return " x ".join(f"{k}={v}" for k, v in (d or {}).items() if v > 1) or "1 device"
 
 
 def _gib(x: float) -> str:
@@ -29,7 +26,7 @@ def fit_table(records: list[dict]) -> str:
     for r in records:
         c, m = r["config"], r["metrics"]
         ac = f" ac-{c['ac']}" if c.get("ac", "none") != "none" else ""
-        head = [f"{c['size']} {c['strategy']} {c['precision']}{ac}", c["world_size"], _degrees(c.get("degrees")),
+        head = [f"{c['size']} {c['strategy']} {c['precision']}{ac}", c["world_size"], degrees_label(c.get("degrees")),
                 f"{c['micro_batch']} / {c['global_batch']}"]
         for role in m.get("roles", []):
             pred_state = role["predicted_model_state_bytes"] / MIB

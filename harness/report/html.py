@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import base64
 import html
-from collections.abc import Sequence
-from typing import Any
 
 import pandas as pd
 
-from harness.report.composition import composition_frame, top_ops_frame
-from harness.report.frame import cells_frame, device_title
-from harness.report.model_error import model_frame
+from harness.report.frame import device_title
+from harness.report.run_frames import RunFrames
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
@@ -51,18 +48,17 @@ def _table(df: pd.DataFrame, float_format: str | None = None) -> str:
                       float_format=_readable if float_format is None else float_format.format)
 
 
-def summary_table(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
-    """The summary columns, step time in ms and CV in %."""
-    df = cells_frame(records)
+def summary_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The summary columns of the cells frame, step time in ms and CV in %."""
     out = df[list(SUMMARY_COLUMNS)].copy()
     out["step_time_median_s"] = out["step_time_median_s"] * 1e3
     out["step_time_cv"] = out["step_time_cv"] * 100
     return out.rename(columns=SUMMARY_COLUMNS)
 
 
-def composition_table(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
-    """Cells x parts, ms per step, with the basis (measured from which trace, or predicted)."""
-    comp = composition_frame(records)
+def composition_table(comp: pd.DataFrame) -> pd.DataFrame:
+    """Cells x parts of the composition frame, ms per step, with the basis (measured from which trace,
+    or predicted)."""
     if comp.empty:
         return comp
     wide = comp.pivot_table(index=["cell_id", "basis", "source"], columns="part", values="seconds",
@@ -72,22 +68,20 @@ def composition_table(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return wide.reset_index().rename(columns={"cell_id": "cell", "total": "step (ms)"})
 
 
-def report_html(records: Sequence[dict[str, Any]], plots: dict[str, bytes], title: str) -> str:
+def report_html(frames: RunFrames, plots: dict[str, bytes], title: str) -> str:
     """The whole report; ``plots`` maps a file name to its PNG bytes."""
-    cells = cells_frame(records)
-    model = model_frame(records)
-    ops = top_ops_frame(records)
+    cells, model, ops = frames.cells, frames.model, frames.top_ops
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="note">Device: {html.escape(device_title(cells))}. Built from records.jsonl only '
         "(docs/records.md); summary.md has the same numbers and the formulas.</p>",
-        "<h2>Cells</h2>", _table(summary_table(records)),
+        "<h2>Cells</h2>", _table(summary_table(cells)),
         "<h2>Step composition (ms per step)</h2>",
         '<p class="note">measured: profiled steps after the measured window (metrics.trace.composition, '
         "mean over ranks; source cpu-ops or gpu-kernels); predicted: the analytic model's breakdown.</p>",
-        _table(composition_table(records), "{:,.1f}"),
+        _table(composition_table(frames.composition), "{:,.1f}"),
     ]
     if not ops.empty:
         parts.append("<h2>Top ops per profiled cell (self time per step)</h2>")

@@ -27,6 +27,7 @@ from tabulate import tabulate
 from harness.records.reader import latest_per_cell
 from harness.records.record import FINGERPRINT_LEVERS, pulled_levers
 from harness.report.frame import get, num
+from harness.text import fmt_or
 
 COLUMNS = ["cell_id", "lever", "vs", "speedup", "step_time_pct", "peak_mem_pct", "predicted_peak_mem_pct",
            "peak_measure", "compile_s", "recompiled"]
@@ -75,17 +76,13 @@ def lever_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def _f(v: float, fmt: str) -> str:
-    return format(v, fmt) if np.isfinite(v) else "n/a"
-
-
-def levers_section(records: Sequence[dict[str, Any]]) -> str:
-    """``## What each lever bought`` (empty when no lever was measured beside its counterpart)."""
-    df = lever_frame(records)
+def levers_section(df: pd.DataFrame) -> str:
+    """``## What each lever bought`` from :func:`lever_frame` (empty when no lever was measured beside
+    its counterpart)."""
     if df.empty:
         return ""
-    rows = [[r.cell_id, r.lever, _f(r.speedup, ".2f") + "x", _f(r.step_time_pct, "+.1f"), _f(r.peak_mem_pct, "+.1f"),
-             _f(r.predicted_peak_mem_pct, "+.1f"), _f(r.compile_s, ".1f"),
+    rows = [[r.cell_id, r.lever, fmt_or(r.speedup, ".2f") + "x", fmt_or(r.step_time_pct, "+.1f"), fmt_or(r.peak_mem_pct, "+.1f"),
+             fmt_or(r.predicted_peak_mem_pct, "+.1f"), fmt_or(r.compile_s, ".1f"),
              {True: "yes: not steady", False: "no", None: ""}[r.recompiled]]
             for r in df.sort_values(["lever", "cell_id"]).itertuples()]
     measure = ", ".join(sorted(df["peak_measure"].unique()))

@@ -35,6 +35,7 @@ from tabulate import tabulate
 
 from harness.records.reader import latest_per_cell
 from harness.report.frame import get, num
+from harness.text import fmt_or
 from harness.units import GIB
 
 TERMS = {  # term -> (predicted breakdown key or None, measured composition parts)
@@ -100,33 +101,29 @@ def memory_attribution(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _fmt(x: float, spec: str) -> str:
-    return "-" if not np.isfinite(x) else format(x, spec)
-
-
-def attribution_section(records: Sequence[dict[str, Any]]) -> str:
-    """Markdown: per cell and on average, which term the step-time and peak-memory errors come from."""
-    steps, mem = step_attribution(records), memory_attribution(records)
+def attribution_section(steps: pd.DataFrame, mem: pd.DataFrame) -> str:
+    """Markdown: per cell and on average, which term the step-time and peak-memory errors come from
+    (:func:`step_attribution`, :func:`memory_attribution`)."""
     if steps.empty and mem.empty:
         return ""
     lines = ["## Where the model's error sits", ""]
     if not steps.empty:
         headers = ["cell", "step ms", "error %", *[f"{t} %" for t in TERMS]]
-        rows = [[r["cell_id"], _fmt(r["measured_s"] * 1e3, ".1f"), _fmt(r["error_pct"], "+.1f"),
-                 *[_fmt(r[f"{t} %"], "+.1f") for t in TERMS]] for _, r in steps.iterrows()]
-        rows.append(["**mean (signed)**", "", _fmt(steps["error_pct"].mean(), "+.1f"),
-                     *[_fmt(steps[f"{t} %"].mean(), "+.1f") for t in TERMS]])
-        rows.append(["**mean abs**", "", _fmt(steps["error_pct"].abs().mean(), ".1f"),
-                     *[_fmt(steps[f"{t} %"].abs().mean(), ".1f") for t in TERMS]])
+        rows = [[r["cell_id"], fmt_or(r["measured_s"] * 1e3, ".1f", "-"), fmt_or(r["error_pct"], "+.1f", "-"),
+                 *[fmt_or(r[f"{t} %"], "+.1f", "-") for t in TERMS]] for _, r in steps.iterrows()]
+        rows.append(["**mean (signed)**", "", fmt_or(steps["error_pct"].mean(), "+.1f", "-"),
+                     *[fmt_or(steps[f"{t} %"].mean(), "+.1f", "-") for t in TERMS]])
+        rows.append(["**mean abs**", "", fmt_or(steps["error_pct"].abs().mean(), ".1f", "-"),
+                     *[fmt_or(steps[f"{t} %"].abs().mean(), ".1f", "-") for t in TERMS]])
         lines += ["Step time: each term's (predicted - measured) as % of the measured median step; the terms "
                   "sum to the error. Measured terms are the profiled step composition scaled to the median.", "",
                   tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), ""]
     if not mem.empty:
         headers = ["cell", "tensor peak GiB", "error %", *[f"{t} %" for t in MEMORY_TERMS]]
-        rows = [[r["cell_id"], _fmt(r["peak_tensor_gib"], ".3f"), _fmt(r["error_pct"], "+.1f"),
-                 *[_fmt(r[f"{t} %"], "+.1f") for t in MEMORY_TERMS]] for _, r in mem.iterrows()]
-        rows.append(["**mean abs**", "", _fmt(mem["error_pct"].abs().mean(), ".1f"),
-                     *[_fmt(mem[f"{t} %"].abs().mean(), ".1f") for t in MEMORY_TERMS]])
+        rows = [[r["cell_id"], fmt_or(r["peak_tensor_gib"], ".3f", "-"), fmt_or(r["error_pct"], "+.1f", "-"),
+                 *[fmt_or(r[f"{t} %"], "+.1f", "-") for t in MEMORY_TERMS]] for _, r in mem.iterrows()]
+        rows.append(["**mean abs**", "", fmt_or(mem["error_pct"].abs().mean(), ".1f", "-"),
+                     *[fmt_or(mem[f"{t} %"].abs().mean(), ".1f", "-") for t in MEMORY_TERMS]])
         lines += ["Peak memory: model states and the rest of the peak as % of the measured tensor peak (they sum "
                   "to its error); the process base (RSS peak - tensor peak, against the calibrated base) as % of "
                   "the RSS peak.", "",

@@ -25,6 +25,7 @@ from tabulate import tabulate
 
 from harness.records.reader import RECORDS_FILENAME, calibration_medians, latest_per_cell, load_records
 from harness.report.frame import get, num
+from harness.text import fmt_or
 from harness.units import MIB
 
 # (column, predicted key, measured key path) for the quantities held against the model
@@ -96,24 +97,19 @@ def error_summary(df: pd.DataFrame, quantity: str = "step_time") -> ErrorSummary
     return ErrorSummary(len(col), float(col.mean()), float(col.max()), str(df.loc[col.idxmax(), "cell_id"]))
 
 
-def _f(x: float, fmt: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
-def model_section(records: Sequence[dict[str, Any]]) -> str:
-    """Markdown: predicted vs measured per cell, then the sweep's mean and max errors."""
-    df = model_frame(records)
+def model_section(df: pd.DataFrame) -> str:
+    """Markdown: predicted vs measured per cell (:func:`model_frame`), then the sweep's mean and max errors."""
     if df.empty:
         return ""
     rows = []
     for _, r in df.iterrows():
-        rows.append([r["cell_id"], _f(r["step_time_measured"] * 1e3, ".1f"), _f(r["step_time_predicted"] * 1e3, ".1f"),
-                     _f(r["step_time_error_pct"], "+.0f"), _f(r["machine_factor"], ".2f"),
-                     _f(r["step_time_adjusted_error_pct"], "+.0f"),
-                     _f(r["comm_bytes_measured"] / MIB, ".2f"), _f(r["comm_bytes_predicted"] / MIB, ".2f"),
+        rows.append([r["cell_id"], fmt_or(r["step_time_measured"] * 1e3, ".1f", "-"), fmt_or(r["step_time_predicted"] * 1e3, ".1f", "-"),
+                     fmt_or(r["step_time_error_pct"], "+.0f", "-"), fmt_or(r["machine_factor"], ".2f", "-"),
+                     fmt_or(r["step_time_adjusted_error_pct"], "+.0f", "-"),
+                     fmt_or(r["comm_bytes_measured"] / MIB, ".2f", "-"), fmt_or(r["comm_bytes_predicted"] / MIB, ".2f", "-"),
                      "yes" if r["comm_exact"] else "no",
-                     _f(r["model_state_error_pct"], "+.2f"), _f(r["peak_mem_measured"], ".3f"),
-                     _f(r["peak_mem_predicted"], ".3f"), _f(r["peak_mem_error_pct"], "+.0f"),
+                     fmt_or(r["model_state_error_pct"], "+.2f", "-"), fmt_or(r["peak_mem_measured"], ".3f", "-"),
+                     fmt_or(r["peak_mem_predicted"], ".3f", "-"), fmt_or(r["peak_mem_error_pct"], "+.0f", "-"),
                      r["peak_mem_basis"] or "-", r["basis"] or "-"])
     headers = ["cell", "step ms", "predicted ms", "error %", "machine x", "error adj. %", "comm MiB/step", "predicted MiB", "bytes exact",
                "model-state error %", "peak GiB", "predicted GiB", "peak error %", "peak measure", "compute basis"]

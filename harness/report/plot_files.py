@@ -23,9 +23,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from harness.records.atomic import write_bytes_atomic  # noqa: E402
 from harness.records.reader import latest_per_cell  # noqa: E402
 from harness.report import figures  # noqa: E402
-from harness.report.composition import composition_frame  # noqa: E402
-from harness.report.frame import device_title, memory_rank_frame  # noqa: E402
-from harness.report.model_error import model_frame  # noqa: E402
+from harness.report.frame import device_title  # noqa: E402
+from harness.report.run_frames import RunFrames  # noqa: E402
 
 THROUGHPUT_PNG = "throughput_tokens_per_s_per_device.png"
 PEAK_MEM_PNG = "peak_mem_gib.png"
@@ -149,22 +148,18 @@ def _save(fig: Figure, path: Path) -> Path:
     return write_bytes_atomic(path, buf.getvalue())
 
 
-def write_plots(
-    df: pd.DataFrame, out_dir: Path, records: Sequence[dict[str, Any]] | None = None
-) -> list[Path]:
-    """Write every plot that has data into ``out_dir``; return the written paths.
-
-    ``records`` are needed only for the loss curves (``metrics.loss`` is not in ``df``).
-    """
+def write_plots(frames: RunFrames, out_dir: Path) -> list[Path]:
+    """Write every plot that has data into ``out_dir``; return the written paths."""
+    df = frames.cells
     builders: list[tuple[str, Callable[[], Figure | None]]] = [
         (THROUGHPUT_PNG, lambda: throughput_figure(df)),
         (PEAK_MEM_PNG, lambda: peak_mem_figure(df)),
         (SCALING_PNG, lambda: scaling_figure(df)),
-        (LOSS_PNG, lambda: loss_figure(df, records or [])),
+        (LOSS_PNG, lambda: loss_figure(df, frames.records)),
         (THROUGHPUT_SPREAD_PNG, lambda: figures.throughput_errorbar_figure(df)),
-        (COMPOSITION_PNG, lambda: figures.composition_figure(composition_frame(records or []))),
-        (PREDICTED_PNG, lambda: figures.predicted_vs_measured_figure(model_frame(records or []))),
-        (MEMORY_RANKS_PNG, lambda: figures.memory_figure(memory_rank_frame(records or []))),
+        (COMPOSITION_PNG, lambda: figures.composition_figure(frames.composition)),
+        (PREDICTED_PNG, lambda: figures.predicted_vs_measured_figure(frames.model)),
+        (MEMORY_RANKS_PNG, lambda: figures.memory_figure(frames.memory_ranks)),
         (SCALING_CURVES_PNG, lambda: figures.scaling_curves_figure(df)),
     ]
     written = []

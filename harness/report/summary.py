@@ -6,18 +6,18 @@ Pure: :func:`summary_markdown` returns a string and never prints or plots.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from harness.report.frame import cells_frame, device_title, text
+from harness.report.frame import device_title, text
 from harness.report.lever_gains import levers_section
 from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
+from harness.report.run_frames import RunFrames
+from harness.text import first_line, fmt_or
 
 FAILED_CELL = "-"
 
@@ -63,21 +63,11 @@ FORMULAS = """**Formulas**
 
 
 
-def _fmt(value: float, fmt: str) -> str:
-    return "n/a" if not np.isfinite(value) else format(value, fmt)
-
-
 def _label(row: pd.Series) -> str:
     n = int(row["world_size"]) if np.isfinite(row["world_size"]) else "?"
     levers = text(row["levers"])
     levers = f" ({levers})" if levers and levers != "eager" else ""
     return f"{text(row['strategy'])}/{text(row['precision'])}{levers} on {n} device(s)"
-
-
-def _short_error(error: Any, limit: int = 60) -> str:
-    """First line of an error message, at most ``limit`` characters."""
-    message = text(error)
-    return message.splitlines()[0][:limit] if message else "no error message"
 
 
 def _best_values(df: pd.DataFrame) -> dict[str, float]:
@@ -101,7 +91,7 @@ def _key_columns(df: pd.DataFrame) -> list[tuple[str, str]]:
 
 
 def _key_cells(row: pd.Series, keys: list[tuple[str, str]]) -> list[str]:
-    return [_fmt(row[k], ".0f") if k == "world_size" else text(row[k]) for _, k in keys]
+    return [fmt_or(row[k], ".0f") if k == "world_size" else text(row[k]) for _, k in keys]
 
 
 def _size_table(df: pd.DataFrame) -> str:
@@ -111,12 +101,12 @@ def _size_table(df: pd.DataFrame) -> str:
     rows = []
     for _, row in df.sort_values([k for _, k in keys]).iterrows():
         if row["status"] != "ok":
-            status = f"{row['status']}: {_short_error(row['error'])}"
+            status = f"{row['status']}: {first_line(row['error'])}"
             rows.append(_key_cells(row, keys) + [FAILED_CELL] * len(SUMMARY_COLUMNS) + [status])
             continue
         cells = []
         for col in SUMMARY_COLUMNS:
-            text = _fmt(row[col.key] * col.scale, col.fmt)
+            text = fmt_or(row[col.key] * col.scale, col.fmt)
             is_best = best.get(col.key) == row[col.key]
             if col.multi_device_only and row["world_size"] <= 1:
                 is_best = False
@@ -197,10 +187,10 @@ def _outcome_table(df: pd.DataFrame) -> str:
     for _, row in ok.sort_values(order).iterrows():
         rows.append([
             text(row["precision"]), text(row["scaling"]), text(row["lr_rule"]),
-            _fmt(row["world_size"], ".0f"), text(row["strategy"]), _fmt(row["tokens_per_s_per_device"], ",.0f"),
-            _fmt(_amp_speedup(ok, row), ".2f"), _steps_to_target(row),
-            _fmt(row["time_to_target_s"], ".1f"), _fmt(row["final_loss"], ".4f"),
-            _fmt(row["gns_b_simple"], ".1f"), _fmt(row["global_batch"], ".0f"),
+            fmt_or(row["world_size"], ".0f"), text(row["strategy"]), fmt_or(row["tokens_per_s_per_device"], ",.0f"),
+            fmt_or(_amp_speedup(ok, row), ".2f"), _steps_to_target(row),
+            fmt_or(row["time_to_target_s"], ".1f"), fmt_or(row["final_loss"], ".4f"),
+            fmt_or(row["gns_b_simple"], ".1f"), fmt_or(row["global_batch"], ".0f"),
             critical_batch_hint(row["global_batch"], row["gns_b_simple"]),
         ])
     headers = ["precision", "scaling", "LR rule", "world size", "strategy", "tokens/s/dev",
@@ -226,9 +216,9 @@ def _flags(df: pd.DataFrame) -> list[str]:
     return flags
 
 
-def summary_markdown(records: Sequence[dict[str, Any]]) -> str:
+def summary_markdown(frames: RunFrames) -> str:
     """The run summary: per size a performance table, what to pick, outcome table, notes."""
-    df = cells_frame(records)
+    df = frames.cells
     lines = [f"# Benchmark summary, produced on {device_title(df)}", ""]
     if df.empty:
         return "\n".join(lines + ["No cell records.", ""])
@@ -237,13 +227,13 @@ def summary_markdown(records: Sequence[dict[str, Any]]) -> str:
         lines += [f"## Size: {size}", "", _size_table(part), "", what_to_pick(part), ""]
         if _has_outcomes(part):
             lines += [f"### Loss outcomes: {size}", "", _outcome_table(part), ""]
-    model = model_section(records)
+    model = model_section(frames.model)
     if model:
         lines += [model, ""]
-    attribution = attribution_section(records)
+    attribution = attribution_section(frames.step_attribution, frames.memory_attribution)
     if attribution:
         lines += [attribution, ""]
-    levers = levers_section(records)
+    levers = levers_section(frames.levers)
     if levers:
         lines += [levers, ""]
     lines += [FORMULAS, ""]

@@ -11,6 +11,7 @@ from tabulate import tabulate
 
 from harness.model.hardware import DEFAULT_EFFICIENCY, KERNEL_EFFICIENCY, MAMF_FRACTION
 from harness.model.whatif import SEQUENCES_PER_DEVICE, Scenario
+from harness.text import degrees_label
 
 BANNER = ("PREDICTIONS from the analytic model (harness/model), not measurements: "
           "nothing here ran on the named hardware.")
@@ -44,11 +45,6 @@ def assumptions_lines(s: Scenario) -> list[str]:
     ]
 
 
-def _degrees(d: dict) -> str:
-    parts = [f"{k}={v}" for k, v in d.items() if v > 1]
-    return " x ".join(parts) or "1 device"
-
-
 def _num(x: float, decimals: int = 1) -> str:
     """Fixed decimals, or 3 significant digits for values that would print as 0 (tiny sizes)."""
     return f"{x:.{decimals}f}" if x == 0 or abs(x) >= 10 ** -decimals else f"{x:.3g}"
@@ -65,7 +61,7 @@ def whatif_table(rows: list[dict]) -> str:
             out.append(["-", r["strategy"], "-", "-", "-", "-", "-", "-", "-", "-", "invalid", r["reason"]])
             continue
         note = "; ".join(([r["reason"]] if r["reason"] else []) + r["notes"])
-        out.append([r["rank"] or "-", r["strategy"], _degrees(r["degrees"]), f"{r['tokens_per_s_per_device']:,.0f}",
+        out.append([r["rank"] or "-", r["strategy"], degrees_label(r["degrees"]), f"{r['tokens_per_s_per_device']:,.0f}",
                     f"{r['mfu_pct']:.1f}", _num(r["step_time_s"] * 1e3), _num(r["exposed_comm_s"] * 1e3),
                     _num(r["bubble_s"] * 1e3), _num(r["model_states_gib_per_rank"], 2),
                     _num(r["peak_mem_gib_per_rank"]), "yes" if r["fits"] else "NO", note])

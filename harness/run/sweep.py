@@ -28,6 +28,7 @@ from harness.run.progress import Progress
 from harness.run.record_metrics import cell_metrics, failed_cell_metrics, parity_key
 from harness.run.rundir import existing_records
 from harness.spec import CellConfig
+from harness.text import first_line
 
 
 def default_timeout_s(cfg) -> float:
@@ -99,7 +100,7 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
             if side is not None:
                 print(f"{records_path}: its torn last line was moved to {side}", file=sys.stderr, flush=True)
         written.append(rec)
-        progress.finish(cell.cell_id, rec["status"], _short(rec))
+        progress.finish(cell.cell_id, rec["status"], _progress_note(rec))
     progress.close()
     return written
 
@@ -152,9 +153,10 @@ def _keep_reference(references: dict, rec: dict) -> None:
         references[key] = rec
 
 
-def _short(rec: dict) -> str:
+def _progress_note(rec: dict) -> str:
+    """What the progress line says after a cell's status: its throughput, or its error's first line."""
     if rec["status"] != "ok":
-        return (rec.get("error") or "").splitlines()[0] if rec.get("error") else ""
+        return first_line(rec.get("error"), limit=200) if rec.get("error") else ""
     m = rec["metrics"]
     tps = m.get("tokens_per_s_per_device")
     return f"{tps:,.0f} tok/s/dev" if tps else ""

@@ -193,9 +193,9 @@ def test_lever_table_holds_each_lever_against_the_same_cell_without_it():
     assert compiled.peak_mem_pct != compiled.peak_mem_pct, "CPU tensor bytes of a compiled cell are an eager count: n/a"
     assert df.loc[("compiled-ac", "ac full")].vs == "compiled" and df.loc[("compiled-ac", "compile")].vs == "ac"
     assert df.loc[("fused", "adamw-fused")].speedup == pytest.approx(0.2 / 0.19)
-    text = levers_section(records)
+    text = levers_section(lever_frame(records))
     assert text.startswith("## What each lever bought") and "| compiled " in text and "1.25x" in text
-    assert levers_section(records[:1]) == ""
+    assert levers_section(lever_frame(records[:1])) == ""
 
 
 def test_fp8_is_invalid_with_the_reason_wherever_it_cannot_run(monkeypatch):

@@ -249,7 +249,7 @@ def test_step_error_is_also_held_against_the_machine_s_speed_at_the_cell():
     assert df.loc["slowed", "step_time_error_pct"] == pytest.approx(100 * (0.1 - 0.13) / 0.13)
     assert df.loc["slowed", "step_time_adjusted_error_pct"] == pytest.approx(0.0, abs=1e-9)
     assert math.isnan(df.loc["unprobed", "machine_factor"])
-    text = model_section(recs)
+    text = model_section(model_frame(recs))
     assert "machine x" in text and "mean |error| 0.0%, max 0.0% (`slowed`) over 1 cells" in text
     other_run = [{**normaliser, "run_id": "other"}, cell("slowed", {"before": 0.012, "after": 0.014})]
     assert math.isnan(model_frame(other_run)["machine_factor"].iloc[0]), "only the cell's own run calibrates it"

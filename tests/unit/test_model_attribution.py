@@ -53,7 +53,7 @@ def test_records_without_a_profile_or_a_tensor_peak_are_left_out() -> None:
     record = _record()
     del record["metrics"]["trace"]
     assert step_attribution([record]).empty and memory_attribution([record]).empty
-    assert attribution_section([record]) == ""
+    assert attribution_section(step_attribution([record]), memory_attribution([record])) == ""
 
 
 def test_committed_profiled_cells_attribute_their_whole_error() -> None:
@@ -61,4 +61,4 @@ def test_committed_profiled_cells_attribute_their_whole_error() -> None:
     assert sorted(frame["strategy"]) == ["ddp", "fsdp", "pp", "tp"]
     for _, row in frame.iterrows():
         assert sum(row[f"{t} %"] for t in TERMS) == pytest.approx(row["error_pct"], abs=1e-9)
-    assert "| **mean abs**" in attribution_section(load_records(BASE))
+    assert "| **mean abs**" in attribution_section(step_attribution(load_records(BASE)), memory_attribution(load_records(BASE)))

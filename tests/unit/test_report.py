@@ -16,6 +16,7 @@ from harness.records.reader import load_records
 from harness.report import frame, summary
 from harness.report.figures import _cell_tick
 from harness.report.plot_files import LOSS_PNG, PEAK_MEM_PNG, SCALING_PNG, THROUGHPUT_PNG, write_plots
+from harness.report.run_frames import RunFrames
 
 SEQ_LEN = 128
 OOM_ERROR = ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.35 GiB total capacity; "
@@ -125,14 +126,14 @@ def test_cells_frame_ignores_calibration_and_tolerates_missing_keys() -> None:
     assert list(df["cell_id"]) == ["x"]
     assert list(df.columns) == frame.FRAME_COLUMNS
     assert df[["tokens_per_s_per_device", "peak_mem_gib", "overlap_pct"]].isna().all(axis=None)
-    assert summary.summary_markdown([bare]).startswith("# Benchmark summary, produced on unknown")
+    assert summary.summary_markdown(RunFrames.of([bare])).startswith("# Benchmark summary, produced on unknown")
 
 
 # ---------------------------------------------------------------- markdown
 
 
 def test_summary_table_marks_best_and_shows_failures(records: list[dict[str, Any]]) -> None:
-    md = summary.summary_markdown(records)
+    md = summary.summary_markdown(RunFrames.of(records))
     assert md.startswith("# Benchmark summary, produced on cpu (AMD EPYC)\n")
     header, _, *rows = table_rows(md, "tiny")
     assert header[:4] == ["strategy", "precision", "world size", "tokens/s/dev"]
@@ -154,14 +155,14 @@ def test_summary_table_marks_best_and_shows_failures(records: list[dict[str, Any
 
 
 def test_what_to_pick_names_the_right_cells(records: list[dict[str, Any]]) -> None:
-    md = summary.summary_markdown(records)
+    md = summary.summary_markdown(RunFrames.of(records))
     assert ("**What to pick:** fastest is ddp/bf16 on 2 device(s) at 1,200 tokens/s/dev; "
             "leanest in memory is fsdp/fp32 on 2 device(s) at 1.20 GiB peak; "
             "best scaling is ddp/fp32 on 2 device(s) at efficiency 0.90.") in md
 
 
 def test_footnotes_and_unstable_flag(records: list[dict[str, Any]]) -> None:
-    md = summary.summary_markdown(records)
+    md = summary.summary_markdown(RunFrames.of(records))
     assert "tokens/s = global tokens per step / median step time" in md
     assert "scaling efficiency = tokens/s at N devices / (N x tokens/s at 1 device)" in md
     assert ("- `tiny-fsdp-fp32-w2-gb16-strong-constant`: unstable: CV 14% > 10%, "
@@ -175,12 +176,12 @@ def test_footnotes_and_unstable_flag(records: list[dict[str, Any]]) -> None:
 def test_failed_parity_is_flagged_with_its_reason(records: list[dict[str, Any]]) -> None:
     reason = "vs tiny-single: gradient norm after step 1 differs by 1.0e+00 > 1e-06"
     records[1]["metrics"]["parity"] = {"ok": False, "reason": reason}
-    md = summary.summary_markdown(records)
+    md = summary.summary_markdown(RunFrames.of(records))
     assert f"- `tiny-ddp-fp32-w2-gb16-strong-constant`: **parity failed**: {reason}" in md
 
 
 def test_outcome_table() -> None:
-    md = summary.summary_markdown(outcome_records())
+    md = summary.summary_markdown(RunFrames.of(outcome_records()))
     header, _, *rows = table_rows(md, "small")
     assert header[:4] == ["strategy", "precision", "world size", "LR rule"]  # LR rule varies
     assert [r[3] for r in rows] == ["sqrt", "linear", "sqrt"]
@@ -228,10 +229,9 @@ def test_write_report_files(tmp_path: Path, records: list[dict[str, Any]]) -> No
 
 def test_plots_skipped_without_data(tmp_path: Path) -> None:
     only_failed = [cell("fsdp", "bf16", 2, None, status="oom", error=OOM_ERROR)]
-    df = frame.cells_frame(only_failed)
-    assert write_plots(df, tmp_path / "plots", records=only_failed) == []
+    assert write_plots(RunFrames.of(only_failed), tmp_path / "plots") == []
     one_size = [cell("ddp", "fp32", 1, 1000.0)]
-    written = write_plots(frame.cells_frame(one_size), tmp_path / "p2", records=one_size)
+    written = write_plots(RunFrames.of(one_size), tmp_path / "p2")
     assert [p.name for p in written] == [THROUGHPUT_PNG]
 
 
@@ -257,7 +257,7 @@ def test_latest_record_of_a_resumed_cell_wins_and_its_attempts_are_counted(recor
     row = df[df["cell_id"] == retried["cell_id"]].iloc[0]
     assert (row["status"], row["tokens_per_s"], row["attempts"]) == ("ok", 2000.0, 3)
     assert df[df["cell_id"] != retried["cell_id"]]["attempts"].eq(1).all()
-    md = summary.summary_markdown(history)
+    md = summary.summary_markdown(RunFrames.of(history))
     assert f"- `{retried['cell_id']}`: 3 attempts; the tables show the latest (ok)" in md
     assert "timeout" not in md.split("**Flags**")[0], "an earlier attempt is history, not a row"
 
