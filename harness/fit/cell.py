@@ -147,8 +147,9 @@ def pct_error(predicted: float, measured: float) -> float | None:
 
 
 def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_mem_gib: float, steps: int,
-               compute: str) -> dict:
-    """The cell's ``kind: "fit"`` record: measured roles, the model beside them, fits or not."""
+               compute: str, batch_search: dict | None = None) -> dict:
+    """The cell's ``kind: "fit"`` record: measured roles, the model beside them, fits or not (and, for
+    ``--batch auto``, every micro-batch tried)."""
     shape = cell.shape
     states = state_bytes_by_rank(shape)
     predicted_peak = peak_bytes(shape, 0.0)
@@ -186,6 +187,8 @@ def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_m
         "fits": fits,
         "headroom_gib": device_mem_gib - peak if peak is not None else None,
     }
+    if batch_search is not None:
+        metrics["batch_search"] = batch_search
     config = {**asdict(cell), "global_batch": cell.global_batch, "steps": steps, "compute": compute}
     predicted = {"model": "harness.model", "peak_mem_gib": predicted_peak / GIB,
                  "model_state_bytes_per_rank": max(s.total for s in states),

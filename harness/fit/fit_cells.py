@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from harness.fit.cell import FitCell, fit_record, run_roles
+from harness.fit.cell import FitCell, RoleOutcome, fit_record, run_roles
 from harness.records.reader import append_record
 from harness.search import largest_passing
 
@@ -23,20 +23,21 @@ def fit_cell(cell: FitCell, out_dir: Path, run_id: str, steps: int, compute: str
 def fit_auto(cell: FitCell, out_dir: Path, run_id: str, steps: int, compute: str, device_mem_gib: float) -> dict:
     """The record at the largest micro-batch whose every role fits (the smallest tried when none does),
     with ``metrics.batch_search`` listing each micro-batch tried and whether it fit."""
-    tried: dict[int, dict] = {}
+    outcomes: dict[int, list[RoleOutcome]] = {}
+    fitted: dict[int, bool | None] = {}
 
     def fits(mb: int) -> bool:
-        tried[mb] = fit_cell(replace(cell, micro_batch=mb), out_dir, run_id, steps, compute, device_mem_gib)
-        return bool(tried[mb]["metrics"]["fits"])
+        at = replace(cell, micro_batch=mb)
+        outcomes[mb] = run_roles(at, out_dir / "cells" / at.cell_id, steps, compute)
+        fitted[mb] = fit_record(run_id, at, outcomes[mb], device_mem_gib, steps, compute)["metrics"]["fits"]
+        return bool(fitted[mb])
 
     best = largest_passing(fits, start=1, limit=AUTO_LIMIT)
-    record = tried[best if best is not None else 1]
-    record["metrics"]["batch_search"] = {
-        "largest_fitting_micro_batch": best,
-        "tried": {str(mb): r["metrics"]["fits"] for mb, r in sorted(tried.items())},
-        "method": "doubling from 1, then bisection (harness/search.py)",
-    }
-    return record
+    mb = best if best is not None else 1
+    search = {"largest_fitting_micro_batch": best, "tried": {str(m): f for m, f in sorted(fitted.items())},
+              "method": "doubling from 1, then bisection (harness/search.py)"}
+    return fit_record(run_id, replace(cell, micro_batch=mb), outcomes[mb], device_mem_gib, steps, compute,
+                      batch_search=search)
 
 
 def fit_all(cells: list[FitCell], out_dir: Path, run_id: str, steps: int, compute: str, device_mem_gib: float,

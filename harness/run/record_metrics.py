@@ -1,9 +1,9 @@
 """The record's metrics, built in one place from typed parts (:mod:`harness.records.schema`).
 
 Rank 0 of the worker summarises what every rank measured into :class:`WorkerMetrics`
-(:func:`worker_metrics`); the sweep completes it with the calibrated MFU and
-:class:`RunMetrics` when it writes the record (:func:`cell_metrics`). Nothing else writes a
-metric key.
+(:func:`worker_metrics`); the sweep completes it with the calibrated MFU, parity and
+:class:`RunMetrics` from :class:`RunFacts` when it writes the record (:func:`cell_metrics`, or
+:func:`run_metrics` alone for a cell without a result). Nothing else writes a metric key.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _compile(gathered: list[dict], warmup_s: list[float], median_s: float) -> di
 
 def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: list[dict], g_big: list[float],
                    skipped: int, scaler, entropy_floor: float, local_batch: int, threads: int, device_name: str,
-                   monitor_result, trace: dict | None) -> tuple[WorkerMetrics, dict[str, Any]]:
+                   monitor_result, trace: dict | None, worker_wall_s: float) -> tuple[WorkerMetrics, dict[str, Any]]:
     """Rank 0's metrics and raw samples from every rank's measurements (``gathered``)."""
     per_rank_times = [g["times"] for g in gathered]
     all_steps = slowest_per_step(per_rank_times)
@@ -169,6 +169,7 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
         **_loss(cfg, global_loss([g["losses"] for g in gathered]), all_steps, entropy_floor),
         "precision": precision.describe(data_parallel),
         **_instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace),
+        "worker_wall_s": worker_wall_s,
     }
     if cfg.compile:
         m["compile"] = _compile(gathered, all_steps[: cfg.warmup], stats.median)
@@ -249,16 +250,34 @@ def _parity(cell_id: str, cfg: dict, worker: dict, samples: dict, ref: dict | No
     return {"parity_max_rel_diff": diffs["loss"], "parity": parity}
 
 
-def failed_cell_metrics(wall_s: float, est_mem_gib: float | None) -> RunMetrics:
-    """A cell without a result: how long it ran and what the plan expected of its memory."""
-    return {"wall_s": wall_s, "est_mem_gib": est_mem_gib}
+@dataclass(frozen=True)
+class RunFacts:
+    """What the sweep knows of a cell's run beside what its ranks measured."""
+
+    wall_s: float
+    """The cell's job, launch to exit (the launcher's clock)."""
+    est_mem_gib: float | None
+    """The plan's memory estimate per rank."""
+    batch_search: dict | None = None
+    """``--batch auto``: every trial (:meth:`harness.run.batch_search.BatchSearch.as_dict`)."""
+    machine_probe_s: dict[str, float] | None = None
+    """CPU: the normaliser workload timed ``before`` and ``after`` the cell (:mod:`harness.measure.machine_probe`)."""
 
 
-def cell_metrics(cell_id: str, cfg: dict, worker: WorkerMetrics, wall_s: float, est_mem_gib: float | None,
+def run_metrics(facts: RunFacts) -> RunMetrics:
+    """The run's part of a record; all a cell without a result carries."""
+    m: RunMetrics = {"wall_s": facts.wall_s, "est_mem_gib": facts.est_mem_gib}
+    if facts.batch_search is not None:
+        m["batch_search"] = facts.batch_search
+    if facts.machine_probe_s is not None:
+        m["machine_probe_s"] = facts.machine_probe_s
+    return m
+
+
+def cell_metrics(cell_id: str, cfg: dict, worker: WorkerMetrics, samples: dict, facts: RunFacts, *,
                  calibrated_tflops: float | None, device_name: str, compute_dtype: str,
-                 reference: dict | None, samples: dict) -> CellMetrics:
-    """The record's metrics of an ok cell: the worker's, the calibrated MFU, and the run's part."""
+                 reference: dict | None) -> CellMetrics:
+    """The record's metrics of an ok cell: the worker's, the calibrated MFU, the run's part and parity."""
     calibrated: CalibratedMfuMetrics = calibrated_mfu_fields(worker["tflops_per_device"], calibrated_tflops,
                                                              device_name, compute_dtype)
-    return {**worker, **calibrated, **failed_cell_metrics(wall_s, est_mem_gib),
-            **_parity(cell_id, cfg, worker, samples, reference)}
+    return {**worker, **calibrated, **run_metrics(facts), **_parity(cell_id, cfg, worker, samples, reference)}

@@ -25,7 +25,7 @@ from harness.run import batch_search
 from harness.run.batch_search import BatchSearch
 from harness.run.launch import Outcome, Rendezvous, run_cell_job
 from harness.run.progress import Progress
-from harness.run.record_metrics import cell_metrics, failed_cell_metrics, parity_key
+from harness.run.record_metrics import RunFacts, cell_metrics, parity_key, run_metrics
 from harness.run.rundir import existing_records
 from harness.spec import CellConfig
 from harness.text import first_line
@@ -82,18 +82,18 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
                                     stall_timeout_s=opts.stall_timeout_s)
 
             found, outcome = None, None
-            probe = machine_probe_s(device_kind) if device_kind == "cpu" else None
+            probe = machine_probe_s(device_kind) if device_kind == "cpu" else None  # the machine's speed around the cell
             if cell.config.batch_auto:
                 trials, rdzv_id = cell_dir / "batch-trials", _rdzv_id(opts, index)
                 cell, found, outcome = _search_batch(cell, lambda cfg, name, trials=trials, rdzv_id=rdzv_id: job(
                     cfg, trials / name, f"{rdzv_id}-{name}"), replan)
             if outcome is None:
                 outcome = job(cell.config, cell_dir, _rdzv_id(opts, index))
-            rec = _record(cell, outcome, opts.run_id, env, references)
-            if found is not None:
-                rec["metrics"]["batch_search"] = found.as_dict()
-            if probe is not None:  # how fast the machine was around the cell (harness.measure.machine_probe)
-                rec["metrics"]["machine_probe_s"] = {"before": probe, "after": machine_probe_s(device_kind)}
+            facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib,
+                             batch_search=found.as_dict() if found is not None else None,
+                             machine_probe_s={"before": probe, "after": machine_probe_s(device_kind)}
+                             if probe is not None else None)
+            rec = _record(cell, outcome, facts, opts.run_id, env, references)
             _keep_reference(references, rec)
         if writer:
             side = append_record(records_path, rec)
@@ -162,16 +162,17 @@ def _progress_note(rec: dict) -> str:
     return f"{tps:,.0f} tok/s/dev" if tps else ""
 
 
-def _record(cell: PlannedCell, outcome: Outcome, run_id: str, env: dict, references: dict) -> dict:
+def _record(cell: PlannedCell, outcome: Outcome, facts: RunFacts, run_id: str, env: dict, references: dict) -> dict:
     cfg = cell.config.to_dict()
     if outcome.status != "ok" or outcome.result is None:
         return make_record(run_id=run_id, cell_id=cell.cell_id, status=outcome.status, config=cfg, env=env,
                            degrees=None, workload=None, error=outcome.error, predicted=cell.predicted,
-                           metrics=failed_cell_metrics(outcome.wall_s, cell.est_mem_gib))
+                           metrics=run_metrics(facts))
     res = outcome.result
-    metrics = cell_metrics(cell.cell_id, cfg, res["metrics"], outcome.wall_s, cell.est_mem_gib, cell.calibrated_tflops,
-                           res["env"]["device_name"], PrecisionPlan(cell.config.precision).compute_dtype,
-                           references.get(parity_key(cfg)), res["samples"])
+    metrics = cell_metrics(cell.cell_id, cfg, res["metrics"], res["samples"], facts,
+                           calibrated_tflops=cell.calibrated_tflops, device_name=res["env"]["device_name"],
+                           compute_dtype=PrecisionPlan(cell.config.precision).compute_dtype,
+                           reference=references.get(parity_key(cfg)))
     return make_record(run_id=run_id, cell_id=cell.cell_id, status="ok", config=cfg, env=res["env"],
                        degrees=res["degrees"], workload=res["workload"], metrics=metrics, samples=res["samples"],
                        predicted=cell.predicted)

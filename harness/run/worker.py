@@ -89,6 +89,7 @@ def _apply_mem_cap(cfg: CellConfig) -> None:
 
 def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     """Run one cell on the initialised process group; rank 0 returns the result payload."""
+    t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.world_size:
         raise RuntimeError(f"cell needs world size {cfg.world_size}, process group has {world}")
@@ -206,7 +207,8 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
         monitor_result.save_csv(out_dir / "monitor.csv")
     metrics, samples = worker_metrics(cfg, size, dims, precision, layout.data_parallel, gathered, g_big, skipped,
                                       ctx.scaler, data.entropy_floor, local_batch, threads, env["device_name"],
-                                      monitor_result, _analyse_traces(gathered, out_dir))
+                                      monitor_result, _analyse_traces(gathered, out_dir),
+                                      worker_wall_s=time.perf_counter() - t0)
     return {"metrics": metrics, "samples": samples, "env": env, "degrees": dims.degrees(),
             "workload": {**size.as_dict(), "params": size.params}}
 
@@ -318,10 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.device_kind == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
-        t0 = time.perf_counter()
         result = run_cell(cfg, args.out)
         if result is not None:
-            result["metrics"]["worker_wall_s"] = time.perf_counter() - t0
             write_json_atomic(args.out / "result.json", clean(result))
         dist.barrier()
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 
 from harness.run.formulas import max_rel_diff
-from harness.run.record_metrics import cell_metrics, parity_diffs
+from harness.run.record_metrics import RunFacts, cell_metrics, parity_diffs
 from tests.distributed import _inject
 from tests.distributed._spawn import cell, run_cells
 from workloads.sizes import get_size
@@ -131,9 +131,9 @@ def doubled_grads(tmp_path_factory):
 def test_doubled_gradient_fails_the_records_parity_naming_the_gradient_norm(doubled_grads, reference, strategy):
     cid = "tiny-ddp-fp32-w2-gb8-strong-ga2" if strategy == "ddp-ga2" else f"tiny-{strategy}-fp32-w2-gb8-strong"
     res = doubled_grads[cid]
-    metrics = cell_metrics(cid, res["config"], res["metrics"], wall_s=1.0, est_mem_gib=None, calibrated_tflops=None,
-                           device_name="cpu", compute_dtype="float32", reference=_ref_record(reference, 8),
-                           samples=res["samples"])
+    metrics = cell_metrics(cid, res["config"], res["metrics"], res["samples"], RunFacts(wall_s=1.0, est_mem_gib=None),
+                           calibrated_tflops=None, device_name="cpu", compute_dtype="float32",
+                           reference=_ref_record(reference, 8))
     parity = metrics["parity"]
     assert parity["ok"] is False, parity
     assert "gradient norm after step 1" in parity["reason"], parity["reason"]

@@ -195,3 +195,34 @@ def test_resume_runs_neither_finished_nor_invalid_cells_again(tmp_path, monkeypa
                 {"cell_id": by_strategy["tp"], "status": "crashed"}]
     todo = cells_to_run(cells, finished_cells(existing))
     assert sorted(c.raw["strategy"] for c in todo) == ["ddp", "tp"]
+
+
+# ---------------------------------------------------------------- metric keys
+
+
+def _metric_key_writes(tree) -> list[int]:
+    """Lines that assign into ``<something>["metrics"][...]`` (a metric key written after the fact)."""
+    import ast
+
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+            if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Subscript) \
+                    and isinstance(t.value.slice, ast.Constant) and t.value.slice.value == "metrics":
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_record_builders_write_metric_keys():
+    """record_metrics.py (cells) and fit/cell.py (fit records) build ``metrics``; nothing patches a
+    record's metrics afterwards (the schema in records/schema.py is the whole list)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "harness"
+    found = {str(p.relative_to(root.parent)): lines for p in sorted(root.rglob("*.py"))
+             if (lines := _metric_key_writes(ast.parse(p.read_text())))}
+    assert found == {}, f"metric keys written outside the record builders: {found}"
+    assert _metric_key_writes(ast.parse('rec["metrics"]["x"] = 1\nm = {}\nm["y"] = 2')) == [1], "the check can fail"
