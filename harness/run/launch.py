@@ -127,6 +127,14 @@ def _failed_rank(cell_dir: Path, launcher_err: str) -> tuple[int | None, str]:
     return root["rank"], _describe_exit(root["exitcode"])
 
 
+def _drop_empty_logs(cell_dir: Path) -> None:
+    """torchrun writes a stdout and stderr file per rank whether or not the rank printed: an empty log
+    says nothing, so a run directory keeps only the logs that hold something."""
+    for log in [cell_dir / "launcher.log", *(cell_dir / "logs").rglob("*.log")]:
+        if log.is_file() and log.stat().st_size == 0:
+            log.unlink()
+
+
 def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, rdzv_id: str,
                  env_extra: dict | None = None, worker_prefix: list[str] | None = None,
                  stall_timeout_s: float | None = None) -> Outcome:
@@ -149,6 +157,7 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
         rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env, watchdog=watch.stalled if watch else None)
     finally:
         heartbeat.clear(cell_dir)
+        _drop_empty_logs(cell_dir)
     wall = time.monotonic() - t0
     if rc is None:
         return Outcome("timeout", watch.reason if watch and watch.reason else
@@ -169,7 +178,8 @@ def _classify_failure(cell_dir: Path, log_dir: Path, rc: int, wall: float) -> Ou
     if rc == 0 and not errors:
         return Outcome("crashed", f"every rank exited 0 but no {cell_dir / 'result.json'} was written "
                                   "(global rank 0 writes it; see the rank logs)", None, rc, wall)
-    launcher_err = (cell_dir / "launcher.log").read_text(errors="replace")
+    launcher_log = cell_dir / "launcher.log"  # absent when torchrun printed nothing
+    launcher_err = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
     rank, how = _failed_rank(cell_dir, launcher_err)
     first = next((e for e in errors if e["rank"] == rank), None)
     what = first["error"] if first else "no error report from the rank (killed, or a native crash); see its stderr"

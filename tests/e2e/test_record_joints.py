@@ -148,4 +148,7 @@ def test_bench_writes_records_summary_and_report(bench_run, cells):
         rows = list(csv.DictReader(f))
     assert sorted(r["cell_id"] for r in rows) == sorted(r["cell_id"] for r in cells.values())
     assert (bench_run.out / "report.html").stat().st_size > 0
+    empty = [str(p.relative_to(bench_run.out)) for p in bench_run.out.rglob("*")
+             if p.is_file() and not p.stat().st_size and not p.name.startswith(".harness.lock")]  # the run's flock
+    assert empty == [], f"a run directory keeps no empty file (torchrun's silent rank logs): {empty}"
     assert "summary: " in bench_run.stdout
