@@ -226,3 +226,14 @@ def test_only_the_record_builders_write_metric_keys():
              if (lines := _metric_key_writes(ast.parse(p.read_text())))}
     assert found == {}, f"metric keys written outside the record builders: {found}"
     assert _metric_key_writes(ast.parse('rec["metrics"]["x"] = 1\nm = {}\nm["y"] = 2')) == [1], "the check can fail"
+
+
+def test_no_module_name_repeats_across_packages():
+    """A file name alone says which module is meant (one `metrics`, not three)."""
+    from collections import Counter
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    names = Counter(p.name for pkg in ("harness", "workloads") for p in (repo / pkg).rglob("*.py")
+                    if p.name not in ("__init__.py", "__main__.py"))
+    assert [n for n, c in names.items() if c > 1] == []
