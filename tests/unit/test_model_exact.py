@@ -250,3 +250,52 @@ def test_ddp_over_one_replica_all_reduces_its_buckets_and_holds_them() -> None:
     assert memory.transient_param_bytes(c) == 4 * PARAMS
     single = shape("single", 1)
     assert comm.comm_by_rank(single) == [{}] and memory.transient_param_bytes(single) == 0
+
+
+# ---- memory.py survivors: exact values the surviving mutants change (docs/mutation.md)
+
+
+def test_fsdp_two_uneven_shards_price_each_rank_alone() -> None:
+    # seq 127: the position table's 127 rows chunk 64 / 63 over 2 ranks; every other dim 0 of tiny
+    # (256, 128, 512) splits evenly. At seq 128 each rank holds PARAMS / 2 = 437,632 elements,
+    # so rank 0 keeps that and rank 1 one row (d = 128 elements) fewer.
+    c = shape("fsdp", 2, size=replace(TINY, seq_len=127))
+    assert [s.params for s in memory.state_bytes_by_rank(c)] == [4 * 437_632, 4 * (437_632 - 128)]
+
+
+def test_local_params_is_an_int_count() -> None:
+    n = memory.local_params(shape("fsdp", 2))
+    assert type(n) is int and n == PARAMS // 2
+
+
+def test_inflight_microbatches_per_pipeline_rank() -> None:
+    # 1F1B: stage r holds pp - r microbatches (the last one); interleaved: pp on every rank.
+    assert memory.inflight_microbatches(shape("pp", 2, microbatches=4), 1) == 1
+    inter = shape("pp", 2, microbatches=4, pp_schedule="interleaved1f1b")
+    assert [memory.inflight_microbatches(inter, r) for r in (0, 1)] == [2, 2]
+
+
+def test_activation_bytes_last_stage_and_tp_variants() -> None:
+    # pp 2, 4 microbatches of 2 rows: the last stage holds 1 microbatch, 2 layers of 64 d bytes, no stage output
+    assert memory.activation_bytes(shape("pp", 2, microbatches=4), 1) == 2 * 128 * 1 * (2 * 64 * 128)
+    # tp 2 without SP, full: each block's fp32 input whole (d x 4 bytes), 8 rows x 128 tokens x 4 layers
+    assert memory.activation_bytes(shape("tp", 2, recompute="full")) == 8 * 128 * 4 * 128 * 4
+    # tp 2 selective, fp32: 4 d x 4 (LayerNorms) + 12 d x 4 / 2 - 4 d x 4 / 2 = 16 d + 24 d - 8 d = 32 d
+    assert memory.activation_bytes(shape("tp", 2, recompute="selective")) == 8 * 128 * 4 * 32 * 128
+
+
+def test_grads_live_in_forward_from_two_micro_steps() -> None:
+    assert memory.grads_live_in_forward(shape("single", 1, grad_accum=2)) is True
+    assert memory.grads_live_in_forward(shape("single", 1)) is False
+
+
+def test_peak_with_accumulated_gradients_exact() -> None:
+    """grad_accum 2 (4 rows a micro-step): the gradients are live at every moment."""
+    tokens = 4 * 128
+    states = 16 * PARAMS + 4 * TENSORS  # fp32 params, grads, two moments; a step per tensor
+    # none: the turn from forward to backward wins (logits 256 x 12 = 3,072 B/token > GELU grad 4 d x 4 = 2,048)
+    c = shape("single", 1, grad_accum=2)
+    assert memory.peak_bytes(c, 0) == states + tokens * (4 * 64 * 128 + 256 * 12)
+    # full: the top block's backward wins: 4 block inputs (d x 4) + one block (64 d) + its GELU grad (4 d x 4)
+    full = shape("single", 1, grad_accum=2, recompute="full")
+    assert memory.peak_bytes(full, 0) == states + tokens * (4 * 128 * 4 + 64 * 128 + 4 * 128 * 4)
