@@ -17,7 +17,7 @@ from harness.jobs import Terminated, sigterm_as_interrupt
 from harness.planner import PlannedCell, expand, predict_cells
 from harness.records.reader import RECORDS_FILENAME, append_record
 from harness.report import write_report
-from harness.run.launch import Rendezvous
+from harness.run.launch import LAUNCHERS, Rendezvous
 from harness.run.rundir import existing_records, recorded_sweep_args, save_sweep_args, start_run
 from harness.run.sweep import SweepOptions, cells_to_run, finished_cells, run_sweep
 
@@ -87,7 +87,7 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
           f"-> {out}", flush=True)
     rdzv = Rendezvous(nnodes=spec.nnodes, node_rank=node_rank, endpoint=args.rdzv_endpoint)
     opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout,
-                        stall_timeout_s=args.stall_timeout, rdzv=rdzv, resume=run.resume)
+                        stall_timeout_s=args.stall_timeout, rdzv=rdzv, resume=run.resume, launcher=args.launcher)
     try:
         if node_rank == 0:
             if not args.no_calibrate:
@@ -118,6 +118,9 @@ def register(sub) -> None:
     b.add_argument("--stall-timeout", type=float,
                    help="seconds a rank may go without finishing a measured step before its cell is killed as a "
                         "hang (default: off, only --cell-timeout)")
+    b.add_argument("--launcher", choices=LAUNCHERS, default="fork",
+                   help="fork: one process imports torch once and forks the cell's ranks (one node; default); "
+                        "torchrun: torchrun starts each rank afresh (always across nodes)")
     b.add_argument("--node-rank", type=int, help="this machine's rank in a multi-node sweep")
     b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
     b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")

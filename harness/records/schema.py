@@ -119,6 +119,10 @@ class RunMetrics(TypedDict, total=False):
     parity: dict[str, Any]
     batch_search: dict[str, Any]
     """``--batch auto`` only (:meth:`harness.run.batch_search.BatchSearch.as_dict`)."""
+    overhead: dict[str, Any]
+    """Where the cell's time went: ``parts_s`` (launch, imports, process_group, build, warmup, measured,
+    extra_steps, profile, result, teardown from rank 0's phase marks, and machine_probe; a cell without
+    a result has ``job`` and machine_probe), ``total_s`` (their sum), ``measured_share``, ``basis``."""
     machine_probe_s: dict[str, float]
     """CPU only: ``{"before", "after"}``, the normaliser workload timed around the cell
     (:mod:`harness.measure.machine_probe`)."""

@@ -17,6 +17,19 @@ from harness.records.reader import latest_per_cell
 from harness.records.record import pulled_levers
 from harness.units import MIB
 
+TIME_USE = {
+    "time_startup_s": ("launch", "imports", "process_group", "build"),
+    "time_warmup_s": ("warmup",),
+    "time_measured_s": ("measured",),
+    "time_untimed_s": ("extra_steps", "profile", "result"),
+    "time_teardown_s": ("teardown",),
+    "time_probe_s": ("machine_probe",),
+    "time_job_s": ("job",),
+}
+"""Where a cell's time went (``metrics.overhead.parts_s``, :func:`harness.run.formulas.overhead_parts`),
+in the groups the summary names; ``time_job_s`` is a cell without a result (its whole job)."""
+
+
 FRAME_COLUMNS = [
     "cell_id", "size", "strategy", "precision", "levers", "world_size", "global_batch", "scaling",
     "lr_rule", "status", "error", "tokens_per_s", "tokens_per_s_per_device",
@@ -24,7 +37,7 @@ FRAME_COLUMNS = [
     "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
     "parity_max_rel_diff", "parity_ok", "parity_reason", "final_loss", "target_loss", "steps_to_target",
     "time_to_target_s", "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
-    "mfu_reason", "attempts",
+    "mfu_reason", *TIME_USE, "attempts",
 ]
 
 
@@ -80,7 +93,14 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
         "gns_b_simple": num(get(m, "gns", "b_simple")), "scaling_efficiency": math.nan,
         "device_kind": cfg.get("device_kind"), "device_name": get(r, "env", "device_name"),
         "unstable_reason": m.get("unstable_reason"), "mfu_reason": m.get("mfu_reason"),
+        **_time_use(get(m, "overhead", "parts_s") or {}),
     }
+
+
+def _time_use(parts: dict[str, Any]) -> dict[str, float]:
+    if not parts:
+        return dict.fromkeys(TIME_USE, math.nan)
+    return {col: sum(num(parts.get(p)) for p in names if p in parts) for col, names in TIME_USE.items()}
 
 
 def levers_label(cfg: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from harness.report.frame import device_title, text
+from harness.report.frame import TIME_USE, device_title, text
 from harness.report.lever_gains import levers_section
 from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
@@ -216,12 +216,32 @@ def _flags(df: pd.DataFrame) -> list[str]:
     return flags
 
 
+def time_line(df: pd.DataFrame) -> str | None:
+    """One line: how much of the run's time in cells was measured steps, and where the rest went."""
+    known = df.dropna(subset=["time_probe_s"])
+    if known.empty:
+        return None
+    t = {col: float(known[col].fillna(0.0).sum()) for col in TIME_USE}
+    total = sum(t.values())
+    if total <= 0:
+        return None
+    failed = f", {t['time_job_s']:,.0f} s in cells without a result" if t["time_job_s"] else ""
+    return (f"Time: {len(known)} cells took {total:,.0f} s; {t['time_measured_s']:,.0f} s "
+            f"({100 * t['time_measured_s'] / total:.0f}%) were measured steps, {t['time_startup_s']:,.0f} s start-up "
+            f"(launch, imports, process group, model build), {t['time_warmup_s']:,.0f} s warmup, "
+            f"{t['time_untimed_s']:,.0f} s untimed steps and results, {t['time_teardown_s']:,.0f} s teardown, "
+            f"{t['time_probe_s']:,.0f} s machine probes{failed} (`metrics.overhead`).")
+
+
 def summary_markdown(frames: RunFrames) -> str:
     """The run summary: per size a performance table, what to pick, outcome table, notes."""
     df = frames.cells
     lines = [f"# Benchmark summary, produced on {device_title(df)}", ""]
     if df.empty:
         return "\n".join(lines + ["No cell records.", ""])
+    spent = time_line(df)
+    if spent:
+        lines += [spent, ""]
     for size in df["size"].fillna("unknown size").unique():
         part = df[df["size"].fillna("unknown size") == size]
         lines += [f"## Size: {size}", "", _size_table(part), "", what_to_pick(part), ""]

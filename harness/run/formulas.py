@@ -79,3 +79,26 @@ def max_rel_diff(a: list[float], b: list[float]) -> float | None:
     if n == 0:
         return None
     return max(abs(x - y) / abs(y) if y else math.inf for x, y in zip(a[:n], b[:n]))
+
+
+OVERHEAD_PARTS = ("launch", "imports", "process_group", "build", "warmup", "measured", "extra_steps", "profile",
+                  "result", "teardown")
+"""A cell's job from launch to exit, in order (:mod:`harness.measure.phases`): ``launch`` is the job's
+start to the rank process's start, ``teardown`` the result built to the job's exit."""
+
+
+def overhead_parts(marks: dict[str, float], job_start: float, job_end: float) -> dict[str, float]:
+    """Seconds per part of one cell's job, from rank 0's phase marks (wall-clock times).
+
+    The parts telescope from ``job_start`` to ``job_end``, so they sum to the job's wall time; a
+    phase without a mark (no ``--profile``) is 0, and a mark before the previous one (the process
+    start's 10 ms resolution) counts as 0 rather than negative.
+    """
+    edges = {"launch": "process_start", **{p: p for p in OVERHEAD_PARTS[1:-1]}}
+    parts, t = {}, job_start
+    for part, mark in edges.items():
+        end = min(max(t, marks.get(mark, t)), job_end)
+        parts[part] = end - t
+        t = end
+    parts["teardown"] = job_end - t
+    return parts

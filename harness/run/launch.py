@@ -1,7 +1,10 @@
-"""Launch one cell as its own torchrun job: isolation, timeout, outcome captured.
+"""Launch one cell as its own job: isolation, timeout, outcome captured.
 
 The job is a :func:`harness.jobs.run_job`: tagged, in a session of its own, and killed whole
-on a timeout or Ctrl-C, so no orphans survive a cell.
+on a timeout or Ctrl-C, so no orphans survive a cell. On one node its ranks are forked from one
+process that imported everything once (:mod:`harness.run.forkrun`, ``--launcher fork``, the
+default); across nodes, under ``harness trace`` (nsys wraps each rank's command) and with
+``--launcher torchrun`` they are torchrun's.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.jobs import free_port, run_job
@@ -36,6 +39,19 @@ class Outcome:
     result: dict | None
     returncode: int | None
     wall_s: float
+    started_at: float | None = None
+    """Wall-clock time (``time.time()``) the job started: the ranks' phase marks are on the same clock."""
+
+
+LAUNCHERS = ("fork", "torchrun")
+RANKS_FILE = "ranks.json"
+"""The fork launcher's account of its ranks' exits, beside the cell's result."""
+
+
+def forkrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, log_dir: Path) -> list[str]:
+    """The fork launcher's argument list (one node: every rank of the cell is local)."""
+    return [sys.executable, "-m", "harness.run.forkrun", f"--nproc={cfg.world_size}", "--cell", str(cell_json),
+            "--out", str(cell_dir), "--log-dir", str(log_dir)]
 
 
 def torchrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, rdzv: Rendezvous, rdzv_id: str,
@@ -100,6 +116,14 @@ def _describe_exit(code: int | None) -> str:
     return f"exit {code}"
 
 
+def _rank_exits(cell_dir: Path, launcher_err: str) -> list[dict]:
+    """Failed ranks ``[{rank, exitcode, root}]``: the fork launcher's ``ranks.json``, else torchrun's summary."""
+    ranks = cell_dir / RANKS_FILE
+    if ranks.exists():
+        return [e for e in json.loads(ranks.read_text())["exits"] if e["exitcode"] != 0]
+    return _failures(launcher_err)
+
+
 def _failed_rank(cell_dir: Path, launcher_err: str) -> tuple[int | None, str]:
     """The rank that failed first and how it died.
 
@@ -109,7 +133,7 @@ def _failed_rank(cell_dir: Path, launcher_err: str) -> tuple[int | None, str]:
     launcher's SIGTERM that left no error report (killed from outside or a native crash), then
     the rank whose error report was written first, then torchrun's root cause.
     """
-    failures = _failures(launcher_err)
+    failures = _rank_exits(cell_dir, launcher_err)
     reported = {int(p.stem.removeprefix("error-rank")): p.stat().st_mtime_ns
                 for p in cell_dir.glob("error-rank*.json") if p.stem.removeprefix("error-rank").isdigit()}
     killed = [f for f in failures if f["exitcode"] is not None and f["exitcode"] < 0
@@ -137,22 +161,29 @@ def _drop_empty_logs(cell_dir: Path) -> None:
 
 def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, rdzv_id: str,
                  env_extra: dict | None = None, worker_prefix: list[str] | None = None,
-                 stall_timeout_s: float | None = None) -> Outcome:
+                 stall_timeout_s: float | None = None, launcher: str = "fork") -> Outcome:
     """Run the cell; classify ok / oom / crashed / timeout. Ctrl-C kills the job, then re-raises.
 
     ``stall_timeout_s``: a rank inside the measured window that finishes no step for this long
     ends the cell as ``timeout`` (:mod:`harness.run.heartbeat`), before ``timeout_s``."""
     cell_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [cell_dir / "result.json", *cell_dir.glob("error-rank*.json")]:
+    for stale in [cell_dir / "result.json", cell_dir / RANKS_FILE, *cell_dir.glob("error-rank*.json")]:
         stale.unlink(missing_ok=True)  # left by an interrupted attempt (--resume): never this job's outcome
     cell_json = cell_dir / "cell.json"
     write_json_atomic(cell_json, cfg.to_dict())
     log_dir = cell_dir / "logs"
-    cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, worker_prefix)
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env_extra or {})}
+    if launcher == "fork" and cfg.nnodes == 1 and not worker_prefix:
+        cmd = forkrun_command(cfg, cell_json, cell_dir, log_dir)
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # an accidental is_available() in the parent inits no CUDA
+        # numpy's OpenBLAS starts a thread server at import (one thread per core beyond the first):
+        # the parent must be single-threaded when it forks, and the ranks' math is torch's, not numpy's
+        env["OPENBLAS_NUM_THREADS"] = "1"
+    else:
+        cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, worker_prefix)
     watch = StallWatch(cell_dir, stall_timeout_s) if stall_timeout_s else None
     heartbeat.clear(cell_dir)
-    t0 = time.monotonic()
+    started_at, t0 = time.time(), time.monotonic()
     try:
         rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env, watchdog=watch.stalled if watch else None)
     finally:
@@ -162,12 +193,12 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
     if rc is None:
         return Outcome("timeout", watch.reason if watch and watch.reason else
                        f"no result within the cell timeout ({timeout_s:.0f} s); job killed "
-                       f"(raise --cell-timeout if the cell is just slow)", None, None, wall)
+                       f"(raise --cell-timeout if the cell is just slow)", None, None, wall, started_at)
     result_path = cell_dir / "result.json"
     if rc == 0 and (result_path.exists() or rdzv.node_rank != 0):
         result = json.loads(result_path.read_text()) if result_path.exists() else None
-        return Outcome("ok", None, result, rc, wall)
-    return _classify_failure(cell_dir, log_dir, rc, wall)
+        return Outcome("ok", None, result, rc, wall, started_at)
+    return replace(_classify_failure(cell_dir, log_dir, rc, wall), started_at=started_at)
 
 
 def _classify_failure(cell_dir: Path, log_dir: Path, rc: int, wall: float) -> Outcome:

@@ -35,6 +35,7 @@ from harness.run.formulas import (
     global_loss,
     max_rel_diff,
     mfu_fields,
+    overhead_parts,
     slowest_per_step,
     steps_to_target,
     throughput,
@@ -151,7 +152,8 @@ def _compile(gathered: list[dict], warmup_s: list[float], median_s: float) -> di
 
 def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: list[dict], g_big: list[float],
                    skipped: int, scaler, entropy_floor: float, local_batch: int, threads: int, device_name: str,
-                   monitor_result, trace: dict | None, worker_wall_s: float) -> tuple[WorkerMetrics, dict[str, Any]]:
+                   monitor_result, trace: dict | None, worker_wall_s: float,
+                   phase_marks: dict[str, float]) -> tuple[WorkerMetrics, dict[str, Any]]:
     """Rank 0's metrics and raw samples from every rank's measurements (``gathered``)."""
     per_rank_times = [g["times"] for g in gathered]
     all_steps = slowest_per_step(per_rank_times)
@@ -181,7 +183,8 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
         m["fp16_final_scale"] = scaler.get_scale()
     samples = {"step_time_s": measured, "warmup_step_time_s": all_steps[: cfg.warmup],
                "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times],
-               "param_norms_step1": step1["param_norms"], "grad_norms_step1": step1["grad_norms"]}
+               "param_norms_step1": step1["param_norms"], "grad_norms_step1": step1["grad_norms"],
+               "phase_marks": phase_marks}
     return m, samples
 
 
@@ -258,15 +261,32 @@ class RunFacts:
     """The cell's job, launch to exit (the launcher's clock)."""
     est_mem_gib: float | None
     """The plan's memory estimate per rank."""
+    started_at: float | None = None
+    """Wall-clock start of the job (``time.time()``), the clock of the ranks' phase marks."""
     batch_search: dict | None = None
     """``--batch auto``: every trial (:meth:`harness.run.batch_search.BatchSearch.as_dict`)."""
     machine_probe_s: dict[str, float] | None = None
     """CPU: the normaliser workload timed ``before`` and ``after`` the cell (:mod:`harness.measure.machine_probe`)."""
 
 
-def run_metrics(facts: RunFacts) -> RunMetrics:
+def _overhead(facts: RunFacts, phase_marks: dict[str, float] | None) -> dict[str, Any]:
+    """Where the cell's time went: the job's parts (rank 0's phase marks), the machine probe around
+    it, and the measured steps' share of the whole."""
+    parts = overhead_parts(phase_marks, facts.started_at, facts.started_at + facts.wall_s) \
+        if phase_marks and facts.started_at is not None else {"job": facts.wall_s}
+    probe = facts.machine_probe_s or {}
+    parts["machine_probe"] = sum(v for v in probe.values() if v is not None)
+    total = sum(parts.values())
+    return {"parts_s": parts, "total_s": total,
+            "measured_share": parts["measured"] / total if "measured" in parts and total > 0 else None,
+            "basis": "rank 0's phase marks between the job's start and exit (harness.measure.phases)"
+            if "measured" in parts else "the job's wall time only (no result)"}
+
+
+def run_metrics(facts: RunFacts, phase_marks: dict[str, float] | None = None) -> RunMetrics:
     """The run's part of a record; all a cell without a result carries."""
-    m: RunMetrics = {"wall_s": facts.wall_s, "est_mem_gib": facts.est_mem_gib}
+    m: RunMetrics = {"wall_s": facts.wall_s, "est_mem_gib": facts.est_mem_gib,
+                     "overhead": _overhead(facts, phase_marks)}
     if facts.batch_search is not None:
         m["batch_search"] = facts.batch_search
     if facts.machine_probe_s is not None:
@@ -280,4 +300,5 @@ def cell_metrics(cell_id: str, cfg: dict, worker: WorkerMetrics, samples: dict, 
     """The record's metrics of an ok cell: the worker's, the calibrated MFU, the run's part and parity."""
     calibrated: CalibratedMfuMetrics = calibrated_mfu_fields(worker["tflops_per_device"], calibrated_tflops,
                                                              device_name, compute_dtype)
-    return {**worker, **calibrated, **run_metrics(facts), **_parity(cell_id, cfg, worker, samples, reference)}
+    return {**worker, **calibrated, **run_metrics(facts, samples.get("phase_marks")),
+            **_parity(cell_id, cfg, worker, samples, reference)}

@@ -46,6 +46,8 @@ class SweepOptions:
     """A rank that finishes no measured step for this long ends its cell as ``timeout`` (None: off)."""
     rdzv: Rendezvous = Rendezvous()
     resume: bool = False
+    launcher: str = "fork"
+    """How a cell's ranks start on one node (:data:`harness.run.launch.LAUNCHERS`)."""
 
 
 def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, env_extra: dict | None = None,
@@ -79,7 +81,7 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
             def job(cfg: CellConfig, where: Path, rdzv_id: str) -> Outcome:
                 return run_cell_job(cfg, where, opts.cell_timeout_s or default_timeout_s(cfg), opts.rdzv,
                                     rdzv_id=rdzv_id, env_extra=env_extra, worker_prefix=worker_prefix,
-                                    stall_timeout_s=opts.stall_timeout_s)
+                                    stall_timeout_s=opts.stall_timeout_s, launcher=opts.launcher)
 
             found, outcome = None, None
             probe = machine_probe_s(device_kind) if device_kind == "cpu" else None  # the machine's speed around the cell
@@ -89,7 +91,7 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
                     cfg, trials / name, f"{rdzv_id}-{name}"), replan)
             if outcome is None:
                 outcome = job(cell.config, cell_dir, _rdzv_id(opts, index))
-            facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib,
+            facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib, started_at=outcome.started_at,
                              batch_search=found.as_dict() if found is not None else None,
                              machine_probe_s={"before": probe, "after": machine_probe_s(device_kind)}
                              if probe is not None else None)

@@ -28,6 +28,7 @@ from harness.measure.compile_stats import dynamo_counts
 from harness.measure.monitor import make_monitor
 from harness.measure.nvtx_ranges import PhaseAnnotations, Ranges
 from harness.measure.parity_probe import tensor_sq_norms
+from harness.measure.phases import PhaseMarks
 from harness.measure.rank_memory import model_state_bytes, peak_memory, reset_peak
 from harness.measure.step_composition import PHASE_PREFIX, composition_from_frames
 from harness.measure.tensor_bytes import holding_tracker
@@ -87,9 +88,13 @@ def _apply_mem_cap(cfg: CellConfig) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
-def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
-    """Run one cell on the initialised process group; rank 0 returns the result payload."""
+def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) -> dict | None:
+    """Run one cell on the initialised process group; rank 0 returns the result payload.
+
+    ``marks``: the phases this process has already been through (the entry point's); the cell's
+    phases are marked on it (:mod:`harness.measure.phases`)."""
     t0 = time.perf_counter()
+    marks = marks if marks is not None else PhaseMarks()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.world_size:
         raise RuntimeError(f"cell needs world size {cfg.world_size}, process group has {world}")
@@ -124,6 +129,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     ctx = train.StepContext(par=par, optimizer=optimizer, precision=precision,
                             scaler=precision.grad_scaler(cfg.device_kind), device_kind=cfg.device_kind,
                             grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges)
+    marks.mark("build")
 
     data = MarkovData(size.vocab_size, cfg.seq_len, seed=cfg.seed)
     dp_rank = _dp_coordinate(dims)
@@ -147,6 +153,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
         if step == cfg.warmup:
             if cfg.compile:
                 dynamo["window"] = dynamo_counts()
+            marks.mark("warmup")
             monitor = _start_monitor(cfg, local_rank, device)
             beat.open_window()
             ranges.window_start()
@@ -168,6 +175,7 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
             gns_state.take(scale=scale)
             g_big.append(gns.grad_sq_norm(params) if not was_skipped else float("nan"))
     ranges.window_stop()
+    marks.mark("measured")
     beat.close_window()
     monitor_result = monitor.stop() if monitor is not None else None
     compiled = {"warmup": asdict(dynamo["window"].since(dynamo["start"])),
@@ -184,8 +192,11 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     if cfg.device_kind == "cpu":  # RSS cannot tell a shard from the whole: count tensor bytes on one more step
         mem["peak_tensor_bytes"] = _tensor_peak_bytes(ctx, *batch(total + 1), _lr(cfg, total + 1))
 
+    marks.mark("extra_steps")
     trace_paths, profiled_times = _profile(cfg, ctx, batch, timer, total + 2, out_dir, rank) if cfg.profile \
         else ({}, [])
+    if cfg.profile:
+        marks.mark("profile")
     local = {
         "rank": rank,
         "times": times,
@@ -205,10 +216,12 @@ def run_cell(cfg: CellConfig, out_dir: Path) -> dict | None:
     env = capture(cfg.device_kind)
     if monitor_result is not None:
         monitor_result.save_csv(out_dir / "monitor.csv")
+    trace = _analyse_traces(gathered, out_dir)
+    marks.mark("result")
     metrics, samples = worker_metrics(cfg, size, dims, precision, layout.data_parallel, gathered, g_big, skipped,
                                       ctx.scaler, data.entropy_floor, local_batch, threads, env["device_name"],
-                                      monitor_result, _analyse_traces(gathered, out_dir),
-                                      worker_wall_s=time.perf_counter() - t0)
+                                      monitor_result, trace, worker_wall_s=time.perf_counter() - t0,
+                                      phase_marks=marks.marks)
     return {"metrics": metrics, "samples": samples, "env": env, "degrees": dims.degrees(),
             "workload": {**size.as_dict(), "params": size.params}}
 
@@ -240,12 +253,14 @@ def _start_monitor(cfg: CellConfig, local_rank: int, device: torch.device):
 
 
 def _local_pids() -> list[int]:
-    """This node's rank processes: the siblings torchrun started (same parent)."""
+    """This node's rank processes: the siblings its launcher started (same parent: torchrun's ranks run
+    ``harness.run.worker``, forked ones keep ``harness.run.forkrun``'s command line)."""
     me = psutil.Process()
     parent = me.parent()
     if parent is None:
         return [me.pid]
-    return [c.pid for c in parent.children() if "harness.run.worker" in " ".join(c.cmdline())] or [me.pid]
+    return [c.pid for c in parent.children()
+            if any(m in " ".join(c.cmdline()) for m in ("harness.run.worker", "harness.run.forkrun"))] or [me.pid]
 
 
 def _profile(cfg: CellConfig, ctx, batch, timer: StepTimer, first_step: int, out_dir: Path,
@@ -312,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cell", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
+    marks = PhaseMarks.of_this_process()  # every module is imported by now
     cfg = CellConfig.from_dict(json.loads(args.cell.read_text()))
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -320,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.device_kind == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
-        result = run_cell(cfg, args.out)
+        marks.mark("process_group")
+        result = run_cell(cfg, args.out, marks)
         if result is not None:
             write_json_atomic(args.out / "result.json", clean(result))
         dist.barrier()
@@ -335,5 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         return 3 if status == "oom" else 1
 
 
+def exit_now(code: int) -> None:
+    """End the process without Python's finalization (~0.7 s after importing torch, per process): every
+    result is already written and flushed to disk, and nothing registered at exit is needed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

@@ -134,6 +134,23 @@ def job_processes(harness_pid: int) -> list[str]:
     return found
 
 
+def rank_processes(marker: str) -> list[psutil.Process]:
+    """Live rank processes of a run (its ``--out`` path in their command line): torchrun's run
+    ``harness.run.worker``; forked ones are the children of the fork launcher (``harness.run.forkrun``)."""
+    ranks = []
+    for p in _matching(marker):
+        try:
+            cmd = " ".join(p.cmdline())
+            parent = p.parent()
+            forked = "harness.run.forkrun" in cmd and parent is not None and "harness.run.forkrun" in " ".join(
+                parent.cmdline())
+            if ("harness.run.worker" in cmd or forked) and p.status() != psutil.STATUS_ZOMBIE:
+                ranks.append(p)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return ranks
+
+
 def kill_all(marker: str) -> None:
     """Test cleanup: SIGCONT + SIGKILL every process that mentions ``marker``."""
     for p in _matching(marker):
@@ -152,6 +169,7 @@ class E2E:
     CLI = HarnessCLI
     read_records = staticmethod(read_records)
     survivors = staticmethod(survivors)
+    rank_processes = staticmethod(rank_processes)
     job_processes = staticmethod(job_processes)
     kill_all = staticmethod(kill_all)
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 
+from harness.run.formulas import OVERHEAD_PARTS
 from workloads.sizes import get_size
 
 pytestmark = pytest.mark.e2e
@@ -125,6 +126,21 @@ def test_pipeline_schedule_and_its_sends_are_the_cells(cells):
     assert comm["send"] == {"calls_per_step": m, "bytes_per_step": m * activation}, "one send per microbatch"
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_cells_time_adds_up_and_holds_its_measured_steps(cells, strategy):
+    """metrics.overhead: the job's parts sum to its wall, the probes are the sweep's, and the measured
+    part holds rank 0's measured steps (it adds only what lies between them: data, heartbeats)."""
+    rec = cells[strategy]
+    m, parts = rec["metrics"], rec["metrics"]["overhead"]["parts_s"]
+    assert list(parts) == [*OVERHEAD_PARTS, "machine_probe"] and min(parts.values()) >= 0
+    assert sum(parts[p] for p in OVERHEAD_PARTS) == pytest.approx(m["wall_s"], abs=1e-6)  # epoch floats: ~1e-7 s
+    assert parts["machine_probe"] == pytest.approx(sum(m["machine_probe_s"].values()))
+    assert m["overhead"]["total_s"] == pytest.approx(sum(parts.values()))
+    assert parts["measured"] >= sum(rec["samples"]["step_time_s_per_rank"][0])
+    assert m["overhead"]["measured_share"] == pytest.approx(parts["measured"] / m["overhead"]["total_s"])
+    assert parts["profile"] == 0.0, "no --profile: no profiled steps"
+
+
 @pytest.mark.parametrize("strategy", ("tp", "pp", "fsdp+tp"))
 def test_parity_is_against_the_runs_single_device_cell(cells, strategy):
     parity = cells[strategy]["metrics"]["parity"]
@@ -142,6 +158,7 @@ def test_bench_writes_records_summary_and_report(bench_run, cells):
             assert key in rec["env"], key
     summary = (bench_run.out / "summary.md").read_text()
     assert summary.startswith("# Benchmark summary, produced on cpu")
+    assert f"Time: {len(STRATEGIES)} cells took " in summary and "were measured steps" in summary
     for rec in cells.values():
         assert rec["cell_id"] in summary, rec["cell_id"]
     with open(bench_run.out / "summary.csv") as f:

@@ -43,7 +43,7 @@ def test_sigterm_mid_cell_kills_the_job_and_leaves_the_cell_unrecorded(harness_c
                              "--no-calibrate", *DDP, "--out", str(out), log="term")
     try:
         deadline = time.monotonic() + 240
-        while not [p for p in e2e.survivors(str(out), grace_s=0) if "harness.run.worker" in p]:
+        while not e2e.rank_processes(str(out)):
             assert proc.poll() is None, harness_cli.stderr("term")[-2000:]
             assert time.monotonic() < deadline, "no worker started"
             time.sleep(0.2)
@@ -135,7 +135,7 @@ def test_ctrl_c_during_a_cell_leaves_no_process_and_one_line(harness_cli, e2e):
     proc = harness_cli.popen("bench", *e2e.TINY[:-5], "--steps", "400", "--warmup", "1", "--batch", "4",
                              "--no-calibrate", *DDP, "--out", str(out), log="cell")
     rc = _interrupt_when(proc, harness_cli, "cell",
-                         lambda: len([p for p in e2e.job_processes(proc.pid) if "harness.run.worker" in p]) == 2,
+                         lambda: len(e2e.rank_processes(str(out))) == 2,
                          "both ranks of the cell")
     assert rc == 130, harness_cli.stderr("cell")[-2000:]
     _one_line_and_nothing_left(harness_cli, e2e, proc, "cell", out)

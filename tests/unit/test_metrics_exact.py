@@ -8,10 +8,12 @@ import pytest
 
 from harness.measure.step_stats import Stats
 from harness.run.formulas import (
+    OVERHEAD_PARTS,
     calibrated_mfu_fields,
     global_loss,
     max_rel_diff,
     mfu_fields,
+    overhead_parts,
     slowest_per_step,
     steps_to_target,
     throughput,
@@ -78,3 +80,22 @@ def test_max_rel_diff_over_the_common_prefix() -> None:
     assert max_rel_diff([-1.5], [-1.0]) == pytest.approx(0.5)  # relative to |b|
     assert max_rel_diff([1.0], [0.0]) == math.inf
     assert max_rel_diff([], [1.0]) is None and max_rel_diff([1.0], []) is None
+
+
+def test_overhead_parts_telescope_from_the_jobs_start_to_its_exit() -> None:
+    marks = {"process_start": 100.5, "imports": 103.0, "process_group": 103.25, "build": 103.5, "warmup": 104.0,
+             "measured": 106.0, "extra_steps": 107.0, "result": 107.5}
+    parts = overhead_parts(marks, job_start=100.0, job_end=108.0)
+    assert list(parts) == list(OVERHEAD_PARTS)
+    assert parts == {"launch": 0.5, "imports": 2.5, "process_group": 0.25, "build": 0.25, "warmup": 0.5,
+                     "measured": 2.0, "extra_steps": 1.0, "profile": 0.0, "result": 0.5, "teardown": 0.5}
+    assert sum(parts.values()) == 8.0  # the job's wall, exactly
+
+
+def test_overhead_parts_never_negative_and_clipped_to_the_job() -> None:
+    # the kernel's process start (10 ms ticks) can read before the launcher's clock; a mark past the
+    # job's end (clocks of two processes) is cut there
+    parts = overhead_parts({"process_start": 99.99, "imports": 101.0, "result": 200.0}, job_start=100.0, job_end=102.0)
+    assert parts["launch"] == 0.0 and parts["imports"] == 1.0 and parts["result"] == 1.0
+    assert parts["teardown"] == 0.0 and sum(parts.values()) == 2.0
+    assert all(v >= 0 for v in parts.values())

@@ -268,3 +268,17 @@ def test_cell_ticks_wrap_at_hyphens_without_losing_a_character() -> None:
         assert tick.replace("\n", "-") == cell
         assert all(len(line) <= 14 for line in tick.splitlines())
     assert _cell_tick("tiny-tp-sp-fp32-w4-gb8-strong") == "tiny-tp-sp\nfp32-w4-gb8\nstrong"
+
+
+def test_time_line_says_how_much_of_the_run_was_measured_steps() -> None:
+    ok = {"launch": 1.0, "imports": 4.0, "process_group": 0.5, "build": 0.5, "warmup": 1.0, "measured": 2.0,
+          "extra_steps": 0.75, "profile": 0.0, "result": 0.25, "teardown": 1.0, "machine_probe": 0.5}
+    failed = {"job": 6.0, "machine_probe": 0.5}
+    records = [cell("ddp", "fp32", 2, 1000.0, overhead={"parts_s": ok}),
+               cell("fsdp", "fp32", 2, None, status="crashed", error="rank 1 died", overhead={"parts_s": failed}),
+               cell("tp", "fp32", 2, 1000.0)]  # a record from before metrics.overhead: not counted
+    line = summary.time_line(frame.cells_frame(records))
+    assert line == ("Time: 2 cells took 18 s; 2 s (11%) were measured steps, 6 s start-up (launch, imports, "
+                    "process group, model build), 1 s warmup, 1 s untimed steps and results, 1 s teardown, 1 s "
+                    "machine probes, 6 s in cells without a result (`metrics.overhead`).")
+    assert summary.time_line(frame.cells_frame([cell("tp", "fp32", 2, 1000.0)])) is None

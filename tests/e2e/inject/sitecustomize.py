@@ -1,10 +1,11 @@
 """Test-only fault injection for the e2e tests: never imported by the harness itself.
 
 The tests prepend this directory to PYTHONPATH of ``harness bench``; every process the sweep
-starts (torchrun, the ranks) inherits it and Python imports ``sitecustomize`` at start-up.
-Only a rank process (``-m harness.run.worker``) whose cell and RANK match an entry of
-``HARNESS_TEST_FAULTS`` (a JSON list) is touched: its ``harness.run.train.train_step`` is wrapped
-so that on call ``call`` (1 = first step) the fault happens:
+starts inherits it and Python imports ``sitecustomize`` at start-up. A cell's process (a torchrun
+rank, ``-m harness.run.worker``, or the fork launcher, ``-m harness.run.forkrun``, whose forked
+ranks inherit the wrap) whose cell matches an entry of ``HARNESS_TEST_FAULTS`` (a JSON list) gets
+``harness.run.train.train_step`` wrapped; the rank is read when a step runs (a forked rank's
+``RANK`` is set after the fork), and on call ``call`` (1 = first step) of that rank the fault happens:
 
 - ``sigkill``: after the forward pass, the rank SIGKILLs itself (its peers block in the
   gradient all-reduce until the launcher notices).
@@ -55,34 +56,36 @@ def _install() -> None:
     if not spec:
         return
     argv = _argv()
-    if "harness.run.worker" not in argv or "--cell" not in argv:
+    if not {"harness.run.worker", "harness.run.forkrun"} & set(argv) or "--cell" not in argv:
         return
     cell_id = os.path.basename(os.path.dirname(argv[argv.index("--cell") + 1]))
-    rank = int(os.environ.get("RANK", "-1"))
-    entries = [e for e in json.loads(spec) if e["cell"] == cell_id and e["rank"] == rank]
+    entries = [e for e in json.loads(spec) if e["cell"] == cell_id]
     if not entries:
         return
-    entry = entries[0]
 
     import harness.run.train as train
 
     original_step, original_loss = train.train_step, train.lm_loss
     calls = {"n": 0}
 
-    def loss_then_fault(*args, **kwargs):
-        loss = original_loss(*args, **kwargs)
-        _fire(entry, cell_id)
-        return loss
+    def loss_then_fault(entry):
+        def fault(*args, **kwargs):
+            loss = original_loss(*args, **kwargs)
+            _fire(entry, cell_id)
+            return loss
+        return fault
 
     def train_step(ctx, x, y, lr):
         calls["n"] += 1
-        if calls["n"] != entry["call"]:
+        rank = int(os.environ.get("RANK", "-1"))
+        entry = next((e for e in entries if e["rank"] == rank), None)
+        if entry is None or calls["n"] != entry["call"]:
             return original_step(ctx, x, y, lr)
         if entry["fault"] == "alloc":
             _fire(entry, cell_id)
             return original_step(ctx, x, y, lr)
         # Mid-step: the fault hits after this rank's forward, before its backward's collectives.
-        train.lm_loss = loss_then_fault
+        train.lm_loss = loss_then_fault(entry)
         try:
             return original_step(ctx, x, y, lr)
         finally:

@@ -1,0 +1,61 @@
+"""The fork launcher: safe to fork (CUDA never initialised, one thread), and it ends a cell as torchrun does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """In the environment the launcher gives a fork job (harness.run.launch): numpy's BLAS single-threaded."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_importing_the_launcher_never_initialises_cuda_and_starts_no_thread():
+    """Every CUDA entry point made to fail before the import: the parent that forks the ranks must
+    never call one (a rank of a forked parent with a CUDA context cannot use its GPU)."""
+    r = _python("""
+import os, threading, torch
+def boom(*a, **k):
+    raise AssertionError("CUDA touched during import")
+torch.cuda._lazy_init = boom
+torch.cuda.init = boom
+if hasattr(torch._C, "_cuda_getDeviceCount"):  # a CUDA build: the driver's device count inits it too
+    torch._C._cuda_getDeviceCount = boom
+import harness.run.forkrun as f
+assert not torch.cuda.is_initialized()
+print(len(os.listdir("/proc/self/task")), threading.active_count())
+""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["1", "1"], "the parent must be single-threaded when it forks"
+
+
+def test_one_failed_rank_ends_the_others_and_is_named_the_root():
+    r = _python("""
+import json, os, signal, time
+from harness.run.forkrun import _wait_all
+pids = {}
+for rank, action in enumerate(["sleep", "fail", "ok"]):
+    pid = os.fork()
+    if pid == 0:
+        if action == "sleep":
+            time.sleep(60)
+        os._exit(3 if action == "fail" else 0)
+    pids[pid] = rank
+t0 = time.monotonic()
+exits = _wait_all(pids)
+print(json.dumps({"exits": exits, "seconds": time.monotonic() - t0}))
+""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    by_rank = {e["rank"]: e for e in out["exits"]}
+    assert by_rank[1] == {"rank": 1, "exitcode": 3, "root": True}
+    assert by_rank[0]["exitcode"] == -15 and by_rank[0]["root"] is False, "the sleeping rank gets SIGTERM"
+    assert by_rank[2] == {"rank": 2, "exitcode": 0, "root": False}
+    assert out["seconds"] < 30, "the sleeper was ended, not waited for"  # a hang guard: 60 s if not ended
