@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -71,9 +72,9 @@ INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _interrupts_deferred():
-    """Hold Ctrl-C and SIGTERM while the job starts, then deliver them: an interrupt inside Popen
-    (after the fork, before ``proc`` is bound) would orphan the job's new session."""
+def interrupts_deferred():
+    """Hold Ctrl-C and SIGTERM while a job starts, then deliver them: an interrupt inside Popen
+    (after the fork, before the caller holds the process) would orphan the job's new session."""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread handles signals
         return
@@ -130,6 +131,29 @@ def kill_job(proc: subprocess.Popen, tag: str) -> None:
 WATCH_POLL_S = 0.5
 
 
+@dataclass
+class Job:
+    """A started job: its process and the tag every process it starts inherits."""
+
+    proc: subprocess.Popen
+    tag: str
+
+    def kill(self) -> None:
+        kill_job(self.proc, self.tag)
+
+
+def start_job(cmd: list[str], log, env_extra: dict[str, str] | None = None, pipes: bool = False) -> Job:
+    """Start ``cmd`` as a tagged job in a session of its own, output to the open file ``log``
+    (with ``pipes``: stdin and stdout are pipes, stderr goes to ``log``). Call it inside
+    :func:`interrupts_deferred` and keep the job where a ``finally`` can kill it."""
+    tag = new_tag()
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if pipes else None,
+                            stdout=subprocess.PIPE if pipes else log,
+                            stderr=log if pipes else subprocess.STDOUT, env=job_env(tag, env_extra),
+                            start_new_session=True)
+    return Job(proc, tag)
+
+
 def run_job(cmd: list[str], log_path: Path, timeout_s: float, env_extra: dict[str, str] | None = None,
             watchdog: Callable[[], bool] | None = None) -> int | None:
     """Run ``cmd`` as a tagged job with stdout and stderr to ``log_path``; its exit code, None on timeout.
@@ -139,21 +163,19 @@ def run_job(cmd: list[str], log_path: Path, timeout_s: float, env_extra: dict[st
     :func:`sigterm_as_interrupt`), no process of the job outlives this call; the interrupt is
     re-raised after the job is killed.
     """
-    tag = new_tag()
-    env = job_env(tag, env_extra)
     with open(log_path, "w") as log:
-        proc = None
+        job = None
         try:
-            with _interrupts_deferred():
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            with interrupts_deferred():
+                job = start_job(cmd, log, env_extra)
             deadline = time.monotonic() + timeout_s
             while (left := deadline - time.monotonic()) > 0:
                 try:
-                    return proc.wait(timeout=min(left, WATCH_POLL_S) if watchdog else left)
+                    return job.proc.wait(timeout=min(left, WATCH_POLL_S) if watchdog else left)
                 except subprocess.TimeoutExpired:
                     if watchdog is not None and watchdog():
                         return None
             return None
         finally:
-            if proc is not None:
-                kill_job(proc, tag)
+            if job is not None:
+                job.kill()

@@ -28,8 +28,9 @@ PHASES = ("imports", "process_group", "build", "warmup", "measured", "extra_step
 
 
 LAUNCHER_MARKS_ENV = "HARNESS_LAUNCHER_MARKS"
-"""Set by :mod:`harness.run.forkrun` in a forked rank: the process start and imports of the process
-it was forked from, which are the rank's own start-up."""
+"""Set by :mod:`harness.run.fork_server` in a forked rank: the process start and imports of the
+server it was forked from, which are the rank's own start-up (before the job, for every cell but the
+one that started the server)."""
 
 
 class PhaseMarks:

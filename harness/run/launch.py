@@ -1,10 +1,10 @@
 """Launch one cell as its own job: isolation, timeout, outcome captured.
 
 The job is a :func:`harness.jobs.run_job`: tagged, in a session of its own, and killed whole
-on a timeout or Ctrl-C, so no orphans survive a cell. On one node its ranks are forked from one
-process that imported everything once (:mod:`harness.run.forkrun`, ``--launcher fork``, the
-default); across nodes, under ``harness trace`` (nsys wraps each rank's command) and with
-``--launcher torchrun`` they are torchrun's.
+on a timeout or Ctrl-C, so no orphans survive a cell. On one node its ranks are forked by the sweep's
+fork server, which imported everything once (:mod:`harness.run.fork_server`, ``--launcher fork``,
+the default); across nodes, under ``harness trace`` (nsys wraps each rank's command) and with
+``--launcher torchrun`` they are torchrun's, started afresh.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from harness.jobs import free_port, run_job
 from harness.records.atomic import write_json_atomic
 from harness.run import heartbeat
+from harness.run.fork_client import ForkServer, ForkServerDied
 from harness.run.heartbeat import StallWatch
 from harness.spec import CellConfig
 
@@ -45,13 +46,7 @@ class Outcome:
 
 LAUNCHERS = ("fork", "torchrun")
 RANKS_FILE = "ranks.json"
-"""The fork launcher's account of its ranks' exits, beside the cell's result."""
-
-
-def forkrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, log_dir: Path) -> list[str]:
-    """The fork launcher's argument list (one node: every rank of the cell is local)."""
-    return [sys.executable, "-m", "harness.run.forkrun", f"--nproc={cfg.world_size}", "--cell", str(cell_json),
-            "--out", str(cell_dir), "--log-dir", str(log_dir)]
+"""The fork server's account of a cell's rank exits, beside the cell's result."""
 
 
 def torchrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, rdzv: Rendezvous, rdzv_id: str,
@@ -161,31 +156,33 @@ def _drop_empty_logs(cell_dir: Path) -> None:
 
 def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, rdzv_id: str,
                  env_extra: dict | None = None, worker_prefix: list[str] | None = None,
-                 stall_timeout_s: float | None = None, launcher: str = "fork") -> Outcome:
+                 stall_timeout_s: float | None = None, server: ForkServer | None = None) -> Outcome:
     """Run the cell; classify ok / oom / crashed / timeout. Ctrl-C kills the job, then re-raises.
 
     ``stall_timeout_s``: a rank inside the measured window that finishes no step for this long
-    ends the cell as ``timeout`` (:mod:`harness.run.heartbeat`), before ``timeout_s``."""
+    ends the cell as ``timeout`` (:mod:`harness.run.heartbeat`), before ``timeout_s``. ``server``:
+    the sweep's fork server, which starts the ranks of a one-node cell (else torchrun does)."""
     cell_dir.mkdir(parents=True, exist_ok=True)
     for stale in [cell_dir / "result.json", cell_dir / RANKS_FILE, *cell_dir.glob("error-rank*.json")]:
         stale.unlink(missing_ok=True)  # left by an interrupted attempt (--resume): never this job's outcome
     cell_json = cell_dir / "cell.json"
     write_json_atomic(cell_json, cfg.to_dict())
     log_dir = cell_dir / "logs"
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env_extra or {})}
-    if launcher == "fork" and cfg.nnodes == 1 and not worker_prefix:
-        cmd = forkrun_command(cfg, cell_json, cell_dir, log_dir)
-        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # an accidental is_available() in the parent inits no CUDA
-        # numpy's OpenBLAS starts a thread server at import (one thread per core beyond the first):
-        # the parent must be single-threaded when it forks, and the ranks' math is torch's, not numpy's
-        env["OPENBLAS_NUM_THREADS"] = "1"
-    else:
-        cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, worker_prefix)
     watch = StallWatch(cell_dir, stall_timeout_s) if stall_timeout_s else None
     heartbeat.clear(cell_dir)
     started_at, t0 = time.time(), time.monotonic()
+    watchdog = watch.stalled if watch else None
     try:
-        rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env, watchdog=watch.stalled if watch else None)
+        if server is not None and cfg.nnodes == 1 and not worker_prefix:
+            rc = server.run({"nproc": cfg.world_size, "cell": str(cell_json), "out": str(cell_dir),
+                             "log_dir": str(log_dir), "launcher_log": str(cell_dir / "launcher.log")},
+                            timeout_s, watchdog)
+        else:
+            env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env_extra or {})}
+            cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, worker_prefix)
+            rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env, watchdog=watchdog)
+    except ForkServerDied as e:
+        return Outcome("crashed", str(e), None, None, time.monotonic() - t0, started_at)
     finally:
         heartbeat.clear(cell_dir)
         _drop_empty_logs(cell_dir)

@@ -263,6 +263,7 @@ class RunFacts:
     """The plan's memory estimate per rank."""
     started_at: float | None = None
     """Wall-clock start of the job (``time.time()``), the clock of the ranks' phase marks."""
+
     batch_search: dict | None = None
     """``--batch auto``: every trial (:meth:`harness.run.batch_search.BatchSearch.as_dict`)."""
     machine_probe_s: dict[str, float] | None = None

@@ -23,6 +23,7 @@ from harness.records.reader import RECORDS_FILENAME, append_record, latest_per_c
 from harness.records.record import make_record, pulled_levers
 from harness.run import batch_search
 from harness.run.batch_search import BatchSearch
+from harness.run.fork_client import ForkServer
 from harness.run.launch import Outcome, Rendezvous, run_cell_job
 from harness.run.progress import Progress
 from harness.run.record_metrics import RunFacts, cell_metrics, parity_key, run_metrics
@@ -68,43 +69,59 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
     progress = progress or Progress(total=len(todo), stream=sys.stdout)
     written: list[dict] = []
     records_path = opts.out / RECORDS_FILENAME
-    for index, cell in enumerate(cells):
-        if cell.cell_id not in todo:
-            continue
-        progress.start(cell.cell_id)
-        if not cell.valid:
-            rec = make_record(run_id=opts.run_id, cell_id=cell.cell_id, status="invalid", config=cell.raw, env=env,
-                              degrees=None, workload=None, error=cell.reason)
-        else:
-            cell_dir = opts.out / "cells" / cell.cell_id if writer else opts.out / f"node{opts.rdzv.node_rank}" / cell.cell_id
-
-            def job(cfg: CellConfig, where: Path, rdzv_id: str) -> Outcome:
-                return run_cell_job(cfg, where, opts.cell_timeout_s or default_timeout_s(cfg), opts.rdzv,
-                                    rdzv_id=rdzv_id, env_extra=env_extra, worker_prefix=worker_prefix,
-                                    stall_timeout_s=opts.stall_timeout_s, launcher=opts.launcher)
-
-            found, outcome = None, None
-            probe = machine_probe_s(device_kind) if device_kind == "cpu" else None  # the machine's speed around the cell
-            if cell.config.batch_auto:
-                trials, rdzv_id = cell_dir / "batch-trials", _rdzv_id(opts, index)
-                cell, found, outcome = _search_batch(cell, lambda cfg, name, trials=trials, rdzv_id=rdzv_id: job(
-                    cfg, trials / name, f"{rdzv_id}-{name}"), replan)
-            if outcome is None:
-                outcome = job(cell.config, cell_dir, _rdzv_id(opts, index))
-            facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib, started_at=outcome.started_at,
-                             batch_search=found.as_dict() if found is not None else None,
-                             machine_probe_s={"before": probe, "after": machine_probe_s(device_kind)}
-                             if probe is not None else None)
-            rec = _record(cell, outcome, facts, opts.run_id, env, references)
-            _keep_reference(references, rec)
-        if writer:
-            side = append_record(records_path, rec)
-            if side is not None:
-                print(f"{records_path}: its torn last line was moved to {side}", file=sys.stderr, flush=True)
-        written.append(rec)
-        progress.finish(cell.cell_id, rec["status"], _progress_note(rec))
+    # One fork server per sweep (started by the first cell that needs it), killed with everything it
+    # started whatever ends the sweep: Ctrl-C, SIGTERM, an error.
+    server = ForkServer(opts.out, env_extra) if opts.launcher == "fork" else None
+    try:
+        for index, cell in enumerate(cells):
+            if cell.cell_id not in todo:
+                continue
+            progress.start(cell.cell_id)
+            if not cell.valid:
+                rec = make_record(run_id=opts.run_id, cell_id=cell.cell_id, status="invalid", config=cell.raw,
+                                  env=env, degrees=None, workload=None, error=cell.reason)
+            else:
+                rec = _measure(cell, index, opts, device_kind, env, references, server,
+                               env_extra=env_extra, worker_prefix=worker_prefix, replan=replan)
+                _keep_reference(references, rec)
+            if writer:
+                side = append_record(records_path, rec)
+                if side is not None:
+                    print(f"{records_path}: its torn last line was moved to {side}", file=sys.stderr, flush=True)
+            written.append(rec)
+            progress.finish(cell.cell_id, rec["status"], _progress_note(rec))
+    finally:
+        if server is not None:
+            server.close()
     progress.close()
     return written
+
+
+def _measure(cell: PlannedCell, index: int, opts: SweepOptions, device_kind: str, env: dict, references: dict,
+             server: ForkServer | None, *, env_extra: dict | None, worker_prefix: list[str] | None,
+             replan: Callable[[PlannedCell], PlannedCell] | None) -> dict:
+    """One valid cell's record: its job (or its batch search's trials), the machine probed around it."""
+    writer = opts.rdzv.node_rank == 0
+    cell_dir = opts.out / "cells" / cell.cell_id if writer else opts.out / f"node{opts.rdzv.node_rank}" / cell.cell_id
+
+    def job(cfg: CellConfig, where: Path, rdzv_id: str) -> Outcome:
+        return run_cell_job(cfg, where, opts.cell_timeout_s or default_timeout_s(cfg), opts.rdzv,
+                            rdzv_id=rdzv_id, env_extra=env_extra, worker_prefix=worker_prefix,
+                            stall_timeout_s=opts.stall_timeout_s, server=server)
+
+    found, outcome = None, None
+    probe = machine_probe_s(device_kind) if device_kind == "cpu" else None  # the machine's speed around the cell
+    if cell.config.batch_auto:
+        trials, rdzv_id = cell_dir / "batch-trials", _rdzv_id(opts, index)
+        cell, found, outcome = _search_batch(cell, lambda cfg, name, trials=trials, rdzv_id=rdzv_id: job(
+            cfg, trials / name, f"{rdzv_id}-{name}"), replan)
+    if outcome is None:
+        outcome = job(cell.config, cell_dir, _rdzv_id(opts, index))
+    facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib, started_at=outcome.started_at,
+                     batch_search=found.as_dict() if found is not None else None,
+                     machine_probe_s={"before": probe, "after": machine_probe_s(device_kind)}
+                     if probe is not None else None)
+    return _record(cell, outcome, facts, opts.run_id, env, references)
 
 
 def _search_batch(cell: PlannedCell, trial: Callable[[CellConfig, str], Outcome],

@@ -254,13 +254,13 @@ def _start_monitor(cfg: CellConfig, local_rank: int, device: torch.device):
 
 def _local_pids() -> list[int]:
     """This node's rank processes: the siblings its launcher started (same parent: torchrun's ranks run
-    ``harness.run.worker``, forked ones keep ``harness.run.forkrun``'s command line)."""
+    ``harness.run.worker``, forked ones keep the fork server's command line)."""
     me = psutil.Process()
     parent = me.parent()
     if parent is None:
         return [me.pid]
     return [c.pid for c in parent.children()
-            if any(m in " ".join(c.cmdline()) for m in ("harness.run.worker", "harness.run.forkrun"))] or [me.pid]
+            if any(m in " ".join(c.cmdline()) for m in ("harness.run.worker", "harness.run.fork_server"))] or [me.pid]
 
 
 def _profile(cfg: CellConfig, ctx, batch, timer: StepTimer, first_step: int, out_dir: Path,

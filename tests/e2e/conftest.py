@@ -136,14 +136,15 @@ def job_processes(harness_pid: int) -> list[str]:
 
 def rank_processes(marker: str) -> list[psutil.Process]:
     """Live rank processes of a run (its ``--out`` path in their command line): torchrun's run
-    ``harness.run.worker``; forked ones are the children of the fork launcher (``harness.run.forkrun``)."""
+    ``harness.run.worker``; forked ones are the grandchildren of the sweep's fork server
+    (``harness.run.fork_server --run-dir OUT``: server -> a cell's leader -> its ranks)."""
     ranks = []
     for p in _matching(marker):
         try:
             cmd = " ".join(p.cmdline())
-            parent = p.parent()
-            forked = "harness.run.forkrun" in cmd and parent is not None and "harness.run.forkrun" in " ".join(
-                parent.cmdline())
+            lineage = [q for q in (p.parent(), p.parent().parent() if p.parent() else None) if q is not None]
+            forked = len(lineage) == 2 and all("harness.run.fork_server" in " ".join(q.cmdline())
+                                               for q in [p, *lineage])
             if ("harness.run.worker" in cmd or forked) and p.status() != psutil.STATUS_ZOMBIE:
                 ranks.append(p)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):

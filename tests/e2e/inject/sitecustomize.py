@@ -1,11 +1,12 @@
 """Test-only fault injection for the e2e tests: never imported by the harness itself.
 
 The tests prepend this directory to PYTHONPATH of ``harness bench``; every process the sweep
-starts inherits it and Python imports ``sitecustomize`` at start-up. A cell's process (a torchrun
-rank, ``-m harness.run.worker``, or the fork launcher, ``-m harness.run.forkrun``, whose forked
-ranks inherit the wrap) whose cell matches an entry of ``HARNESS_TEST_FAULTS`` (a JSON list) gets
-``harness.run.train.train_step`` wrapped; the rank is read when a step runs (a forked rank's
-``RANK`` is set after the fork), and on call ``call`` (1 = first step) of that rank the fault happens:
+starts inherits it and Python imports ``sitecustomize`` at start-up. A torchrun rank
+(``-m harness.run.worker --cell ...``) or the sweep's fork server (``-m harness.run.fork_server``,
+whose forked ranks inherit the wrap) gets ``harness.run.train.train_step`` wrapped; the cell and the
+rank are read when a step runs (a forked rank's ``RANK`` and ``HARNESS_CELL_JSON`` are set after the
+fork), and on call ``call`` (1 = first step) of the rank an entry of ``HARNESS_TEST_FAULTS`` (a JSON
+list) names, the fault happens:
 
 - ``sigkill``: after the forward pass, the rank SIGKILLs itself (its peers block in the
   gradient all-reduce until the launcher notices).
@@ -56,12 +57,13 @@ def _install() -> None:
     if not spec:
         return
     argv = _argv()
-    if not {"harness.run.worker", "harness.run.forkrun"} & set(argv) or "--cell" not in argv:
+    if "harness.run.fork_server" not in argv and not ("harness.run.worker" in argv and "--cell" in argv):
         return
-    cell_id = os.path.basename(os.path.dirname(argv[argv.index("--cell") + 1]))
-    entries = [e for e in json.loads(spec) if e["cell"] == cell_id]
-    if not entries:
-        return
+    entries = json.loads(spec)
+
+    def cell_id() -> str:
+        cell_json = os.environ.get("HARNESS_CELL_JSON") or argv[argv.index("--cell") + 1]
+        return os.path.basename(os.path.dirname(cell_json))
 
     import harness.run.train as train
 
@@ -71,18 +73,18 @@ def _install() -> None:
     def loss_then_fault(entry):
         def fault(*args, **kwargs):
             loss = original_loss(*args, **kwargs)
-            _fire(entry, cell_id)
+            _fire(entry, cell_id())
             return loss
         return fault
 
     def train_step(ctx, x, y, lr):
         calls["n"] += 1
         rank = int(os.environ.get("RANK", "-1"))
-        entry = next((e for e in entries if e["rank"] == rank), None)
+        entry = next((e for e in entries if e["rank"] == rank and e["cell"] == cell_id()), None)
         if entry is None or calls["n"] != entry["call"]:
             return original_step(ctx, x, y, lr)
         if entry["fault"] == "alloc":
-            _fire(entry, cell_id)
+            _fire(entry, cell_id())
             return original_step(ctx, x, y, lr)
         # Mid-step: the fault hits after this rank's forward, before its backward's collectives.
         train.lm_loss = loss_then_fault(entry)

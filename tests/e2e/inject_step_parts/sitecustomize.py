@@ -1,6 +1,7 @@
 """Test-only slowdowns for `harness diff`'s attribution: never imported by the harness itself.
 
-On PYTHONPATH, every rank process (``-m harness.run.worker``) wraps ``harness.run.train.train_step``:
+On PYTHONPATH, every rank process (``-m harness.run.worker``, or the fork server whose forked ranks
+inherit the wrap, ``-m harness.run.fork_server``) wraps ``harness.run.train.train_step``:
 
 * ``HARNESS_TEST_OPTIMIZER_SLEEP_S=S``: the optimizer's ``step`` sleeps S seconds after its update
   (inside the optimizer step, as a slower optimizer would be);
@@ -18,7 +19,7 @@ def _install() -> None:
     extra_mib = float(os.environ.get("HARNESS_TEST_EXTRA_ALLREDUCE_MIB", "0"))
     with open("/proc/self/cmdline", "rb") as f:
         argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    if (sleep_s <= 0 and extra_mib <= 0) or "harness.run.worker" not in argv:
+    if (sleep_s <= 0 and extra_mib <= 0) or not {"harness.run.worker", "harness.run.fork_server"} & set(argv):
         return
     import time
 

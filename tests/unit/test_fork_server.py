@@ -1,4 +1,4 @@
-"""The fork launcher: safe to fork (CUDA never initialised, one thread), and it ends a cell as torchrun does."""
+"""The fork server: safe to fork (CUDA never initialised, one thread), and it ends a cell as torchrun does."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    """In the environment the launcher gives a fork job (harness.run.launch): numpy's BLAS single-threaded."""
+    """In the environment the sweep gives its fork server (harness.run.fork_client): numpy's BLAS single-threaded."""
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_importing_the_launcher_never_initialises_cuda_and_starts_no_thread():
+def test_importing_the_fork_server_never_initialises_cuda_and_starts_no_thread():
     """Every CUDA entry point made to fail before the import: the parent that forks the ranks must
     never call one (a rank of a forked parent with a CUDA context cannot use its GPU)."""
     r = _python("""
@@ -28,7 +28,8 @@ torch.cuda._lazy_init = boom
 torch.cuda.init = boom
 if hasattr(torch._C, "_cuda_getDeviceCount"):  # a CUDA build: the driver's device count inits it too
     torch._C._cuda_getDeviceCount = boom
-import harness.run.forkrun as f
+import harness.run.fork_server as f
+assert f.fork_safety_problem() is None
 assert not torch.cuda.is_initialized()
 print(len(os.listdir("/proc/self/task")), threading.active_count())
 """)
@@ -39,7 +40,7 @@ print(len(os.listdir("/proc/self/task")), threading.active_count())
 def test_one_failed_rank_ends_the_others_and_is_named_the_root():
     r = _python("""
 import json, os, signal, time
-from harness.run.forkrun import _wait_all
+from harness.run.fork_server import _wait_all
 pids = {}
 for rank, action in enumerate(["sleep", "fail", "ok"]):
     pid = os.fork()
