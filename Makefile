@@ -31,7 +31,7 @@ bench_args = --gpus $(GPUS) \
 	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) \
 	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
 
-.PHONY: setup lint test test-slow test-all bench plan trace compare gate report bench-ci workloads mutate clean
+.PHONY: setup setup-nsys lint test test-slow test-nsys test-all bench plan trace compare gate report bench-ci workloads mutate clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,12 +55,19 @@ lint: setup
 # A tier that selects no test fails (pytest exit 5), never passes quietly.
 PYTEST = $(BIN)/python -m pytest -q -p no:cacheprovider
 test: setup
-	$(PYTEST) -m "not slow" tests
+	$(PYTEST) -m "not slow and not nsys" tests
 
 test-slow: setup
-	$(PYTEST) -m slow tests
+	$(PYTEST) -m "slow and not nsys" tests
 
-test-all: test test-slow
+# The nsys tier: a real Nsight Systems capture (make setup-nsys first); skips with "n/a: no nsys".
+test-nsys: setup
+	$(PYTEST) -m nsys -rs tests
+
+setup-nsys:
+	bash scripts/setup_nsys.sh
+
+test-all: test test-slow test-nsys
 
 bench: setup
 	$(BIN)/harness bench $(bench_args)

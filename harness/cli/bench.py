@@ -18,6 +18,7 @@ from harness.planner import PlannedCell, expand, predict_cells
 from harness.records.reader import RECORDS_FILENAME, append_record
 from harness.report import write_report
 from harness.run.launch import LAUNCHERS, Rendezvous
+from harness.run.nsys_capture import nsys_tool
 from harness.run.rundir import existing_records, recorded_sweep_args, save_sweep_args, start_run
 from harness.run.sweep import SweepOptions, cells_to_run, finished_cells, run_sweep
 
@@ -68,16 +69,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag, value in (("--cell-timeout", args.cell_timeout), ("--stall-timeout", args.stall_timeout)):
         if value is not None and value <= 0:
             raise UsageError(f"{flag} {value:g}: must be > 0 seconds")
+    if args.nsys and spec.batch_auto:
+        raise UsageError("--nsys with --batch auto: a capture covers one job per cell and the batch search runs "
+                         "several; pass a --batch")
+    tool = nsys_tool(spec) if args.nsys else None
     node_rank = args.node_rank or 0
     run = start_run(args.out, args.resume, node_rank)
     try:
         with sigterm_as_interrupt():
-            return _bench(args, spec, cells, run, node_rank)
+            return _bench(args, spec, cells, run, node_rank, tool)
     finally:
         run.lock.release()
 
 
-def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_rank: int) -> int:
+def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_rank: int, tool) -> int:
     out = run.out
     if node_rank == 0 and not run.resume:
         save_sweep_args(out, sweep_arg_values(args))
@@ -87,7 +92,8 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
           f"-> {out}", flush=True)
     rdzv = Rendezvous(nnodes=spec.nnodes, node_rank=node_rank, endpoint=args.rdzv_endpoint)
     opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout,
-                        stall_timeout_s=args.stall_timeout, rdzv=rdzv, resume=run.resume, launcher=args.launcher)
+                        stall_timeout_s=args.stall_timeout, rdzv=rdzv, resume=run.resume,
+                        launcher="torchrun" if tool else args.launcher, nsys=tool)
     try:
         if node_rank == 0:
             if not args.no_calibrate:
@@ -106,7 +112,8 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
         print(write_report(out))
         print(f"\nrecords: {out / RECORDS_FILENAME}\nsummary: {out / 'summary.md'}")
     failed = [r for r in records if r["status"] not in ("ok", "invalid")]
-    return 1 if failed else 0
+    untrusted = [r for r in records if (r.get("metrics", {}).get("nsys") or {}).get("problem")]
+    return 1 if failed or untrusted else 0
 
 
 def register(sub) -> None:
@@ -121,6 +128,9 @@ def register(sub) -> None:
     b.add_argument("--launcher", choices=LAUNCHERS, default="fork",
                    help="fork: one process imports torch once and forks the cell's ranks (one node; default); "
                         "torchrun: torchrun starts each rank afresh (always across nodes)")
+    b.add_argument("--nsys", action="store_true",
+                   help="every cell's ranks under Nsight Systems: one report per rank in cells/<id>/nsys, read "
+                        "back and checked (metrics.nsys); ranks start through torchrun")
     b.add_argument("--node-rank", type=int, help="this machine's rank in a multi-node sweep")
     b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
     b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")

@@ -1,4 +1,4 @@
-"""``harness trace``: one cell under Nsight Systems (one report per rank), or torch.profiler without nsys."""
+"""``harness trace``: one cell under Nsight Systems (one report per rank, read back and checked), or\ntorch.profiler without nsys."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from harness.cli.args import add_sweep_args, device_line, spec_from_args
 from harness.errors import UsageError
 from harness.jobs import sigterm_as_interrupt
 from harness.measure import nsys as nsys_mod
+from harness.measure import nsys_reports
 from harness.planner import expand
 from harness.run.launch import Rendezvous
+from harness.run.nsys_capture import NsysTool, nsys_tool
 from harness.run.rundir import start_run
 from harness.run.sweep import SweepOptions, run_sweep
 
@@ -44,40 +46,66 @@ def cmd_trace(args) -> int:
         run.lock.release()
 
 
+def _tool(choice: str, spec):
+    """The nsys to capture with (None: torch.profiler); nsys asked for and absent is a UsageError."""
+    if choice == "torch":
+        return None
+    if choice == "nsys":
+        return nsys_tool(spec)
+    tool = NsysTool.find()
+    if tool is None:
+        print(f"{nsys_mod.NO_NSYS}; writing torch.profiler traces instead (--tracer torch says so up front)")
+    elif not spec.nvtx:
+        print("--nvtx off: writing torch.profiler traces (an nsys capture needs the NVTX ranges)")
+        return None
+    return tool
+
+
 def _trace(args, spec, cell, out: Path, run_id: str) -> int:
     print(device_line(spec))
-    nsys = nsys_mod.nsys_available() if spec.device_kind == "cuda" else None
-    prefix = None
-    if nsys is not None:
-        nsys_dir = out / "cells" / cell.cell_id / "nsys"
-        prefix = [sys.executable, "-m", "harness.measure.nsys", "--nsys", nsys, "--out-dir", str(nsys_dir),
-                  "--gpu-metrics-devices", "all", "--"]
-        example = nsys_mod.nsys_command(nsys, nsys_dir, ["python", "-m", "harness.run.worker", "..."], "all", True)
-        print("nsys per rank (local rank 0 also samples GPU metrics):\n  " + nsys_mod.format_command(example))
+    tool = _tool(args.tracer, spec)
+    if tool is not None:
+        print(f"Nsight Systems: {tool.version} ({tool.path}), one report per node, every rank a process row")
     else:
-        why = "no CUDA device in use" if spec.device_kind != "cuda" else "nsys not found on PATH or /opt/nvidia"
-        print(f"n/a: Nsight Systems trace ({why}); writing torch.profiler traces instead")
         cell = replace(cell, config=replace(cell.config, profile=True))
-    opts = SweepOptions(out=out, run_id=run_id, cell_timeout_s=args.cell_timeout, rdzv=Rendezvous())
-    records = run_sweep([cell], opts, spec.device_kind, worker_prefix=prefix)
+    opts = SweepOptions(out=out, run_id=run_id, cell_timeout_s=args.cell_timeout, rdzv=Rendezvous(),
+                        launcher="torchrun", nsys=tool)
+    records = run_sweep([cell], opts, spec.device_kind)
     rec = records[0]
     cell_dir = out / "cells" / cell.cell_id
     if rec["status"] != "ok":
         print(f"{cell.cell_id}: {rec['status']}: {rec.get('error')}", file=sys.stderr)
         return 1
-    if nsys is not None:
-        for report in sorted((cell_dir / "nsys").glob("*.nsys-rep")):
-            for cmd in nsys_mod.nsys_stats_commands(nsys, report, cell_dir / "nsys" / report.stem):
-                print("  " + nsys_mod.format_command(cmd))
-                subprocess.run(cmd, check=False)
-        print(f"Nsight Systems reports: {cell_dir / 'nsys'} (open *.nsys-rep in nsys-ui)")
-    else:
-        traces = sorted((cell_dir / "traces").glob("*.json.gz"))
-        print(f"torch.profiler traces ({len(traces)}): {cell_dir / 'traces'} (open in Perfetto or chrome://tracing)")
-        trace = rec["metrics"].get("trace") or {}
-        if trace:
-            print("trace analysis: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                  for k, v in trace.items() if not isinstance(v, (dict, list))))
+    if tool is not None:
+        return _print_capture(tool, rec["metrics"]["nsys"])
+    traces = sorted((cell_dir / "traces").glob("*.json.gz"))
+    print(f"torch.profiler traces ({len(traces)}): {cell_dir / 'traces'} (open in Perfetto or chrome://tracing)")
+    trace = rec["metrics"].get("trace") or {}
+    if trace:
+        print("trace analysis: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                              for k, v in trace.items() if not isinstance(v, (dict, list))))
+    return 0
+
+
+def _print_capture(tool, nsys: dict) -> int:
+    """Each rank's ranges as read back, nsys stats' own NVTX summary, and how to open the report."""
+    report = Path(nsys["report"])
+    for r in nsys["ranks"]:
+        phases = ", ".join(f"{k} {v['count']}" for k, v in (r.get("phases") or {}).items())
+        print(f"rank {r['rank']}: {r.get('steps_in_window', 0)} step ranges in the measured window "
+              f"({nsys['measured_steps']} steps run); {phases or 'no ranges'}")
+    names = nsys_reports.stats_report_names(tool.path)
+    if report.exists() and "nvtx" in names:
+        cmd = nsys_reports.stats_command(tool.path, names["nvtx"], report)
+        print("$ " + nsys_mod.format_command(cmd), flush=True)
+        subprocess.run(cmd, check=False, timeout=300)
+    if nsys["processes_ended_after"]:
+        print(f"ended {nsys['processes_ended_after']} nsys process(es) still running after the capture")
+    print(f"Nsight Systems report (every rank of the node, a process row each): {report}")
+    print("open it: " + nsys_mod.format_command(["nsys-ui", str(report)]))
+    if nsys["problem"]:
+        print(f"error: {nsys['problem']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -87,5 +115,8 @@ def register(sub) -> None:
     t.add_argument("--cell", help="cell id to trace (default: the first multi-device cell of the sweep)")
     t.add_argument("--out", type=Path, help="run directory (default results/<run-id>)")
     t.add_argument("--cell-timeout", type=float)
+    t.add_argument("--tracer", choices=("auto", "nsys", "torch"), default="auto",
+                   help="nsys: one Nsight Systems report per rank, checked; torch: torch.profiler traces; "
+                        "auto (default): nsys when installed, else torch.profiler")
     t.set_defaults(fn=cmd_trace)
 

@@ -1,35 +1,41 @@
-"""Nsight Systems (nsys) command lines: one report per rank, and ``nsys stats`` CSV tables.
+"""Nsight Systems (nsys) command lines for one cell's job, and the processes nsys leaves behind.
 
-The per-rank wrapper is a torchrun worker prefix: every worker runs
-``nsys profile ... -o <out_dir>/%q{RANK} <worker command>``, so nsys expands ``RANK`` from
-the worker's environment and each rank writes ``<out_dir>/<rank>.nsys-rep``. Capture is
-limited to the measured window: ``--capture-range=cudaProfilerApi`` starts recording at the
-worker's ``cudaProfilerStart`` (``Ranges.window_start``) and ``--capture-range-end=stop``
-ends it at ``cudaProfilerStop``.
+One ``nsys profile`` session wraps the cell's launcher (torchrun) on each node, as Megatron-LM and
+NeMo run it: nsys follows the ranks it forks, and the report holds every rank of the node as its
+own process row, in one timeline. One session per rank was tried first and dropped: with Nsight
+Systems 2022.4 on this machine, two sessions running at once left one of them hung (an agent at
+100% of a core, the rank blocked in an NVTX call) in 7 of 12 rounds; one session never did.
+Which process is which rank is read from the payload of each rank's ``window`` range.
 
-GPU metrics sampling (``--gpu-metrics-devices``) can be owned by one nsys session per GPU
-at a time, so only local rank 0 of each node asks for it, for the whole node.
+On CUDA, capture is limited to the measured window: ``--capture-range=cudaProfilerApi`` starts
+recording at the first ``cudaProfilerStart`` (``Ranges.window_start``) and runs to the job's end.
+On CPU ranks there is no cudaProfilerApi: the capture starts at the first ``window`` NVTX range
+(``--capture-range=nvtx --nvtx-capture=window@harness``, ``-t nvtx,osrt``). Either way
+``--capture-range-end=none``: the measured window's end triggers nothing inside a rank's step loop.
 
-Torchrun usage (the wrapper picks the flags from ``LOCAL_RANK`` in each worker)::
-
-    torchrun --nproc-per-node 4 -m harness.measure.nsys --out-dir runs/x/nsys \\
-        --gpu-metrics-devices all -- python -m harness.run.worker ...
+Reading the reports back: :mod:`harness.measure.nsys_reports`.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import glob
 import os
 import shlex
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import pandas as pd
+import psutil
 
 NSYS_TRACE = "cuda,nvtx,osrt,cublas,cudnn"
-STATS_REPORTS: tuple[str, ...] = ("nvtx_sum", "nvtx_gpu_proj_sum", "cuda_gpu_kern_sum")
+NSYS_TRACE_CPU = "nvtx,osrt"
+"""On CPU ranks: NVTX and OS runtime calls (no CUDA to trace)."""
+WINDOW_CAPTURE = "window@harness"
+"""On CPU ranks (no cudaProfilerStart) the capture range starts at the harness's ``window`` NVTX range."""
+SESSION_PREFIX = "harness-"
+"""Every nsys session the harness starts is named ``harness-<tag>`` (``--session-new``), so the agent
+nsys forks, which leaves the job's process group, can be found and ended with the cell."""
 NSYS_SEARCH_GLOBS: tuple[str, ...] = (
     # Nsight Systems installers (versioned or not), then the copy a CUDA toolkit bundles.
     "/opt/nvidia/nsight-systems*/bin/nsys",
@@ -39,6 +45,8 @@ NSYS_SEARCH_GLOBS: tuple[str, ...] = (
     "/usr/local/cuda-*/bin/nsys",
     "/usr/local/cuda*/nsight-systems-*/bin/nsys",
 )
+NO_NSYS = ("n/a: no nsys (not on PATH, /opt/nvidia/nsight-systems*/ or /usr/local/cuda*/); "
+           "make setup-nsys installs it on Debian/Ubuntu, or use NVIDIA's Nsight Systems installer")
 
 
 def _version_key(path: str) -> list[tuple[int, str]]:
@@ -64,107 +72,92 @@ def nsys_available(search_globs: Sequence[str] = NSYS_SEARCH_GLOBS) -> str | Non
     return None
 
 
-def report_path(out_dir: str | Path, rank: int) -> Path:
-    """Where rank ``rank``'s report lands: ``<out_dir>/<rank>.nsys-rep``."""
-    return Path(out_dir) / f"{rank}.nsys-rep"
+def report_path(out_dir: str | Path, cell_id: str, nnodes: int = 1, node_rank: int = 0) -> Path:
+    """Where a cell's report lands: ``<out_dir>/<cell_id>.nsys-rep`` (``.node<k>`` across nodes)."""
+    stem = cell_id if nnodes == 1 else f"{cell_id}.node{node_rank}"
+    return Path(out_dir) / f"{stem}.nsys-rep"
 
 
 def nsys_command(
     nsys: str,
-    out_dir: str | Path,
-    inner_cmd: Sequence[str],
-    gpu_metrics_device: str | None,
-    local_rank0: bool,
+    report: str | Path,
+    tag: str,
+    device_kind: str = "cuda",
+    gpu_metrics_device: str | None = None,
 ) -> list[str]:
-    """Argument list ``nsys profile <flags> <inner_cmd...>`` for one torchrun worker.
+    """The argument list ``nsys profile <flags>`` to put in front of a cell's launcher command.
 
     Args:
         nsys: nsys executable (see ``nsys_available``).
-        out_dir: report directory; the report name is the global rank (``%q{RANK}``).
-        inner_cmd: the worker command, as an argument list.
-        gpu_metrics_device: value for ``--gpu-metrics-devices`` (``all``, ``cuda-visible``
-            or nvidia-smi GPU ids), or None for no GPU metrics.
-        local_rank0: whether this worker is local rank 0, the only one sampling GPU metrics.
+        report: the report's path (see :func:`report_path`); nsys adds ``.nsys-rep`` if missing.
+        tag: names the nsys session ``harness-<tag>``, by which :func:`end_sessions` finds it.
+        device_kind: ``cuda`` traces CUDA, cuBLAS and cuDNN from the first ``cudaProfilerStart``;
+            ``cpu`` traces NVTX and OS calls from the first ``window`` range.
+        gpu_metrics_device: value for ``--gpu-metrics-devices`` (``all``, ``cuda-visible`` or
+            nvidia-smi GPU ids; one session per node samples them all), or None for none.
     """
-    if not inner_cmd:
-        raise ValueError("inner_cmd is empty; pass the worker command, e.g. ['python', '-m', 'harness.run.worker']")
-    cmd = [
-        nsys, "profile",
-        "-t", NSYS_TRACE,
-        "--capture-range=cudaProfilerApi",
-        "--capture-range-end=stop",
-        "-o", f"{Path(out_dir)}/%q{{RANK}}",
+    if device_kind not in ("cuda", "cpu"):
+        raise ValueError(f"device_kind is {device_kind!r}; nsys captures 'cuda' or 'cpu' ranks")
+    report = Path(report)
+    stem = report.with_suffix("") if report.suffix == ".nsys-rep" else report
+    cmd = [nsys, "profile", "-t", NSYS_TRACE if device_kind == "cuda" else NSYS_TRACE_CPU]
+    if device_kind == "cuda":
+        cmd.append("--capture-range=cudaProfilerApi")
+        if gpu_metrics_device is not None:
+            cmd.append(f"--gpu-metrics-devices={gpu_metrics_device}")
+    else:
+        cmd += ["--capture-range=nvtx", f"--nvtx-capture={WINDOW_CAPTURE}"]
+    return [
+        *cmd,
+        "--capture-range-end=none",  # to the job's end: nothing happens inside a step loop
+        f"--session-new={SESSION_PREFIX}{tag}",
+        "-o", str(stem),
         "--force-overwrite=false",  # a run directory is never overwritten
         "--stats=false",  # stats run afterwards, off the measured job's clock
     ]
-    if local_rank0 and gpu_metrics_device is not None:
-        cmd.append(f"--gpu-metrics-devices={gpu_metrics_device}")
-    return [*cmd, *inner_cmd]
 
 
-def nsys_command_from_env(
-    nsys: str,
-    out_dir: str | Path,
-    inner_cmd: Sequence[str],
-    gpu_metrics_device: str | None,
-    env: Mapping[str, str] | None = None,
-) -> list[str]:
-    """``nsys_command`` with ``local_rank0`` read from ``LOCAL_RANK`` (set by torchrun)."""
-    env = os.environ if env is None else env
-    local_rank = env.get("LOCAL_RANK")
-    if local_rank is None or not local_rank.isdigit():
-        raise ValueError(f"LOCAL_RANK is {local_rank!r}; run the nsys wrapper as a torchrun worker")
-    return nsys_command(nsys, out_dir, inner_cmd, gpu_metrics_device, local_rank0=int(local_rank) == 0)
+TAG_ENV = "HARNESS_NSYS_TAG"
+"""Set in the captured job's environment: nsys starts the launcher in a session of its own, so the
+job's process-group kill cannot reach it or the ranks; this variable, which they inherit, can."""
+
+
+def end_sessions(tag: str, grace_s: float = 3.0) -> list[int]:
+    """End every process of the capture ``tag`` still alive; return their pids.
+
+    Those are the nsys session ``harness-<tag>``'s agent (``nsys --start-agent``, in a session of its
+    own, which 2022.4 can leave running after the program ends, holding most of a core) and
+    ``nsys profile``, and anything started under it (launcher, ranks: :data:`TAG_ENV`). They get
+    SIGTERM, then SIGKILL after ``grace_s``; an agent's shared-memory file, which would otherwise
+    hang the next session, is removed.
+    """
+    names = (f"--session-name={SESSION_PREFIX}{tag}", f"--session-new={SESSION_PREFIX}{tag}")
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter(["cmdline", "pid"]):
+        if proc.info["pid"] == me:
+            continue
+        cmdline = proc.info.get("cmdline") or []
+        try:
+            tagged = any(arg in names for arg in cmdline) or proc.environ().get(TAG_ENV) == tag
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if tagged:
+            found.append(proc)
+    for proc in found:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(found, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    for proc in found:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/quadd-agent-instance-{proc.pid}")
+    return [p.pid for p in found]
 
 
 def format_command(cmd: Sequence[str]) -> str:
     """Shell-quoted one-line form of an argument list, for logs and dry runs."""
     return shlex.join(list(cmd))
-
-
-def nsys_stats_commands(nsys: str, report_path: str | Path, out_prefix: str | Path) -> list[list[str]]:
-    """``nsys stats`` argument lists writing ``<out_prefix>_<report>.csv`` per report.
-
-    One command per report, run in order: a report a given nsys version lacks (e.g.
-    ``nvtx_gpu_proj_sum`` before 2023.x) then fails alone instead of taking the others with it.
-    """
-    return [
-        [nsys, "stats", "--report", name, "--format", "csv", "--output", str(out_prefix), str(report_path)]
-        for name in STATS_REPORTS
-    ]
-
-
-def load_stats_csvs(prefix: str | Path) -> dict[str, pd.DataFrame]:
-    """``{report name: table}`` from the ``<prefix>_<report>.csv`` files nsys stats wrote."""
-    prefix = Path(prefix)
-    tables: dict[str, pd.DataFrame] = {}
-    for path in sorted(prefix.parent.glob(f"{glob.escape(prefix.name)}_*.csv")):
-        name = path.name[len(prefix.name) + 1 : -len(".csv")]
-        try:
-            tables[name] = pd.read_csv(path)
-        except pd.errors.EmptyDataError:
-            # nsys writes an empty file when a report has no rows (e.g. no NVTX ranges).
-            tables[name] = pd.DataFrame()
-    return tables
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Torchrun worker entry: exec ``nsys profile`` around the command after ``--``."""
-    parser = argparse.ArgumentParser(prog="python -m harness.measure.nsys", description=__doc__)
-    parser.add_argument("--out-dir", required=True, type=Path)
-    parser.add_argument("--gpu-metrics-devices", default=None)
-    parser.add_argument("--nsys", default=None, help="nsys executable (default: search PATH and /opt)")
-    parser.add_argument("inner", nargs=argparse.REMAINDER, help="-- worker command")
-    args = parser.parse_args(argv)
-    inner = args.inner[1:] if args.inner[:1] == ["--"] else args.inner
-    nsys = args.nsys or nsys_available()
-    if nsys is None:
-        parser.error("nsys not found on PATH, /opt/nvidia/nsight-systems*/bin or /usr/local/cuda/bin; "
-                     "install Nsight Systems or pass --nsys")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = nsys_command_from_env(nsys, args.out_dir, inner, args.gpu_metrics_devices)
-    os.execvp(cmd[0], cmd)
-
-
-if __name__ == "__main__":
-    main()

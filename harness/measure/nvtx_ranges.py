@@ -16,6 +16,10 @@ Cost model (the reason for the shape of this class):
   attribute test (~50-100 ns), the context manager is a shared no-op object.
 * With no NVTX tool attached (no ``nsys``), ``nvtx.get_domain`` returns a dummy domain;
   the ranges then skip the NVTX calls the same way (``tool_attached`` is False).
+* A tool attached (``NVTX_INJECTION64_PATH`` set) that does not answer nvtx >= 0.2.12's
+  ``nvtxDomainIsEnabled`` query (Nsight Systems 2022.4) also gets a dummy domain from
+  ``nvtx.get_domain``; the domain is then opened without the query (``_unqueried_domain``), so
+  the ranges reach old and current nsys alike.
 * Without the ``nvtx`` package (a bare torch environment) ranges go through
   ``torch.cuda.nvtx`` on CUDA builds: default domain, message ``harness:<phase>[ <payload>]``,
   no categories. ``backend`` and ``reason`` say which path ran, for the record.
@@ -35,6 +39,7 @@ only measured steps.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import TracebackType
@@ -121,13 +126,46 @@ class _TorchNvtxDomain:
         torch.cuda.nvtx.range_end(handle)
 
 
+INJECTION_ENV = ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH")
+"""Set by the tool that attaches to NVTX (nsys sets the 64-bit one in the profiled process)."""
+UNQUERIED_BACKEND = "nvtx (domain opened without asking the tool)"
+
+
+def tool_injected(environ: Any = None) -> bool:
+    """Whether an NVTX tool library is named in the environment (the process runs under nsys or alike)."""
+    env = os.environ if environ is None else environ
+    return any(env.get(k) for k in INJECTION_ENV)
+
+
+def _unqueried_domain(domain_name: str) -> Any:
+    """An ``nvtx.Domain`` built without ``nvtxDomainIsEnabled``.
+
+    nvtx >= 0.2.12 asks the attached tool whether each domain is enabled and, when the tool does
+    not answer that query (Nsight Systems 2022.4 does not), hands back a no-op domain: every range
+    silently vanishes. The ranges themselves use the NVTX calls every nsys release accepts, so the
+    domain is opened as nvtx <= 0.2.11 did: the handle created, the query skipped.
+    """
+    lib = nvtx._lib.lib
+    domain = object.__new__(lib.Domain)
+    domain.handle = lib.DomainHandle(domain_name)
+    lib.Domain.__init__(domain, domain_name)
+    return domain
+
+
 def _open_domain(domain_name: str) -> tuple[Any, str, str | None]:
     """(domain, backend, reason): the nvtx domain, else torch.cuda.nvtx, else none."""
     if nvtx is not None:
         domain = nvtx.get_domain(domain_name)
-        if _is_dummy_domain(domain):
+        if not _is_dummy_domain(domain):
+            return domain, "nvtx", None
+        if not tool_injected():
             return domain, "nvtx", "no NVTX tool attached (run under nsys to record ranges)"
-        return domain, "nvtx", None
+        try:
+            return _unqueried_domain(domain_name), UNQUERIED_BACKEND, None
+        except (AttributeError, TypeError) as exc:  # the package's internals moved: say so, record nothing
+            return domain, "nvtx", (f"the attached NVTX tool disabled domain {domain_name!r} and nvtx "
+                                    f"{getattr(nvtx, '__version__', '?')} could not open it anyway ({exc}); "
+                                    "pip install 'nvtx<0.2.12' or a newer Nsight Systems")
     if torch.cuda.is_available():
         return _TorchNvtxDomain(domain_name), "torch.cuda.nvtx", f"nvtx package not importable ({_NVTX_IMPORT_ERROR})"
     return None, "none", f"nvtx package not importable ({_NVTX_IMPORT_ERROR}) and torch has no CUDA"
@@ -231,13 +269,18 @@ class Ranges:
 
     @property
     def backend(self) -> str:
-        """``nvtx`` | ``torch.cuda.nvtx`` | ``none``."""
+        """``nvtx`` | ``nvtx (domain opened without asking the tool)`` | ``torch.cuda.nvtx`` | ``none``."""
         return self._backend
 
     @property
     def reason(self) -> str | None:
         """Why ranges are not recorded (or recorded without domain/categories); None if fully on."""
         return self._reason
+
+    def describe(self) -> dict[str, Any]:
+        """For the record: whether ranges were emitted, through which backend, and why not if not."""
+        return {"enabled": self._enabled, "tool_attached": self._live, "backend": self._backend,
+                "reason": self._reason}
 
     def _build_attrs(self, phase: str, payload: int | float | None) -> Any:
         # A string category registers its name with nvtxDomainNameCategory once per domain.
@@ -317,13 +360,14 @@ class Ranges:
             return _NULL_RANGE
         return _StepRange(self, "step", step)
 
-    def window_start(self) -> None:
-        """Open the measured window: cudaProfilerStart (CUDA only), then a ``window`` range."""
+    def window_start(self, rank: int | None = None) -> None:
+        """Open the measured window: cudaProfilerStart (CUDA only), then a ``window`` range whose
+        payload is ``rank`` (which process of a report holding several ranks is which)."""
         if not self._enabled:
             return
         if torch.cuda.is_available():
             torch.cuda.profiler.start()
-        self._window_handle = self.start("window")
+        self._window_handle = self.start("window", payload=rank)
 
     def window_stop(self) -> None:
         """Close the measured window opened by ``window_start``."""

@@ -90,6 +90,9 @@ class InstrumentMetrics(TypedDict, total=False):
     """NVML energy counter only."""
     trace: dict[str, Any]
     """With ``--profile`` only."""
+    nvtx: dict[str, Any]
+    """NVTX on only: ``enabled``, ``tool_attached`` (calls reach a tool), ``backend`` and ``reason``
+    (:meth:`harness.measure.nvtx_ranges.Ranges.describe`)."""
     compile: dict[str, Any]
     """``compile on`` only (:func:`harness.measure.compile_stats.compile_metrics`)."""
 
@@ -126,6 +129,12 @@ class RunMetrics(TypedDict, total=False):
     machine_probe_s: dict[str, float]
     """CPU only: ``{"before", "after"}``, the normaliser workload timed around the cell
     (:mod:`harness.measure.machine_probe`)."""
+    nsys: dict[str, Any]
+    """Under Nsight Systems only: ``tool`` (nsys's version), ``dir``, ``measured_steps``, ``ranks`` (per
+    rank: ``report``, ``ranges``, ``windows``, ``window_s``, ``steps_total``, ``steps_in_window``,
+    ``phases`` {phase: {count, total_s}} inside the window, ``kernels``, ``nccl_kernels``),
+    ``processes_ended_after`` (nsys processes still alive after the job, ended by the harness) and
+    ``problem`` (why the capture cannot be trusted, or None)."""
 
 
 class CellMetrics(WorkerMetrics, CalibratedMfuMetrics, RunMetrics, total=False):

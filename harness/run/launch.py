@@ -50,8 +50,8 @@ RANKS_FILE = "ranks.json"
 
 
 def torchrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, rdzv: Rendezvous, rdzv_id: str,
-                     log_dir: Path, worker_prefix: list[str] | None = None) -> list[str]:
-    """The torchrun argument list (never a shell string)."""
+                     log_dir: Path, launcher_prefix: list[str] | None = None) -> list[str]:
+    """The torchrun argument list (never a shell string), after ``launcher_prefix`` (``nsys profile ...``)."""
     nproc = cfg.world_size // cfg.nnodes
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.nnodes}", f"--nproc-per-node={nproc}",
            "--max-restarts=0", f"--log-dir={log_dir}", "--redirects=3", "--monitor-interval=0.5"]
@@ -64,11 +64,8 @@ def torchrun_command(cfg: CellConfig, cell_json: Path, cell_dir: Path, rdzv: Ren
         # makes the node rank the group rank and has node rank 0 host the store.
         cmd += ["--rdzv-backend=static", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv_id}",
                 f"--node-rank={rdzv.node_rank}"]
-    if worker_prefix:
-        cmd += ["--no-python", *worker_prefix, sys.executable, "-m", "harness.run.worker"]
-    else:
-        cmd += ["-m", "harness.run.worker"]
-    return cmd + ["--cell", str(cell_json), "--out", str(cell_dir)]
+    return [*(launcher_prefix or []), *cmd, "-m", "harness.run.worker", "--cell", str(cell_json),
+            "--out", str(cell_dir)]
 
 
 def _stderr_tail(log_dir: Path, rank: int | None, limit: int = 1500) -> str:
@@ -155,7 +152,7 @@ def _drop_empty_logs(cell_dir: Path) -> None:
 
 
 def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, rdzv_id: str,
-                 env_extra: dict | None = None, worker_prefix: list[str] | None = None,
+                 env_extra: dict | None = None, launcher_prefix: list[str] | None = None,
                  stall_timeout_s: float | None = None, server: ForkServer | None = None) -> Outcome:
     """Run the cell; classify ok / oom / crashed / timeout. Ctrl-C kills the job, then re-raises.
 
@@ -173,13 +170,13 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
     started_at, t0 = time.time(), time.monotonic()
     watchdog = watch.stalled if watch else None
     try:
-        if server is not None and cfg.nnodes == 1 and not worker_prefix:
+        if server is not None and cfg.nnodes == 1 and not launcher_prefix:
             rc = server.run({"nproc": cfg.world_size, "cell": str(cell_json), "out": str(cell_dir),
                              "log_dir": str(log_dir), "launcher_log": str(cell_dir / "launcher.log")},
                             timeout_s, watchdog)
         else:
             env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env_extra or {})}
-            cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, worker_prefix)
+            cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, launcher_prefix)
             rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env, watchdog=watchdog)
     except ForkServerDied as e:
         return Outcome("crashed", str(e), None, None, time.monotonic() - t0, started_at)

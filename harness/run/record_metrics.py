@@ -153,7 +153,7 @@ def _compile(gathered: list[dict], warmup_s: list[float], median_s: float) -> di
 def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: list[dict], g_big: list[float],
                    skipped: int, scaler, entropy_floor: float, local_batch: int, threads: int, device_name: str,
                    monitor_result, trace: dict | None, worker_wall_s: float,
-                   phase_marks: dict[str, float]) -> tuple[WorkerMetrics, dict[str, Any]]:
+                   phase_marks: dict[str, float], nvtx: dict | None = None) -> tuple[WorkerMetrics, dict[str, Any]]:
     """Rank 0's metrics and raw samples from every rank's measurements (``gathered``)."""
     per_rank_times = [g["times"] for g in gathered]
     all_steps = slowest_per_step(per_rank_times)
@@ -173,6 +173,8 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
         **_instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace),
         "worker_wall_s": worker_wall_s,
     }
+    if nvtx is not None and nvtx["enabled"]:
+        m["nvtx"] = nvtx
     if cfg.compile:
         m["compile"] = _compile(gathered, all_steps[: cfg.warmup], stats.median)
     step1 = merge([g["probe"] for g in gathered])
@@ -268,6 +270,8 @@ class RunFacts:
     """``--batch auto``: every trial (:meth:`harness.run.batch_search.BatchSearch.as_dict`)."""
     machine_probe_s: dict[str, float] | None = None
     """CPU: the normaliser workload timed ``before`` and ``after`` the cell (:mod:`harness.measure.machine_probe`)."""
+    nsys: dict | None = None
+    """Under Nsight Systems: the reports read back per rank (:func:`harness.run.nsys_capture.captured_job`)."""
 
 
 def _overhead(facts: RunFacts, phase_marks: dict[str, float] | None) -> dict[str, Any]:
@@ -292,6 +296,8 @@ def run_metrics(facts: RunFacts, phase_marks: dict[str, float] | None = None) ->
         m["batch_search"] = facts.batch_search
     if facts.machine_probe_s is not None:
         m["machine_probe_s"] = facts.machine_probe_s
+    if facts.nsys is not None:
+        m["nsys"] = facts.nsys
     return m
 
 

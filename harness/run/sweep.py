@@ -25,6 +25,7 @@ from harness.run import batch_search
 from harness.run.batch_search import BatchSearch
 from harness.run.fork_client import ForkServer
 from harness.run.launch import Outcome, Rendezvous, run_cell_job
+from harness.run.nsys_capture import NsysTool, captured_job
 from harness.run.progress import Progress
 from harness.run.record_metrics import RunFacts, cell_metrics, parity_key, run_metrics
 from harness.run.rundir import existing_records
@@ -49,10 +50,12 @@ class SweepOptions:
     resume: bool = False
     launcher: str = "fork"
     """How a cell's ranks start on one node (:data:`harness.run.launch.LAUNCHERS`)."""
+    nsys: NsysTool | None = None
+    """Every cell's ranks under this Nsight Systems, the reports checked (``bench --nsys``, ``trace``)."""
 
 
 def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, env_extra: dict | None = None,
-              worker_prefix: list[str] | None = None, progress: Progress | None = None,
+              progress: Progress | None = None,
               replan: Callable[[PlannedCell], PlannedCell] | None = None) -> list[dict]:
     """Run every valid cell not already ``ok``; return the records written in this call.
 
@@ -82,7 +85,7 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
                                   env=env, degrees=None, workload=None, error=cell.reason)
             else:
                 rec = _measure(cell, index, opts, device_kind, env, references, server,
-                               env_extra=env_extra, worker_prefix=worker_prefix, replan=replan)
+                               env_extra=env_extra, replan=replan)
                 _keep_reference(references, rec)
             if writer:
                 side = append_record(records_path, rec)
@@ -98,29 +101,35 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
 
 
 def _measure(cell: PlannedCell, index: int, opts: SweepOptions, device_kind: str, env: dict, references: dict,
-             server: ForkServer | None, *, env_extra: dict | None, worker_prefix: list[str] | None,
+             server: ForkServer | None, *, env_extra: dict | None,
              replan: Callable[[PlannedCell], PlannedCell] | None) -> dict:
     """One valid cell's record: its job (or its batch search's trials), the machine probed around it."""
     writer = opts.rdzv.node_rank == 0
     cell_dir = opts.out / "cells" / cell.cell_id if writer else opts.out / f"node{opts.rdzv.node_rank}" / cell.cell_id
 
-    def job(cfg: CellConfig, where: Path, rdzv_id: str) -> Outcome:
+    def job(cfg: CellConfig, where: Path, rdzv_id: str, prefix: list[str] | None = None,
+            env: dict[str, str] | None = None) -> Outcome:
         return run_cell_job(cfg, where, opts.cell_timeout_s or default_timeout_s(cfg), opts.rdzv,
-                            rdzv_id=rdzv_id, env_extra=env_extra, worker_prefix=worker_prefix,
+                            rdzv_id=rdzv_id, env_extra={**(env_extra or {}), **(env or {})}, launcher_prefix=prefix,
                             stall_timeout_s=opts.stall_timeout_s, server=server)
 
-    found, outcome = None, None
+    found, outcome, nsys = None, None, None
     probe = machine_probe_s(device_kind) if device_kind == "cpu" else None  # the machine's speed around the cell
     if cell.config.batch_auto:
         trials, rdzv_id = cell_dir / "batch-trials", _rdzv_id(opts, index)
         cell, found, outcome = _search_batch(cell, lambda cfg, name, trials=trials, rdzv_id=rdzv_id: job(
             cfg, trials / name, f"{rdzv_id}-{name}"), replan)
+    if outcome is None and opts.nsys is not None:
+        outcome, nsys = captured_job(opts.nsys, lambda prefix, env: job(
+            cell.config, cell_dir, _rdzv_id(opts, index), prefix, env), cell, cell_dir, device_kind, opts.rdzv.node_rank)
+        if nsys["problem"]:
+            print(f"{cell.cell_id}: nsys capture: {nsys['problem']}", file=sys.stderr, flush=True)
     if outcome is None:
         outcome = job(cell.config, cell_dir, _rdzv_id(opts, index))
     facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib, started_at=outcome.started_at,
                      batch_search=found.as_dict() if found is not None else None,
                      machine_probe_s={"before": probe, "after": machine_probe_s(device_kind)}
-                     if probe is not None else None)
+                     if probe is not None else None, nsys=nsys)
     return _record(cell, outcome, facts, opts.run_id, env, references)
 
 

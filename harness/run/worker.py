@@ -156,7 +156,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
             marks.mark("warmup")
             monitor = _start_monitor(cfg, local_rank, device)
             beat.open_window()
-            ranges.window_start()
+            ranges.window_start(rank)  # the payload says which process of a shared nsys report is which rank
         x, y = batch(step)
         lr = _lr(cfg, step)
         scale = ctx.scaler.get_scale() if ctx.scaler is not None else 1.0
@@ -221,7 +221,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     metrics, samples = worker_metrics(cfg, size, dims, precision, layout.data_parallel, gathered, g_big, skipped,
                                       ctx.scaler, data.entropy_floor, local_batch, threads, env["device_name"],
                                       monitor_result, trace, worker_wall_s=time.perf_counter() - t0,
-                                      phase_marks=marks.marks)
+                                      phase_marks=marks.marks, nvtx=ranges.describe())
     return {"metrics": metrics, "samples": samples, "env": env, "degrees": dims.degrees(),
             "workload": {**size.as_dict(), "params": size.params}}
 

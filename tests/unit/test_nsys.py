@@ -1,89 +1,54 @@
-"""nsys command lines: exact flags, per-rank report names, GPU metrics on local rank 0 only."""
+"""nsys command lines and process hygiene (exact flags, report names, the session's leftovers ended),
+and reading reports back (an export built here with nsys's own schema, checked against the steps run)."""
 
 from __future__ import annotations
 
-import os
+import sqlite3
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-import pandas as pd
+import psutil
 import pytest
 
 from harness.measure import nsys as nsys_mod
-from harness.measure.nsys import (
-    format_command,
-    load_stats_csvs,
-    nsys_available,
-    nsys_command,
-    nsys_command_from_env,
-    nsys_stats_commands,
-    report_path,
-)
+from harness.measure import nsys_reports
+from harness.measure.nsys import end_sessions, format_command, nsys_available, nsys_command, report_path
+from harness.measure.nsys_reports import capture_problem, ranks_of, read_ranges, summarize
 
-INNER = ["python", "-m", "harness.run.worker", "--cell", "tiny ddp"]
-BASE = [
-    "/opt/nsys", "profile",
-    "-t", "cuda,nvtx,osrt,cublas,cudnn",
-    "--capture-range=cudaProfilerApi",
-    "--capture-range-end=stop",
-    "-o", "/runs/r1/nsys/%q{RANK}",
-    "--force-overwrite=false",
-    "--stats=false",
-]
+REPORT = "/runs/r1/cells/c/nsys/c.nsys-rep"
 
 
-def test_local_rank0_gets_gpu_metrics() -> None:
-    cmd = nsys_command("/opt/nsys", Path("/runs/r1/nsys"), INNER, "all", local_rank0=True)
-    assert cmd == [*BASE, "--gpu-metrics-devices=all", *INNER]
-
-
-def test_other_ranks_do_not_sample_gpu_metrics() -> None:
-    cmd = nsys_command("/opt/nsys", Path("/runs/r1/nsys"), INNER, "all", local_rank0=False)
-    assert cmd == [*BASE, *INNER]
-    assert nsys_command("/opt/nsys", "/runs/r1/nsys", INNER, None, local_rank0=True) == [*BASE, *INNER]
-
-
-def test_per_rank_report_names() -> None:
-    assert report_path("/runs/r1/nsys", 0) == Path("/runs/r1/nsys/0.nsys-rep")
-    assert report_path(Path("/runs/r1/nsys"), 13) == Path("/runs/r1/nsys/13.nsys-rep")
-
-
-def test_command_from_torchrun_env() -> None:
-    rank0 = nsys_command_from_env("/opt/nsys", "/runs/r1/nsys", INNER, "all", env={"LOCAL_RANK": "0"})
-    rank3 = nsys_command_from_env("/opt/nsys", "/runs/r1/nsys", INNER, "all", env={"LOCAL_RANK": "3"})
-    assert "--gpu-metrics-devices=all" in rank0 and not any("gpu-metrics" in a for a in rank3)
-    with pytest.raises(ValueError, match="LOCAL_RANK is None; run the nsys wrapper as a torchrun worker"):
-        nsys_command_from_env("/opt/nsys", "/x", INNER, "all", env={})
-
-
-def test_format_command_quotes_arguments() -> None:
-    line = format_command(nsys_command("/opt/nsys", "/runs/r1/nsys", INNER, None, local_rank0=False))
-    assert line.startswith("/opt/nsys profile -t cuda,nvtx,osrt,cublas,cudnn ")
-    assert line.endswith("--cell 'tiny ddp'") and "'/runs/r1/nsys/%q{RANK}'" in line
-
-
-def test_empty_inner_command_is_rejected() -> None:
-    with pytest.raises(ValueError, match="inner_cmd is empty"):
-        nsys_command("/opt/nsys", "/x", [], None, local_rank0=True)
-
-
-def test_stats_commands() -> None:
-    cmds = nsys_stats_commands("/opt/nsys", Path("/runs/r1/nsys/0.nsys-rep"), Path("/runs/r1/nsys/0"))
-    assert [c[3] for c in cmds] == ["nvtx_sum", "nvtx_gpu_proj_sum", "cuda_gpu_kern_sum"]
-    assert cmds[0] == [
-        "/opt/nsys", "stats", "--report", "nvtx_sum", "--format", "csv",
-        "--output", "/runs/r1/nsys/0", "/runs/r1/nsys/0.nsys-rep",
+def test_cuda_capture_is_the_profiler_window_with_gpu_metrics() -> None:
+    assert nsys_command("/opt/nsys", REPORT, "ab12", "cuda", "all") == [
+        "/opt/nsys", "profile", "-t", "cuda,nvtx,osrt,cublas,cudnn", "--capture-range=cudaProfilerApi",
+        "--gpu-metrics-devices=all", "--capture-range-end=none", "--session-new=harness-ab12",
+        "-o", "/runs/r1/cells/c/nsys/c", "--force-overwrite=false", "--stats=false",
     ]
 
 
-def test_load_stats_csvs(tmp_path: Path) -> None:
-    (tmp_path / "0_nvtx_sum.csv").write_text("Time (%),Total Time (ns),Instances,Range\n60.0,600,3,:harness:forward\n")
-    (tmp_path / "0_cuda_gpu_kern_sum.csv").write_text("")  # nsys leaves empty files for empty reports
-    (tmp_path / "1_nvtx_sum.csv").write_text("x\n1\n")  # another rank's prefix
-    tables = load_stats_csvs(tmp_path / "0")
-    assert sorted(tables) == ["cuda_gpu_kern_sum", "nvtx_sum"]
-    assert tables["nvtx_sum"]["Range"].tolist() == [":harness:forward"]
-    assert isinstance(tables["cuda_gpu_kern_sum"], pd.DataFrame) and tables["cuda_gpu_kern_sum"].empty
+def test_cpu_capture_starts_at_the_window_range() -> None:
+    cmd = nsys_command("/opt/nsys", Path("/r/c"), "t", "cpu", "all")
+    assert cmd[:6] == ["/opt/nsys", "profile", "-t", "nvtx,osrt", "--capture-range=nvtx",
+                       "--nvtx-capture=window@harness"]
+    assert not any(a.startswith("--gpu-metrics") for a in cmd)  # no GPU to sample
+    assert "--capture-range-end=none" in cmd and cmd[cmd.index("-o") + 1] == "/r/c"
+
+
+def test_unknown_device_kind_is_rejected() -> None:
+    with pytest.raises(ValueError, match="'tpu'"):
+        nsys_command("/opt/nsys", REPORT, "t", "tpu")
+
+
+def test_report_names_say_cell_and_node() -> None:
+    assert report_path("/o", "tiny-ddp") == Path("/o/tiny-ddp.nsys-rep")
+    assert report_path("/o", "tiny-ddp", nnodes=2, node_rank=1) == Path("/o/tiny-ddp.node1.nsys-rep")
+
+
+def test_format_command_quotes() -> None:
+    assert format_command(["nsys-ui", "/a b/c.nsys-rep"]) == "nsys-ui '/a b/c.nsys-rep'"
 
 
 def test_nsys_available_searches_install_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,11 +65,109 @@ def test_nsys_available_searches_install_dirs(tmp_path: Path, monkeypatch: pytes
     assert nsys_available() == "/usr/bin/nsys"
 
 
-def test_main_execs_nsys_for_the_worker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    seen: list[list[str]] = []
-    monkeypatch.setattr(os, "execvp", lambda file, args: seen.append(list(args)))
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    nsys_mod.main(["--out-dir", str(tmp_path / "nsys"), "--nsys", "/opt/nsys", "--gpu-metrics-devices", "all",
-                   "--", *INNER])
-    assert seen == [nsys_command("/opt/nsys", tmp_path / "nsys", INNER, "all", local_rank0=False)]
-    assert (tmp_path / "nsys").is_dir()
+def _sleeper(*args: str) -> subprocess.Popen:
+    # A process whose command line carries nsys's session flag, as the agent's does; SIGTERM ignored,
+    # so only the SIGKILL after the grace period ends it.
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    return subprocess.Popen([sys.executable, "-c", code, *args], start_new_session=True)
+
+
+def test_end_sessions_ends_the_session_only() -> None:
+    mine = _sleeper("--start-agent", "--session-name=harness-t0k3n")
+    other = _sleeper("--start-agent", "--session-name=harness-t0k3n2")  # another capture's session
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not psutil.Process(mine.pid).cmdline()[-1:] == [
+                "--session-name=harness-t0k3n"]:
+            time.sleep(0.05)
+        assert end_sessions("t0k3n", grace_s=0.5) == [mine.pid]
+        mine.wait(timeout=30)  # ended, although it ignored SIGTERM (psutil reaped it, so no status is left)
+        assert not psutil.pid_exists(mine.pid)
+        assert other.poll() is None
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()
+
+
+# ---- reading reports back: an export with nsys's schema (the tables and columns read) -----------------
+
+EVENT_TYPES = {33: "NvtxCategory", 59: "NvtxPushPopRange", 60: "NvtxStartEndRange", 75: "NvtxDomainCreate"}
+
+
+def _tid(pid: int) -> int:
+    return (1 << 48) | (pid << 24) | pid
+
+
+def _export(path: Path, events: list[tuple]) -> Path:
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE ENUM_NSYS_EVENT_TYPE (id INTEGER PRIMARY KEY, name TEXT, label TEXT)")
+    db.executemany("INSERT INTO ENUM_NSYS_EVENT_TYPE VALUES (?, ?, ?)", [(k, v, v) for k, v in EVENT_TYPES.items()])
+    db.execute("CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT)")
+    db.executemany("INSERT INTO StringIds VALUES (?, ?)", [(437, "step"), (438, "window"), (439, "forward")])
+    db.execute("CREATE TABLE NVTX_EVENTS (start INTEGER, end INTEGER, eventType INTEGER, text TEXT, globalTid INTEGER,"
+               " textId INTEGER, domainId INTEGER, int64Value INTEGER, uint64Value INTEGER)")
+    db.executemany("INSERT INTO NVTX_EVENTS VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", events)
+    db.commit()
+    db.close()
+    return path
+
+
+def _rank_events(pid: int, rank: int, steps: int, warmup: int = 1, domain: int = 1) -> list[tuple]:
+    ev: list[tuple] = [(0, None, 75, "harness", _tid(pid), None, domain, None, None),
+                       (0, None, 75, "other", _tid(pid), None, domain + 10, None, None)]
+    t = 100
+    for i in range(warmup + steps):
+        if i == warmup:
+            window_start = t
+        ev.append((t, t + 50, 60, None, _tid(pid), 437, domain, i, None))  # registered string "step"
+        ev.append((t + 5, t + 20, 60, "forward", _tid(pid), None, domain, None, None))  # plain text
+        ev.append((t + 5, t + 20, 60, "forward", _tid(pid), None, domain + 10, None, None))  # another domain
+        t += 100
+    ev.append((window_start, t, 60, None, _tid(pid), 438, domain, rank, None))
+    ev.append((t + 1, None, 60, "step", _tid(pid), None, domain, 99, None))  # never ended: not a range
+    return ev
+
+
+def test_ranges_are_read_per_rank_from_one_report(tmp_path: Path) -> None:
+    db = _export(tmp_path / "c.sqlite", _rank_events(4242, 1, steps=3) + _rank_events(777, 0, steps=3))
+    ranges = read_ranges(db)
+    assert {r.name for r in ranges} == {"step", "window", "forward"}
+    assert ranks_of(ranges) == {4242: 1, 777: 0}
+    cap = summarize(1, "c.nsys-rep", [r for r in ranges if r.pid == 4242])
+    assert (cap.windows, cap.steps_total, cap.steps_in_window) == (1, 4, 3)
+    assert cap.phases == {"forward": {"count": 3, "total_s": pytest.approx(45e-9)}}
+    assert cap.window_s == pytest.approx(300e-9)
+
+
+def test_a_capture_is_checked_against_the_steps_run(tmp_path: Path) -> None:
+    ranges = read_ranges(_export(tmp_path / "c.sqlite", _rank_events(10, 0, steps=3) + _rank_events(11, 1, steps=2)))
+    caps = {rank: summarize(rank, "c.nsys-rep", [r for r in ranges if r.pid == pid])
+            for pid, rank in ranks_of(ranges).items()}
+    assert capture_problem({0: caps[0]}, range(1), 3) is None
+    assert "c.nsys-rep: 2 step ranges in the measured window, but 3 steps were run" in capture_problem(
+        caps, range(2), 3)
+    assert "rank(s) 2, 3 of 0, 1, 2, 3" in capture_problem(caps, range(4), 3)
+    line = capture_problem({}, range(2), 3)
+    assert line.startswith("no 'harness' NVTX window was recorded") and "\n" not in line
+
+
+def test_an_export_without_nvtx_holds_no_ranges(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "empty.sqlite")
+    db.execute("CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT)")
+    db.close()
+    assert read_ranges(tmp_path / "empty.sqlite") == []
+
+
+def test_stats_report_names_follow_the_installed_nsys(tmp_path: Path) -> None:
+    def fake(help_text: str) -> str:
+        exe = tmp_path / f"nsys{len(help_text)}"
+        exe.write_text(f"#!/bin/sh\ncat <<'EOF'\n{help_text}\nEOF\n")
+        exe.chmod(0o755)
+        return str(exe)
+
+    old = fake("  gpukernsum[:base|:mangled] -- CUDA GPU Kernel Summary\n  nvtxsum -- NVTX Range Summary\n")
+    new = fake("  cuda_gpu_kern_sum[:nvtx-name] -- CUDA GPU Kernel Summary\n  nvtx_sum[:base] -- NVTX Range Summary\n"
+               "  nvtx_gpu_proj_sum -- NVTX GPU Projection Summary\n")
+    assert nsys_reports.stats_report_names(old) == {"nvtx": "nvtxsum", "kernels": "gpukernsum"}
+    assert nsys_reports.stats_report_names(new) == {"nvtx": "nvtx_sum", "kernels": "cuda_gpu_kern_sum"}

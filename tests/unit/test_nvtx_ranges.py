@@ -87,6 +87,32 @@ def test_enabled_without_tool_runs_on_cpu() -> None:
     ranges.window_stop()
 
 
+def test_a_tool_that_disables_the_domain_still_gets_the_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvtx >= 0.2.12 returns its dummy domain when the attached tool does not answer
+    nvtxDomainIsEnabled (Nsight Systems 2022.4): with a tool named in the environment the domain is
+    opened without the query, so the ranges reach it (the real capture: tests/nsys)."""
+    monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
+    monkeypatch.delenv("NVTX_INJECTION32_PATH", raising=False)
+    assert not nvtx_ranges.tool_injected()
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/nonexistent/libToolsInjection64.so")
+    assert nvtx_ranges.tool_injected()
+    ranges = Ranges(enabled=True)
+    assert ranges.backend == nvtx_ranges.UNQUERIED_BACKEND and ranges.reason is None and ranges.tool_attached
+    assert type(ranges._domain).__name__ == "Domain"  # the package's real domain, not its dummy
+    ranges.window_start(rank=3)  # calls into NVTX, which has no tool loaded here: no-ops, no error
+    with ranges.range("step", payload=0):
+        ranges.end(ranges.start("forward"))
+    ranges.window_stop()
+    assert ranges.describe() == {"enabled": True, "tool_attached": True, "backend": nvtx_ranges.UNQUERIED_BACKEND,
+                                 "reason": None}
+
+
+def test_the_window_payload_is_the_rank(fake_domain: FakeDomain) -> None:
+    ranges = Ranges(enabled=True)
+    ranges.window_start(rank=5)
+    assert fake_domain.calls[-1] == ("start", ("window", 5, "window"))
+
+
 def test_attributes_built_once_per_phase(fake_domain: FakeDomain) -> None:
     ranges = Ranges(enabled=True)
     assert ranges.tool_attached
