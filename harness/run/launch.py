@@ -3,8 +3,10 @@
 The job is a :func:`harness.jobs.run_job`: tagged, in a session of its own, and killed whole
 on a timeout or Ctrl-C, so no orphans survive a cell. On one node its ranks are forked by the sweep's
 fork server, which imported everything once (:mod:`harness.run.fork_server`, ``--launcher fork``,
-the default); across nodes, under ``harness trace`` (nsys wraps each rank's command) and with
-``--launcher torchrun`` they are torchrun's, started afresh.
+the default); across nodes, under Nsight Systems (``trace``, ``bench --nsys``: ``nsys profile`` in
+front of torchrun, whose ranks nsys starts in a session of their own, ended by
+:func:`harness.measure.nsys.end_sessions`) and with ``--launcher torchrun`` they are torchrun's,
+started afresh.
 """
 
 from __future__ import annotations
