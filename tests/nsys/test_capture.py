@@ -43,7 +43,7 @@ def _env(tmp: Path) -> dict:
 def _trace_args(out: Path, steps: int) -> list[str]:
     return [sys.executable, "-m", "harness", "trace", "--device", "cpu", "--gpus", "2", "--sizes", "tiny",
             "--strategies", "ddp", "--batch", "8", "--steps", str(steps), "--warmup", "1", "--cell", CELL,
-            "--tracer", "nsys", "--cell-timeout", "240", "--out", str(out)]
+            "--tracer", "nsys", "--cell-timeout", "120", "--out", str(out)]
 
 
 def _nsys_processes() -> list[str]:
@@ -70,12 +70,20 @@ def _stats_instances(report: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    # nsys 2022.4 itself hangs a session now and then (about 1 capture in 9 here, docs/nsys.md): the
+    # cell then times out with a problem line and its processes are ended. One such hang is retried,
+    # and said; a second, or any other failure, fails the tests.
     tmp = tmp_path_factory.mktemp("nsys")
-    res = subprocess.run(_trace_args(tmp / "run", STEPS), env=_env(tmp), cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
-    records = [json.loads(line) for line in (tmp / "run" / "records.jsonl").read_text().splitlines()]
-    (rec,) = [r for r in records if r.get("kind") == "cell"]
-    return res, rec, tmp / "run"
+    for attempt in (1, 2):
+        out = tmp / f"run{attempt}"
+        res = subprocess.run(_trace_args(out, STEPS), env=_env(tmp), cwd=REPO, capture_output=True, text=True,
+                             timeout=600)
+        records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+        (rec,) = [r for r in records if r.get("kind") == "cell"]
+        if rec["status"] != "timeout" or attempt == 2:
+            return res, rec, out
+        print(f"nsys hung the first capture ({rec['metrics'].get('nsys', {}).get('problem')}); retrying once")
+    raise AssertionError("unreachable")
 
 
 def test_trace_records_every_measured_step_of_every_rank(traced) -> None:

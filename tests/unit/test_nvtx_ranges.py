@@ -9,7 +9,7 @@ import nvtx
 import pytest
 import torch
 
-from harness.measure import nvtx_ranges
+from harness.measure import nvtx_domain, nvtx_ranges
 from harness.measure.nvtx_ranges import PHASES, Ranges, range_overhead_ns
 
 
@@ -93,17 +93,17 @@ def test_a_tool_that_disables_the_domain_still_gets_the_ranges(monkeypatch: pyte
     opened without the query, so the ranges reach it (the real capture: tests/nsys)."""
     monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
     monkeypatch.delenv("NVTX_INJECTION32_PATH", raising=False)
-    assert not nvtx_ranges.tool_injected()
+    assert not nvtx_domain.tool_injected()
     monkeypatch.setenv("NVTX_INJECTION64_PATH", "/nonexistent/libToolsInjection64.so")
-    assert nvtx_ranges.tool_injected()
+    assert nvtx_domain.tool_injected()
     ranges = Ranges(enabled=True)
-    assert ranges.backend == nvtx_ranges.UNQUERIED_BACKEND and ranges.reason is None and ranges.tool_attached
+    assert ranges.backend == nvtx_domain.UNQUERIED_BACKEND and ranges.reason is None and ranges.tool_attached
     assert type(ranges._domain).__name__ == "Domain"  # the package's real domain, not its dummy
     ranges.window_start(rank=3)  # calls into NVTX, which has no tool loaded here: no-ops, no error
     with ranges.range("step", payload=0):
         ranges.end(ranges.start("forward"))
     ranges.window_stop()
-    assert ranges.describe() == {"enabled": True, "tool_attached": True, "backend": nvtx_ranges.UNQUERIED_BACKEND,
+    assert ranges.describe() == {"enabled": True, "tool_attached": True, "backend": nvtx_domain.UNQUERIED_BACKEND,
                                  "reason": None}
 
 
@@ -192,7 +192,7 @@ def test_window_calls_cuda_profiler_when_available(monkeypatch: pytest.MonkeyPat
 
 def test_without_nvtx_package_uses_torch_cuda_nvtx(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, object]] = []
-    monkeypatch.setattr(nvtx_ranges, "nvtx", None)
+    monkeypatch.setattr(nvtx_domain, "nvtx", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda.profiler, "start", lambda: None)
     monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: None)
@@ -213,7 +213,7 @@ def test_without_nvtx_package_uses_torch_cuda_nvtx(monkeypatch: pytest.MonkeyPat
 
 
 def test_without_nvtx_or_cuda_ranges_are_noops_with_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvtx_ranges, "nvtx", None)
+    monkeypatch.setattr(nvtx_domain, "nvtx", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     ranges = Ranges(enabled=True)
     assert ranges.backend == "none" and not ranges.tool_attached
