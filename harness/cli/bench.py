@@ -93,7 +93,7 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
     rdzv = Rendezvous(nnodes=spec.nnodes, node_rank=node_rank, endpoint=args.rdzv_endpoint)
     opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout,
                         stall_timeout_s=args.stall_timeout, rdzv=rdzv, resume=run.resume,
-                        launcher="torchrun" if tool else args.launcher, nsys=tool)
+                        launcher=args.launcher, nsys=tool)
     try:
         if node_rank == 0:
             if not args.no_calibrate:
@@ -129,8 +129,8 @@ def register(sub) -> None:
                    help="fork: one process imports torch once and forks the cell's ranks (one node; default); "
                         "torchrun: torchrun starts each rank afresh (always across nodes)")
     b.add_argument("--nsys", action="store_true",
-                   help="every cell's ranks under Nsight Systems: one report per rank in cells/<id>/nsys, read "
-                        "back and checked (metrics.nsys); ranks start through torchrun")
+                   help="every cell under Nsight Systems: one report per node in cells/<id>/nsys (a process row "
+                        "per rank), read back and checked (metrics.nsys); ranks start through torchrun")
     b.add_argument("--node-rank", type=int, help="this machine's rank in a multi-node sweep")
     b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
     b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")

@@ -1,4 +1,5 @@
-"""``harness trace``: one cell under Nsight Systems (one report per rank, read back and checked), or\ntorch.profiler without nsys."""
+"""``harness trace``: one cell under Nsight Systems (one report per node, every rank a process row, read
+back and checked), or torch.profiler without nsys."""
 
 from __future__ import annotations
 
@@ -68,8 +69,7 @@ def _trace(args, spec, cell, out: Path, run_id: str) -> int:
         print(f"Nsight Systems: {tool.version} ({tool.path}), one report per node, every rank a process row")
     else:
         cell = replace(cell, config=replace(cell.config, profile=True))
-    opts = SweepOptions(out=out, run_id=run_id, cell_timeout_s=args.cell_timeout, rdzv=Rendezvous(),
-                        launcher="torchrun", nsys=tool)
+    opts = SweepOptions(out=out, run_id=run_id, cell_timeout_s=args.cell_timeout, rdzv=Rendezvous(), nsys=tool)
     records = run_sweep([cell], opts, spec.device_kind)
     rec = records[0]
     cell_dir = out / "cells" / cell.cell_id
@@ -116,7 +116,7 @@ def register(sub) -> None:
     t.add_argument("--out", type=Path, help="run directory (default results/<run-id>)")
     t.add_argument("--cell-timeout", type=float)
     t.add_argument("--tracer", choices=("auto", "nsys", "torch"), default="auto",
-                   help="nsys: one Nsight Systems report per rank, checked; torch: torch.profiler traces; "
+                   help="nsys: one Nsight Systems report per node (a process row per rank), checked; torch: torch.profiler traces; "
                         "auto (default): nsys when installed, else torch.profiler")
     t.set_defaults(fn=cmd_trace)
 

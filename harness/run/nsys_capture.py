@@ -14,13 +14,13 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from harness.errors import UsageError
 from harness.measure import nsys as nsys_cmd
 from harness.measure.nsys import NO_NSYS
 from harness.measure.nsys_reports import RankCapture, capture_problem, read_capture
 from harness.planner import PlannedCell
+from harness.run.launch import Outcome
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ def _local_ranks(cell: PlannedCell, node_rank: int) -> range:
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
-def captured_job(tool: NsysTool, job: Callable[[list[str], dict[str, str]], Any], cell: PlannedCell,
-                 cell_dir: Path, device_kind: str, node_rank: int = 0) -> tuple[Any, dict]:
+def captured_job(tool: NsysTool, job: Callable[[list[str], dict[str, str]], Outcome], cell: PlannedCell,
+                 cell_dir: Path, device_kind: str, node_rank: int = 0) -> tuple[Outcome, dict]:
     """Run ``job(launcher_prefix, env)`` under one nsys session; return its outcome and ``metrics.nsys``.
 
     Whatever ends the job (its end, a failure, Ctrl-C, SIGTERM), the session's processes are
@@ -78,7 +78,7 @@ def captured_job(tool: NsysTool, job: Callable[[list[str], dict[str, str]], Any]
             captures = read_capture(tool.path, report)
         except (RuntimeError, subprocess.TimeoutExpired, sqlite3.Error) as exc:
             problem = f"{report.name}: could not be read back: {exc}"
-    if problem is None and getattr(outcome, "status", None) == "ok":
+    if problem is None and outcome.status == "ok":
         problem = capture_problem(captures, ranks, cell.config.steps)
     return outcome, {
         "tool": tool.version, "report": str(report), "measured_steps": cell.config.steps,

@@ -74,7 +74,8 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
     records_path = opts.out / RECORDS_FILENAME
     # One fork server per sweep (started by the first cell that needs it), killed with everything it
     # started whatever ends the sweep: Ctrl-C, SIGTERM, an error.
-    server = ForkServer(opts.out, env_extra) if opts.launcher == "fork" else None
+    # (not under nsys: nsys goes in front of torchrun, see harness.run.nsys_capture)
+    server = ForkServer(opts.out, env_extra) if opts.launcher == "fork" and opts.nsys is None else None
     try:
         for index, cell in enumerate(cells):
             if cell.cell_id not in todo:
