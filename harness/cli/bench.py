@@ -11,7 +11,7 @@ from pathlib import Path
 from harness.calibration import store
 from harness.calibration.auto import ensure_calibrated
 from harness.calibration.normaliser import calibration_record
-from harness.cli.args import add_sweep_args, device_line, spec_from_args, sweep_arg_values
+from harness.cli.args import add_sweep_args, device_line, int_arg, spec_from_args, sweep_arg_values
 from harness.errors import UsageError
 from harness.jobs import Terminated, sigterm_as_interrupt
 from harness.planner import PlannedCell, expand, predict_cells
@@ -19,6 +19,7 @@ from harness.records.reader import RECORDS_FILENAME, append_record
 from harness.report import write_report
 from harness.run.launch import LAUNCHERS, Rendezvous
 from harness.run.nsys_capture import nsys_tool
+from harness.run.rounds import ORDERS, RoundsPlan, recorded_rounds
 from harness.run.rundir import existing_records, recorded_sweep_args, save_sweep_args, start_run
 from harness.run.sweep import SweepOptions, cells_to_run, finished_cells, run_sweep
 
@@ -69,6 +70,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag, value in (("--cell-timeout", args.cell_timeout), ("--stall-timeout", args.stall_timeout)):
         if value is not None and value <= 0:
             raise UsageError(f"{flag} {value:g}: must be > 0 seconds")
+    plan = _rounds_plan(args, spec)
     if args.nsys and spec.batch_auto:
         raise UsageError("--nsys with --batch auto: a capture covers one job per cell and the batch search runs "
                          "several; pass a --batch")
@@ -77,23 +79,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     run = start_run(args.out, args.resume, node_rank)
     try:
         with sigterm_as_interrupt():
-            return _bench(args, spec, cells, run, node_rank, tool)
+            return _bench(args, spec, cells, run, node_rank, tool, plan)
     finally:
         run.lock.release()
 
 
-def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_rank: int, tool) -> int:
+def _rounds_plan(args: argparse.Namespace, spec) -> RoundsPlan:
+    """``--rounds``/``--round-order``, or on ``--resume`` without them the run's own (its rounds.json)."""
+    held = recorded_rounds(args.resume) if args.resume is not None else None
+    n = args.rounds if args.rounds is not None else (held.n if held else 1)
+    plan = RoundsPlan(n=n, order=args.round_order or (held.order if held else "shuffle"), seed=spec.seed)
+    if plan.n > 1 and args.nsys:
+        raise UsageError(f"--rounds {plan.n} with --nsys: a capture covers one job per cell; capture with --rounds 1")
+    if plan.n > 1 and spec.batch_auto:
+        raise UsageError(f"--rounds {plan.n} with --batch auto: the batch search runs once; find the batch with "
+                         f"--rounds 1, then pass it as --batch")
+    return plan
+
+
+def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_rank: int, tool,
+           plan: RoundsPlan) -> int:
     out = run.out
     if node_rank == 0 and not run.resume:
         save_sweep_args(out, sweep_arg_values(args))
     todo = cells_to_run(cells, finished_cells(existing_records(out)) if run.resume else set(), node_rank == 0)
     print(device_line(spec), flush=True)
-    print(f"run {run.run_id}: {sum(c.valid for c in todo)} cells to run, {sum(not c.valid for c in todo)} invalid "
-          f"-> {out}", flush=True)
+    rounds = f" x {plan.n} rounds ({plan.order}, seed {plan.seed})" if plan.n > 1 else ""
+    print(f"run {run.run_id}: {sum(c.valid for c in todo)} cells to run{rounds}, {sum(not c.valid for c in todo)} "
+          f"invalid -> {out}", flush=True)
     rdzv = Rendezvous(nnodes=spec.nnodes, node_rank=node_rank, endpoint=args.rdzv_endpoint)
     opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout,
                         stall_timeout_s=args.stall_timeout, rdzv=rdzv, resume=run.resume,
-                        launcher=args.launcher, nsys=tool)
+                        launcher=args.launcher, nsys=tool, rounds=plan)
     try:
         if node_rank == 0:
             if not args.no_calibrate:
@@ -131,6 +148,11 @@ def register(sub) -> None:
     b.add_argument("--nsys", action="store_true",
                    help="every cell under Nsight Systems: one report per node in cells/<id>/nsys (a process row "
                         "per rank), read back and checked (metrics.nsys); ranks start through torchrun")
+    b.add_argument("--rounds", type=lambda v: int_arg("--rounds", v, 1),
+                   help="measure every cell once per round, N rounds, the order changed each round; each record is "
+                        "its cell's median round, with the round-to-round spread (default 1; 5 on a shared machine)")
+    b.add_argument("--round-order", choices=ORDERS,
+                   help="shuffle: a seeded shuffle per round (--seed; default); rotate: the plan's order rotated by one")
     b.add_argument("--node-rank", type=int, help="this machine's rank in a multi-node sweep")
     b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
     b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")

@@ -33,7 +33,8 @@ in the groups the summary names; ``time_job_s`` is a cell without a result (its 
 FRAME_COLUMNS = [
     "cell_id", "size", "strategy", "precision", "levers", "world_size", "global_batch", "scaling",
     "lr_rule", "status", "error", "tokens_per_s", "tokens_per_s_per_device",
-    "step_time_median_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
+    "step_time_median_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv", "rounds",
+    "round_ci_low_s", "round_ci_high_s", "round_spread_pct", "tflops_per_device", "mfu_pct", "mfu_calibrated_pct",
     "peak_mem_gib", "model_state_mib_per_rank", "comm_mib_per_step", "overlap_pct",
     "parity_max_rel_diff", "parity_ok", "parity_reason", "final_loss", "target_loss", "steps_to_target",
     "time_to_target_s", "gns_b_simple", "scaling_efficiency", "device_kind", "device_name", "unstable_reason",
@@ -78,6 +79,7 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
         "step_time_p10_s": num(get(m, "step_time_s", "p10")),
         "step_time_p90_s": num(get(m, "step_time_s", "p90")),
         "step_time_cv": num(get(m, "step_time_s", "cv")),
+        **_rounds(m.get("rounds")),
         "tflops_per_device": num(m.get("tflops_per_device")),
         "mfu_pct": num(m.get("mfu_pct")),
         "mfu_calibrated_pct": num(m.get("mfu_calibrated_pct")),
@@ -95,6 +97,13 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
         "unstable_reason": m.get("unstable_reason"), "mfu_reason": m.get("mfu_reason"),
         **_time_use(get(m, "overhead", "parts_s") or {}),
     }
+
+
+def _rounds(rounds: dict[str, Any] | None) -> dict[str, float]:
+    """``--rounds``: how many, and the interval of the median round (NaN without rounds)."""
+    ci = (rounds or {}).get("ci_s") or [math.nan, math.nan]
+    return {"rounds": num((rounds or {}).get("n")), "round_ci_low_s": num(ci[0]), "round_ci_high_s": num(ci[1]),
+            "round_spread_pct": num((rounds or {}).get("spread_pct"))}
 
 
 def _time_use(parts: dict[str, Any]) -> dict[str, float]:

@@ -17,6 +17,7 @@ from harness.report.lever_gains import levers_section
 from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
 from harness.report.run_frames import RunFrames
+from harness.report.ties import spread_text, tied_with
 from harness.text import first_line, fmt_or
 
 FAILED_CELL = "-"
@@ -50,6 +51,9 @@ SUMMARY_COLUMNS = [
     Column("parity rel diff", "parity_max_rel_diff", 1.0, ".1e", "min", multi_device_only=True),
 ]
 
+SPEED_KEYS = ("tokens_per_s_per_device", "step_time_median_s")
+"""The columns a tie is marked in: with ``--rounds``, cells whose intervals overlap the fastest's."""
+
 FORMULAS = """**Formulas**
 
 - tokens/s = global tokens per step / median step time, global tokens per step = global batch x seq len
@@ -58,6 +62,7 @@ FORMULAS = """**Formulas**
 - MFU % = 100 x TFLOP/s per device / datasheet peak TFLOP/s of the device at the cell's precision; MFU cal. % divides by the measured matmul peak instead
 - scaling efficiency = tokens/s at N devices / (N x tokens/s at 1 device), same size, precision, scaling and LR rule
 - CV % = 100 x std / mean of the measured step times
+- with `--rounds N`: step median = the median round's median; ± = half the width of the median's interval over the rounds (order statistics, about 90% coverage from 5 rounds), as % of the median; (tie) = a cell whose interval overlaps the fastest's, scaled to equal tokens per device: not measurably slower
 - B_simple = tr(Sigma) / |G|^2, the simple noise scale (McCandlish et al. 2018), in sequences like the global batch
 - **bold** = best in its column: max for throughput, MFU, overlap and efficiency; min for time, CV, memory, comm and parity (1-device cells are not ranked for efficiency, comm and parity: 1, 0 and 0 by definition)"""
 
@@ -98,8 +103,11 @@ def _size_table(df: pd.DataFrame) -> str:
     """Performance table of one workload size: strategy x precision x world size."""
     best = _best_values(df)
     keys = _key_columns(df)
+    ok = df[df["status"] == "ok"]
+    fastest = _pick(ok, "tokens_per_s_per_device", "max")
+    ties = set(tied_with(ok, fastest).index) if fastest is not None else set()
     rows = []
-    for _, row in df.sort_values([k for _, k in keys]).iterrows():
+    for idx, row in df.sort_values([k for _, k in keys]).iterrows():
         if row["status"] != "ok":
             status = f"{row['status']}: {first_line(row['error'])}"
             rows.append(_key_cells(row, keys) + [FAILED_CELL] * len(SUMMARY_COLUMNS) + [status])
@@ -108,6 +116,10 @@ def _size_table(df: pd.DataFrame) -> str:
         for col in SUMMARY_COLUMNS:
             text = fmt_or(row[col.key] * col.scale, col.fmt)
             is_best = best.get(col.key) == row[col.key]
+            if col.key == "step_time_median_s":
+                text += spread_text(row)
+            if col.key in SPEED_KEYS and ties and (is_best or idx in ties):
+                is_best, text = True, f"{text} (tie)"
             if col.multi_device_only and row["world_size"] <= 1:
                 is_best = False
             cells.append(f"**{text}**" if is_best else text)
@@ -131,8 +143,12 @@ def what_to_pick(df: pd.DataFrame) -> str:
     parts = []
     fastest = _pick(ok, "tokens_per_s_per_device", "max")
     if fastest is not None:
+        tied = tied_with(ok, fastest)
+        tie = "" if tied.empty else (
+            f", tied with {', '.join(_label(r) for _, r in tied.iterrows())} (their round intervals overlap: "
+            f"not measurably different on this machine)")
         parts.append(f"fastest is {_label(fastest)} at "
-                     f"{fastest['tokens_per_s_per_device']:,.0f} tokens/s/dev")
+                     f"{fastest['tokens_per_s_per_device']:,.0f} tokens/s/dev{tie}")
     leanest = _pick(ok, "peak_mem_gib", "min")
     if leanest is not None:
         parts.append(f"leanest in memory is {_label(leanest)} at "

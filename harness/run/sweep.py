@@ -10,6 +10,7 @@ the planner attached to its cell.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -28,6 +29,8 @@ from harness.run.launch import Outcome, Rendezvous, run_cell_job
 from harness.run.nsys_capture import NsysTool, captured_job
 from harness.run.progress import Progress
 from harness.run.record_metrics import RunFacts, cell_metrics, parity_key, run_metrics
+from harness.run.rounds import RoundsPlan, RoundState, round_order
+from harness.run.rounds import summary as rounds_summary
 from harness.run.rundir import existing_records
 from harness.spec import CellConfig
 from harness.text import first_line
@@ -52,6 +55,8 @@ class SweepOptions:
     """How a cell's ranks start on one node (:data:`harness.run.launch.LAUNCHERS`)."""
     nsys: NsysTool | None = None
     """Every cell's ranks under this Nsight Systems, the reports checked (``bench --nsys``, ``trace``)."""
+    rounds: RoundsPlan = RoundsPlan()
+    """``--rounds N``: every cell once per round, its record from its median round (:mod:`harness.run.rounds`)."""
 
 
 def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, env_extra: dict | None = None,
@@ -60,7 +65,8 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
     """Run every valid cell not already ``ok``; return the records written in this call.
 
     ``replan`` re-attaches the prediction of a cell whose batch ``--batch auto`` just found (the
-    sweep never predicts itself); without it such a cell keeps the planned prediction."""
+    sweep never predicts itself); without it such a cell keeps the planned prediction. With
+    ``opts.rounds.n > 1`` every cell runs once per round (:func:`_run_rounds`)."""
     writer = opts.rdzv.node_rank == 0
     existing = existing_records(opts.out) if opts.resume else []
     done = finished_cells(existing)
@@ -69,31 +75,44 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
         _keep_reference(references, r)
     env = capture(device_kind)
     todo = {c.cell_id for c in cells_to_run(cells, done, writer)}
-    progress = progress or Progress(total=len(todo), stream=sys.stdout)
+    state = RoundState.open(opts.out, opts.rounds, opts.resume) if opts.rounds.n > 1 else None
+    if progress is None:
+        total = len(todo) if state is None else sum(
+            1 if not c.valid else opts.rounds.n - len(state.rounds_of(c.cell_id)) for c in cells if c.cell_id in todo)
+        progress = Progress(total=total, stream=sys.stdout)
     written: list[dict] = []
     records_path = opts.out / RECORDS_FILENAME
+
+    def keep(rec: dict, label: str) -> None:
+        if writer:
+            side = append_record(records_path, rec)
+            if side is not None:
+                print(f"{records_path}: its torn last line was moved to {side}", file=sys.stderr, flush=True)
+        written.append(rec)
+        progress.finish(label, rec["status"], _progress_note(rec))
+
     # One fork server per sweep (started by the first cell that needs it), killed with everything it
     # started whatever ends the sweep: Ctrl-C, SIGTERM, an error.
     # (not under nsys: nsys goes in front of torchrun, see harness.run.nsys_capture)
     server = ForkServer(opts.out, env_extra) if opts.launcher == "fork" and opts.nsys is None else None
+    run = _CellRun(opts, device_kind, server, env_extra, replan)
     try:
         for index, cell in enumerate(cells):
-            if cell.cell_id not in todo:
+            if cell.cell_id not in todo or (cell.valid and state is not None):
                 continue
             progress.start(cell.cell_id)
             if not cell.valid:
                 rec = make_record(run_id=opts.run_id, cell_id=cell.cell_id, status="invalid", config=cell.raw,
                                   env=env, degrees=None, workload=None, error=cell.reason)
             else:
-                rec = _measure(cell, index, opts, device_kind, env, references, server,
-                               env_extra=env_extra, replan=replan)
+                cell, outcome, facts = run(cell, index, opts.out / "cells" / cell.cell_id if writer
+                                           else opts.out / f"node{opts.rdzv.node_rank}" / cell.cell_id)
+                rec = _record(cell, outcome, facts, opts.run_id, env, references)
                 _keep_reference(references, rec)
-            if writer:
-                side = append_record(records_path, rec)
-                if side is not None:
-                    print(f"{records_path}: its torn last line was moved to {side}", file=sys.stderr, flush=True)
-            written.append(rec)
-            progress.finish(cell.cell_id, rec["status"], _progress_note(rec))
+            keep(rec, cell.cell_id)
+        if state is not None:
+            _run_rounds([c for c in cells if c.cell_id in todo and c.valid], cells, state, run, env, references, keep,
+                        progress)
     finally:
         if server is not None:
             server.close()
@@ -101,37 +120,108 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
     return written
 
 
-def _measure(cell: PlannedCell, index: int, opts: SweepOptions, device_kind: str, env: dict, references: dict,
-             server: ForkServer | None, *, env_extra: dict | None,
-             replan: Callable[[PlannedCell], PlannedCell] | None) -> dict:
-    """One valid cell's record: its job (or its batch search's trials), the machine probed around it."""
-    writer = opts.rdzv.node_rank == 0
-    cell_dir = opts.out / "cells" / cell.cell_id if writer else opts.out / f"node{opts.rdzv.node_rank}" / cell.cell_id
+class _CellRun:
+    """One job of a valid cell (or its batch search's trials), the machine probed around it."""
 
-    def job(cfg: CellConfig, where: Path, rdzv_id: str, prefix: list[str] | None = None,
+    def __init__(self, opts: SweepOptions, device_kind: str, server: ForkServer | None, env_extra: dict | None,
+                 replan: Callable[[PlannedCell], PlannedCell] | None) -> None:
+        self.opts, self.device_kind, self.server = opts, device_kind, server
+        self.env_extra, self.replan = env_extra, replan
+
+    def job(self, cfg: CellConfig, where: Path, rdzv_id: str, prefix: list[str] | None = None,
             env: dict[str, str] | None = None) -> Outcome:
+        opts = self.opts
         return run_cell_job(cfg, where, opts.cell_timeout_s or default_timeout_s(cfg), opts.rdzv,
-                            rdzv_id=rdzv_id, env_extra={**(env_extra or {}), **(env or {})}, launcher_prefix=prefix,
-                            stall_timeout_s=opts.stall_timeout_s, server=server)
+                            rdzv_id=rdzv_id, env_extra={**(self.env_extra or {}), **(env or {})},
+                            launcher_prefix=prefix, stall_timeout_s=opts.stall_timeout_s, server=self.server)
 
-    found, outcome, nsys = None, None, None
-    probe = machine_probe_s(device_kind) if device_kind == "cpu" else None  # the machine's speed around the cell
-    if cell.config.batch_auto:
-        trials, rdzv_id = cell_dir / "batch-trials", _rdzv_id(opts, index)
-        cell, found, outcome = _search_batch(cell, lambda cfg, name, trials=trials, rdzv_id=rdzv_id: job(
-            cfg, trials / name, f"{rdzv_id}-{name}"), replan)
-    if outcome is None and opts.nsys is not None:
-        outcome, nsys = captured_job(opts.nsys, lambda prefix, env: job(
-            cell.config, cell_dir, _rdzv_id(opts, index), prefix, env), cell, cell_dir, device_kind, opts.rdzv.node_rank)
-        if nsys["problem"]:
-            print(f"{cell.cell_id}: nsys capture: {nsys['problem']}", file=sys.stderr, flush=True)
-    if outcome is None:
-        outcome = job(cell.config, cell_dir, _rdzv_id(opts, index))
-    facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib, started_at=outcome.started_at,
-                     batch_search=found.as_dict() if found is not None else None,
-                     machine_probe_s={"before": probe, "after": machine_probe_s(device_kind)}
-                     if probe is not None else None, nsys=nsys)
-    return _record(cell, outcome, facts, opts.run_id, env, references)
+    def __call__(self, cell: PlannedCell, index: int, cell_dir: Path,
+                 round_index: int | None = None) -> tuple[PlannedCell, Outcome, RunFacts]:
+        opts, device_kind = self.opts, self.device_kind
+        rdzv_id = _rdzv_id(opts, index) + (f"-r{round_index}" if round_index is not None else "")
+        found, outcome, nsys = None, None, None
+        probe = machine_probe_s(device_kind) if device_kind == "cpu" else None  # the machine's speed around the cell
+        if cell.config.batch_auto:
+            trials = cell_dir / "batch-trials"
+            cell, found, outcome = _search_batch(cell, lambda cfg, name: self.job(
+                cfg, trials / name, f"{rdzv_id}-{name}"), self.replan)
+        if outcome is None and opts.nsys is not None:
+            outcome, nsys = captured_job(opts.nsys, lambda prefix, env: self.job(
+                cell.config, cell_dir, rdzv_id, prefix, env), cell, cell_dir, device_kind, opts.rdzv.node_rank)
+            if nsys["problem"]:
+                print(f"{cell.cell_id}: nsys capture: {nsys['problem']}", file=sys.stderr, flush=True)
+        if outcome is None:
+            outcome = self.job(cell.config, cell_dir, rdzv_id)
+        facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib, started_at=outcome.started_at,
+                         batch_search=found.as_dict() if found is not None else None,
+                         machine_probe_s={"before": probe, "after": machine_probe_s(device_kind)}
+                         if probe is not None else None, nsys=nsys)
+        return cell, outcome, facts
+
+
+def _run_rounds(valid: list[PlannedCell], cells: list[PlannedCell], state: RoundState, run: _CellRun, env: dict,
+                references: dict, keep: Callable[[dict, str], None], progress: Progress) -> None:
+    """Every cell once per round, in the round's order; a cell that fails is recorded at once and runs no
+    more rounds; the others are recorded after the last round, in plan order (the parity reference first),
+    each from its median round."""
+    opts, n = run.opts, state.plan.n
+    by_id = {c.cell_id: c for c in valid}
+    index_of = {c.cell_id: i for i, c in enumerate(cells)}
+    writer = opts.rdzv.node_rank == 0
+    base = (opts.out / "cells") if writer else (opts.out / f"node{opts.rdzv.node_rank}")
+    for k in range(n):
+        for cid in round_order(list(by_id), k, state.plan):
+            if state.has(cid, k) or state.failed(cid):
+                continue
+            label = f"{cid} round {k + 1}/{n}"
+            progress.start(label)
+            cell, outcome, facts = run(by_id[cid], index_of[cid], base / cid / f"round{k + 1}", k)
+            state.add(cid, k, _round_facts(outcome, facts))
+            if outcome.status != "ok":
+                keep(_record(cell, outcome, facts, opts.run_id, env, references), label)
+            else:
+                progress.finish(label, "ok", f"median {_median_s(outcome) * 1e3:,.1f} ms")
+    for cell in valid:
+        if state.failed(cell.cell_id):
+            continue
+        rec = _median_round_record(cell, state, base / cell.cell_id, opts.run_id, env, references)
+        _keep_reference(references, rec)
+        keep(rec, cell.cell_id)
+
+
+def _median_s(outcome: Outcome) -> float:
+    return float(outcome.result["metrics"]["step_time_s"]["median"]) if outcome.result else float("nan")
+
+
+def _round_facts(outcome: Outcome, facts: RunFacts) -> dict:
+    """What ``rounds.json`` keeps of one round: enough to rebuild the record from the round's result.json."""
+    return {"status": outcome.status, "error": outcome.error, "returncode": outcome.returncode,
+            "median_s": _median_s(outcome) if outcome.status == "ok" else None, "wall_s": outcome.wall_s,
+            "started_at": outcome.started_at, "machine_probe_s": facts.machine_probe_s}
+
+
+def _median_round_record(cell: PlannedCell, state: RoundState, cell_dir: Path, run_id: str, env: dict,
+                         references: dict) -> dict:
+    """The cell's record from its median round, with every round's median and the spread in ``metrics.rounds``."""
+    rounds = state.rounds_of(cell.cell_id)
+    medians = [r["median_s"] for r in rounds.values()]
+    info = rounds_summary(medians, state.plan)
+    k = list(rounds)[info["chosen"]]
+    facts_k = rounds[k]
+    result_path = cell_dir / f"round{k + 1}" / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    outcome = Outcome("ok" if result is not None else "crashed",
+                      None if result is not None else f"round {k + 1}'s result is gone from {result_path}", result,
+                      facts_k["returncode"], facts_k["wall_s"], facts_k["started_at"])
+    facts = RunFacts(wall_s=facts_k["wall_s"], est_mem_gib=cell.est_mem_gib, started_at=facts_k["started_at"],
+                     machine_probe_s=facts_k["machine_probe_s"])
+    rec = _record(cell, outcome, facts, run_id, env, references)
+    if rec["status"] == "ok":
+        info.pop("chosen")
+        rec["metrics"]["rounds"] = {**info, "chosen_round": k + 1,
+                                    "machine_probe_s": [r["machine_probe_s"] for r in rounds.values()],
+                                    "wall_s": sum(r["wall_s"] for r in rounds.values())}
+    return rec
 
 
 def _search_batch(cell: PlannedCell, trial: Callable[[CellConfig, str], Outcome],

@@ -282,3 +282,27 @@ def test_time_line_says_how_much_of_the_run_was_measured_steps() -> None:
                     "process group, model build), 1 s warmup, 1 s untimed steps and results, 1 s teardown, 1 s "
                     "machine probes, 6 s in cells without a result (`metrics.overhead`).")
     assert summary.time_line(frame.cells_frame([cell("tp", "fp32", 2, 1000.0)])) is None
+
+
+def _rounds(median_s: float, lo: float, hi: float) -> dict[str, Any]:
+    return {"n": 5, "medians_s": [lo, median_s, median_s, median_s, hi], "ci_s": [lo, hi],
+            "spread_pct": 100 * (hi - lo) / 2 / median_s}
+
+
+def test_rounds_show_their_spread_and_overlapping_cells_are_a_tie_not_a_winner() -> None:
+    step = 16 * SEQ_LEN / 1000.0  # ddp fp32 on 2 at 1000 tok/s
+    near = 16 * SEQ_LEN / 980.0
+    recs = [cell("ddp", "fp32", 2, 1000.0, rounds=_rounds(step, step * 0.97, step * 1.03)),
+            cell("fsdp", "fp32", 2, 980.0, rounds=_rounds(near, near * 0.98, near * 1.04)),
+            cell("tp", "fp32", 2, 600.0, rounds=_rounds(16 * SEQ_LEN / 600.0, 3.3, 3.5))]
+    md = summary.summary_markdown(RunFrames.of(recs))
+    header, _, *rows = table_rows(md, "tiny")
+    by = {r[0]: dict(zip(header, r)) for r in rows}
+    assert by["ddp"]["tokens/s/dev"] == "**500 (tie)**" and by["fsdp"]["tokens/s/dev"] == "**490 (tie)**"
+    assert by["tp"]["tokens/s/dev"] == "300"
+    assert by["ddp"]["step median (ms)"] == "**2048.00 ± 3.0% (tie)**"
+    assert "fastest is ddp/fp32 on 2 device(s) at 500 tokens/s/dev, tied with fsdp/fp32 on 2 device(s)" in md
+    apart = [recs[0], recs[2]]  # without the near one, ddp wins outright
+    md = summary.summary_markdown(RunFrames.of(apart))
+    assert "tied with" not in md
+    assert not any("(tie)" in c for r in table_rows(md, "tiny") for c in r)
