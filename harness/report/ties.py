@@ -12,7 +12,7 @@ import math
 
 import pandas as pd
 
-from harness.run.rounds import overlaps
+from harness.measure.intervals import overlaps
 
 
 def interval(row: pd.Series) -> tuple[float, float] | None:

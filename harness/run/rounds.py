@@ -10,8 +10,8 @@ is the cell's median round, and the round-to-round spread is kept beside it.
 
 The spread is the distribution-free interval of the median of the round medians: the order
 statistics ``(j, n+1-j)`` with the largest ``j`` whose binomial coverage is at least
-:data:`COVERAGE` (with fewer than 5 rounds no pair reaches it, and the full range is used, its
-coverage given). Two cells whose intervals overlap are a tie (:func:`overlaps`).
+:data:`harness.measure.intervals.COVERAGE` (with fewer than 5 rounds no pair reaches it, and the full range is used, its
+coverage given). Two cells whose intervals overlap are a tie (:mod:`harness.report.ties`).
 
 The rounds done are kept in ``rounds.json`` in the run directory (written atomically after each
 cell's round), so ``--resume`` keeps the rounds that finished. Pure but for :class:`RoundState`'s file.
@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError
+from harness.measure.intervals import median_interval
 from harness.records.atomic import write_json_atomic
 
 ORDERS = ("shuffle", "rotate")
-COVERAGE = 0.90
-"""Wanted coverage of the median's order-statistic interval."""
 STATE_FILE = "rounds.json"
 
 
@@ -66,24 +65,6 @@ def round_order(cell_ids: list[str], round_index: int, plan: RoundsPlan) -> list
     return ids
 
 
-def _binom_cdf(k: int, n: int) -> float:
-    """P(X <= k) for X ~ Binomial(n, 1/2)."""
-    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-
-
-def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[float, float, float]:
-    """The order-statistic interval of the median: ``(low, high, its coverage)``."""
-    xs = sorted(values)
-    n = len(xs)
-    if n == 0:
-        raise ValueError("median_interval of no values")
-    best = 1
-    for j in range(1, n // 2 + 1):  # interval (x_j, x_{n+1-j}) covers the median with 1 - 2 P(X <= j-1)
-        if 1 - 2 * _binom_cdf(j - 1, n) >= coverage:
-            best = j
-    return xs[best - 1], xs[n - best], 1 - 2 * _binom_cdf(best - 1, n)
-
-
 def median_round(medians: list[float]) -> int:
     """Index of the round whose median is the median of the rounds (the lower middle one when even)."""
     order = sorted(range(len(medians)), key=lambda i: (medians[i], i))
@@ -99,11 +80,6 @@ def summary(medians: list[float], plan: RoundsPlan) -> dict:
     return {"n": len(medians), "order": plan.order, "seed": plan.seed, "medians_s": medians, "chosen": chosen,
             "ci_s": [low, high], "ci_coverage": round(cov, 4),
             "spread_pct": 100.0 * (high - low) / 2 / mid if mid > 0 else math.nan}
-
-
-def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """Two intervals share a point: neither cell is measurably faster."""
-    return a[0] <= b[1] and b[0] <= a[1]
 
 
 @dataclass

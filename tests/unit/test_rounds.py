@@ -8,17 +8,9 @@ import pandas as pd
 import pytest
 
 from harness.errors import UsageError
+from harness.measure.intervals import median_interval, overlaps
 from harness.report.ties import tied_with
-from harness.run.rounds import (
-    RoundsPlan,
-    RoundState,
-    median_interval,
-    median_round,
-    overlaps,
-    recorded_rounds,
-    round_order,
-    summary,
-)
+from harness.run.rounds import RoundsPlan, RoundState, median_round, recorded_rounds, round_order, summary
 
 IDS = ["a", "b", "c", "d", "e"]
 

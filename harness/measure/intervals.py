@@ -1,0 +1,37 @@
+"""The distribution-free interval of a median, and when two intervals cannot be told apart.
+
+For n values the interval ``(x_(j), x_(n+1-j))`` of the sorted values covers the median with
+probability ``1 - 2 P(X <= j-1)``, X ~ Binomial(n, 1/2), whatever their distribution (the sign-test
+interval). Pure.
+"""
+
+from __future__ import annotations
+
+import math
+
+COVERAGE = 0.90
+"""Wanted coverage of the median's order-statistic interval."""
+
+
+def _binom_cdf(k: int, n: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+
+
+def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[float, float, float]:
+    """The order-statistic interval of the median: ``(low, high, its coverage)``; the narrowest whose coverage
+    reaches ``coverage``, else (fewer than 5 values at 90%) the full range with its own coverage."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_interval of no values")
+    best = 1
+    for j in range(1, n // 2 + 1):
+        if 1 - 2 * _binom_cdf(j - 1, n) >= coverage:
+            best = j
+    return xs[best - 1], xs[n - best], 1 - 2 * _binom_cdf(best - 1, n)
+
+
+def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Two intervals share a point: neither cell is measurably faster."""
+    return a[0] <= b[1] and b[0] <= a[1]
