@@ -19,6 +19,7 @@ import torch
 from harness.calibration.collectives import lookup_comm
 from harness.calibration.matmul import lookup as lookup_matmul
 from harness.calibration.matmul import threads_for
+from harness.calibration.provenance import flag_notes, source
 from harness.calibration.workload import lookup_workload
 from harness.errors import UsageError
 from harness.model.predict import CalibrationInputs, predict_cell
@@ -107,7 +108,7 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                microbatches=spec.microbatches or 1, pp_schedule=spec.pp_schedule, scaling=scaling, lr_rule=rule,
                base_lr=spec.base_lr, base_batch=base_batch, lr=scaled_lr(rule, spec.base_lr, base_batch, gb),
                lr_warmup_steps=spec.lr_warmup_steps, seed=spec.seed, target_loss=spec.target_loss,
-               nvtx=spec.nvtx, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
+               nvtx=spec.nvtx, monitor_hz=spec.monitor_hz, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
                degrees=spec.degrees if strategy != "single" else None, batch_auto=spec.batch_auto, **levers,
                **spec.extra)
     try:
@@ -162,10 +163,37 @@ def predict_cells(cells: list[PlannedCell], force: bool = False) -> list[Planned
             out.append(c)
             continue
         cal = calibration_inputs(c.config)
-        c = replace(c, predicted=predict_cell(c.config, cal), calibrated_tflops=cal.matmul_tflops)
+        c = replace(c, predicted=_predict(c.config, cal), calibrated_tflops=cal.matmul_tflops)
         keep = force or c.fits is not False or c.config.batch_auto  # auto: the trials find what fits
         out.append(c if keep else replace(c, valid=False, reason=_unfit_reason(c)))
     return out
+
+
+def _predict(cfg: CellConfig, cal: CalibrationInputs) -> dict:
+    """:func:`predict_cell`, with the calibration entries its step time came from
+    (``predicted.calibration``: :func:`harness.calibration.provenance.source` of each) and a note per
+    entry stored unsteady. The model reads entries, never the store: the planner records which."""
+    used: dict[int, dict] = {}
+
+    def comm(group: int) -> dict | None:
+        e = cal.comm(group)
+        if e is not None:
+            used[group] = e
+        return e
+
+    predicted = predict_cell(cfg, replace(cal, comm=comm))
+    basis = (predicted.get("breakdown") or {}).get("basis")
+    sources = []
+    if basis == "workload" and cal.workload is not None:
+        sources.append(source("workload", cal.workload))
+    elif basis == "matmul peak":
+        local_world = max(1, cfg.world_size // cfg.nnodes)
+        entry = lookup_matmul(cfg.device_kind, cal.dtype, threads_for(cfg.device_kind, local_world))
+        sources += [source("matmul", entry)] if entry else []
+    sources += [source("comm", used[g]) for g in sorted(used)]
+    predicted["calibration"] = sources
+    predicted["notes"] += flag_notes(sources)
+    return predicted
 
 
 def _unfit_reason(c: PlannedCell) -> str:

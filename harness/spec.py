@@ -181,6 +181,8 @@ class SweepSpec:
     target_loss: float | None = None
     nnodes: int = 1
     nvtx: bool = True
+    monitor_hz: float = 10.0
+    """Monitor sampling rate over the measured window; 0: no monitor thread."""
     profile: bool = False
     mem_cap_gib: float | None = None
     degrees: dict | None = None

@@ -6,6 +6,10 @@ model's compute), and the collective bus bandwidth per rank count (the model's c
 each only where a valid cell needs it. Each child calibration
 is a :func:`harness.jobs.run_job` of ``python -m harness calibrate``, so Ctrl-C or a crash
 leaves no process behind. A failed workload calibration warns, and the sweep goes on.
+
+A stored matmul or workload entry marked ``unsteady``, or one written before entries kept their
+repeats' spread, is measured again, not reused (:func:`harness.calibration.steadiness.why_remeasure`),
+and the line on stderr says why; ``force`` (``bench --recalibrate``) measures every entry again.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from pathlib import Path
 from harness.calibration import matmul
 from harness.calibration.collectives import COMM_MAX_BYTES, COMM_MIN_BYTES, calibrate_comm
 from harness.calibration.matmul import threads_for
-from harness.calibration.workload import check_fits, lookup_workload
+from harness.calibration.provenance import label_of
+from harness.calibration.steadiness import why_remeasure
+from harness.calibration.workload import check_fits, lookup_workload, workload_fingerprint
 from harness.errors import UsageError
 from harness.jobs import run_job
 from harness.precision import PrecisionPlan
@@ -36,6 +42,26 @@ def calibrate_in_child(args: list[str]) -> tuple[int | None, str]:
 
 def _say(line: str) -> None:
     print(line, flush=True)
+
+
+def _relay(output: str) -> None:
+    """The child's own ``calibration: ...`` lines (its repeats disagreed) on this process's stderr."""
+    for line in output.splitlines():
+        if line.startswith("calibration: "):
+            print(line, file=sys.stderr, flush=True)
+
+
+def _why(entry: dict | None, force: bool) -> str | None:
+    """Why an entry is measured now, or None to reuse the stored one."""
+    return "--recalibrate given" if force else why_remeasure(entry)
+
+
+def _again(kind: str, label: str, stored: dict | None, why: str) -> list[str]:
+    """The child's ``--force KIND`` when it replaces a stored entry (said on stderr), else nothing."""
+    if stored is None:
+        return []
+    print(f"calibration: {label}: {why}; measuring again", file=sys.stderr, flush=True)
+    return ["--force", kind]
 
 
 def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]], set[tuple[str, int, str, int, int, bool]],
@@ -59,12 +85,16 @@ def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]], set[tuple
     return matmuls, workloads, comms
 
 
-def _matmul(spec: SweepSpec, matmuls: set[tuple[str, int]]) -> None:
+def _matmul(spec: SweepSpec, matmuls: set[tuple[str, int]], force: bool = False) -> None:
     for dt, th in sorted(matmuls):
-        if matmul.lookup(spec.device_kind, dt, th) is not None:
+        stored = matmul.lookup(spec.device_kind, dt, th)
+        why = _why(stored, force)
+        if why is None:
             continue
+        again = _again("matmul", label_of("matmul", matmul.fingerprint(spec.device_kind, dt, th)), stored, why)
         rc, output = calibrate_in_child(["--device", spec.device_kind, "--dtype", dt, "--threads", str(max(1, th)),
-                                         "--no-comm"])
+                                         "--no-comm", *again])
+        _relay(output)
         hit = matmul.lookup(spec.device_kind, dt, th)
         if rc != 0 or hit is None:
             raise RuntimeError(f"calibration of {spec.device_kind} {dt} threads={th} failed "
@@ -72,18 +102,23 @@ def _matmul(spec: SweepSpec, matmuls: set[tuple[str, int]]) -> None:
         _say(f"calibrated {spec.device_kind} {dt} threads={th}: {hit['tflops']:.4g} TFLOP/s matmul peak")
 
 
-def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int, bool]]) -> None:
+def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int, bool]], force: bool = False) -> None:
     for name, seq, dt, th, k, compiled in sorted(workloads):
-        if lookup_workload(spec.device_kind, name, seq, dt, th, k, compiled=compiled) is not None:
+        stored = lookup_workload(spec.device_kind, name, seq, dt, th, k, compiled=compiled)
+        why = _why(stored, force)
+        if why is None:
             continue
         try:
             check_fits(name, seq, dt, spec.device_kind, k)
         except UsageError as e:  # never start a calibration that cannot fit (cells run with --force)
             print(f"skipped: {e}", file=sys.stderr, flush=True)
             continue
+        fp = workload_fingerprint(spec.device_kind, name, seq, dt, th, k, compiled)
+        again = _again("workload", label_of("workload", fp), stored, why)
         rc, output = calibrate_in_child(["--device", spec.device_kind, "--dtype", dt, "--threads", str(max(1, th)),
                                          "--no-comm", "--workloads", name, "--seq-len", str(seq),
-                                         "--concurrent", str(k), *(["--compile"] if compiled else [])])
+                                         "--concurrent", str(k), *(["--compile"] if compiled else []), *again])
+        _relay(output)
         if rc != 0:  # the sweep goes on; its predictions say what was missing
             print(f"workload calibration of {name} {dt} threads={th} x {k}{' compiled' if compiled else ''} failed "
                   f"(exit {rc}); predictions fall back to the "
@@ -92,16 +127,17 @@ def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int, bo
         _say("calibrated " + output.strip().splitlines()[-1])
 
 
-def _comm(spec: SweepSpec, comms: set[int]) -> None:
+def _comm(spec: SweepSpec, comms: set[int], force: bool = False) -> None:
     for n in sorted(comms):
-        e = calibrate_comm(spec.device_kind, n, COMM_MIN_BYTES, COMM_MAX_BYTES)  # reuses a covering entry
+        e = calibrate_comm(spec.device_kind, n, COMM_MIN_BYTES, COMM_MAX_BYTES, force=force)  # reuses a covering entry
         _say(f"comm calibration at {n} ranks ({e['measured_at']}): all_reduce peak busbw "
              f"{e['summary']['all_reduce']['peak_busbw_gbps']:.3g} GB/s, sync cost {e['sync_s'] * 1e3:.2f} ms")
 
 
-def ensure_calibrated(spec: SweepSpec, cells: list) -> None:
-    """Measure what ``cells`` (the valid cells about to run) need and the store does not hold yet."""
+def ensure_calibrated(spec: SweepSpec, cells: list, force: bool = False) -> None:
+    """Measure what ``cells`` (the valid cells about to run) need and the store does not hold
+    steadily yet; ``force`` (``bench --recalibrate``) measures all of it again."""
     matmuls, workloads, comms = needs(spec, cells)
-    _matmul(spec, matmuls)
-    _workloads(spec, workloads)
-    _comm(spec, comms)
+    _matmul(spec, matmuls, force)
+    _workloads(spec, workloads, force)
+    _comm(spec, comms, force)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from harness.calibration import store
+from harness.calibration import steadiness, store
+from harness.calibration.provenance import label_of
 from harness.records.env import cpu_model
 from harness.spec import threads_per_rank
 
@@ -132,8 +133,8 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _time_matmul(a: torch.Tensor, b: torch.Tensor, cuda: bool, min_time_s: float, repeats: int = 1) -> float:
-    """Seconds per product: the median of ``repeats`` windows of at least ``min_time_s`` each."""
+def _time_matmul(a: torch.Tensor, b: torch.Tensor, cuda: bool, min_time_s: float, repeats: int = 1) -> list[float]:
+    """Seconds per product in each of ``repeats`` windows of at least ``min_time_s`` (the caller keeps the median)."""
     torch.matmul(a, b)  # warmup (also selects the kernel)
     reps = 1
     while True:  # grow the window until it is long enough to time
@@ -154,7 +155,7 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor, cuda: bool, min_time_s: float
             torch.matmul(a, b)
         _sync(cuda)
         windows.append((time.perf_counter() - t0) / reps)
-    return statistics.median(windows)
+    return windows
 
 
 def _warm(dev: torch.device, tdtype: torch.dtype, shape: Shape, seconds: float, cuda: bool) -> None:
@@ -170,24 +171,31 @@ def _warm(dev: torch.device, tdtype: torch.dtype, shape: Shape, seconds: float, 
 
 def measure(device_kind: str, dtype: str, plan: SearchPlan | None = None, min_time_s: float = 0.05) -> dict:
     """Search GEMM shapes (:func:`search`); the max, the median over shapes, the best shape, every
-    shape's rate, and the plain reference square's rate timed in the same run."""
+    shape's rate and timing windows, and the plain reference square's rate timed in the same run.
+    ``repeats`` holds the best shape's windows: the spread the peak is judged by
+    (:mod:`harness.calibration.steadiness`)."""
     cuda = device_kind == "cuda"
     dev = torch.device("cuda" if cuda else "cpu")
     tdtype = DTYPES[dtype]
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
     plan = plan or (GPU_PLAN if cuda else CPU_PLAN)
+    windows: dict[Shape, list[float]] = {}
 
     def rate(shape: Shape) -> float:
         m, n, k = shape
         a = torch.randn(m, k, device=dev, dtype=tdtype)
         b = torch.randn(k, n, device=dev, dtype=tdtype)
-        t = _time_matmul(a, b, cuda, min_time_s, plan.repeats)
+        windows[shape] = _time_matmul(a, b, cuda, min_time_s, plan.repeats)
         del a, b
-        return flops(shape) / t / 1e12
+        return flops(shape) / statistics.median(windows[shape]) / 1e12
 
     _warm(dev, tdtype, plan.reference, plan.warm_s, cuda)
     out = search(rate, plan)
+    for s in out["shapes"]:
+        s["windows_s"] = windows[(s["m"], s["n"], s["k"])]
+    best = tuple(out["best_shape"])
+    out["repeats"] = {f"best shape {'x'.join(map(str, best))}": windows[best]}
     hit = [s["tflops"] for s in out["shapes"] if (s["m"], s["n"], s["k"]) == plan.reference]
     out["reference_shape"] = list(plan.reference)
     out["reference_tflops"] = hit[0] if hit else None  # None: too slow to time here (see MAX_REP_S)
@@ -206,7 +214,8 @@ def lookup(device_kind: str, dtype: str, threads: int, cache: Path | None = None
 
 
 def calibrate(device_kind: str, dtype: str, threads: int, cache: Path | None = None, force: bool = False) -> dict:
-    """Measure (or reuse the stored) matmul peak for this device, dtype and thread count."""
+    """Measure (or reuse the stored) matmul peak for this device, dtype and thread count; measured
+    again once when the best shape's windows disagree (:func:`steadiness.measure_steadily`)."""
     if not force:
         hit = lookup(device_kind, dtype, threads, cache)
         if hit is not None:
@@ -214,5 +223,9 @@ def calibrate(device_kind: str, dtype: str, threads: int, cache: Path | None = N
     if device_kind == "cpu":
         torch.set_num_threads(threads)
     fp = fingerprint(device_kind, dtype, threads)
-    entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **measure(device_kind, dtype)}
-    return store.put("matmul", fp, entry, cache)
+
+    def once() -> dict:
+        return {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **measure(device_kind, dtype)}
+
+    return store.put("matmul", fp, steadiness.measure_steadily(once, label_of("matmul", fp),
+                                                                 prefer=lambda e: -e["tflops"]), cache)

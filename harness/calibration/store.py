@@ -72,15 +72,19 @@ def _parsed(path: str, mtime_ns: int, size: int) -> dict:
 
 def get(kind: str, fp: dict, path: Path | None = None) -> dict | None:
     """A copy of the stored entry of this kind and fingerprint, or None."""
+    entry = by_key(key(kind, fp), path)
+    return entry if entry is not None and entry.get("kind", "matmul") == kind else None
+
+
+def by_key(entry_key: str, path: Path | None = None) -> dict | None:
+    """A copy of the stored entry under ``entry_key`` (:func:`key`), or None."""
     path = path or default_path()
     try:
         st = path.stat()
     except FileNotFoundError:
         return None
-    entry = _parsed(str(path), st.st_mtime_ns, st.st_size).get(key(kind, fp))
-    if entry is None or entry.get("kind", "matmul") != kind:
-        return None
-    return copy.deepcopy(entry)
+    entry = _parsed(str(path), st.st_mtime_ns, st.st_size).get(entry_key)
+    return copy.deepcopy(entry) if entry is not None else None
 
 
 @contextmanager

@@ -26,8 +26,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from harness.calibration import store
+from harness.calibration import steadiness, store
 from harness.calibration.matmul import device_name
+from harness.calibration.provenance import label_of
 from harness.errors import UsageError
 from harness.jobs import free_port
 from harness.measure.step_stats import fit_line
@@ -48,8 +49,13 @@ PROBE_ROWS = (1, 2, 4, 8)  # up to the local batch of a default 8-sequence singl
 WORKLOAD_CALIBRATION_VERSION = 7  # 4: the tp-sp wrapper; 5: the wrappers' AdamW cost; 6: 8 rows; 7: lockstep
 """Bumped when what the workload calibration measures changes, so older cache entries are re-measured."""
 REPS = 5
-"""Timed repeats of every probe (the median is kept). The same count in every copy: lockstep copies
-must meet at the barrier equally often."""
+"""Timed repeats of every probe (the median is kept, all are stored with their spread: see
+:mod:`harness.calibration.steadiness`). The same count in every copy: lockstep copies must meet at
+the barrier equally often."""
+FIRST_PROBE_WARMUP = 2
+"""Untimed passes before a model's first probe (1 before the others): with one, the first timed
+repeat of a freshly built model's first pass ran slower than the other four on a quiet machine
+(docs/running.md, "Steady calibrations"), the model warming up, not the machine's noise."""
 BARRIER_TIMEOUT_S = 600.0
 """How long a copy waits for the others at the barrier before the calibration fails."""
 RANK_IMPORTS = ("torch.distributed", "harness.parallel.parallelize", "harness.measure.monitor",
@@ -72,16 +78,42 @@ def _meet() -> None:
         _lockstep.wait(BARRIER_TIMEOUT_S)
 
 
-def _median_time(fn, reps: int) -> float:
+def _timed_repeats(fn, reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``reps`` timed calls of ``fn`` after ``warmup`` untimed ones, in lockstep."""
     _meet()
-    fn()  # warmup
+    for _ in range(warmup):
+        fn()
     ts = []
     for _ in range(reps):
         _meet()
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return ts
+
+
+def pass_probe(rows: int, wrapper: str | None = None) -> str:
+    """The name a forward+backward probe's repeats are stored under: ``pass 1 row``, ``fsdp pass 1 row``."""
+    return f"{wrapper + ' ' if wrapper else ''}pass {rows} row{'s' if rows > 1 else ''}"
+
+
+def optimizer_probe(wrapper: str | None = None) -> str:
+    return f"{wrapper + ' ' if wrapper else ''}AdamW step"
+
+
+def probe_order(entry: dict) -> list[tuple[str, str]]:
+    """``(fast, slow)`` probes of a workload entry where ``slow`` cannot be faster: a pass at more
+    rows than another, a wrapped pass or AdamW step than the plain one (the wrappers only add)."""
+    rows = entry.get("rows") or list(PROBE_ROWS)
+    pairs = [(pass_probe(a), pass_probe(b)) for a, b in zip(rows, rows[1:])]
+    for w in WRAPPERS:
+        pairs += [(pass_probe(rows[0]), pass_probe(rows[0], w)), (optimizer_probe(), optimizer_probe(w))]
+    return pairs
+
+
+def judge_entry(entry: dict) -> str | None:
+    """Why a measured workload entry is unsteady (:func:`harness.calibration.steadiness.judge`), or None."""
+    return steadiness.judge(entry.get("repeats"), probe_order(entry))
 
 
 def _model(size, dev):
@@ -106,8 +138,8 @@ def _tokens(size, rows: int, dev):
     return torch.randint(0, size.vocab_size, (rows, size.seq_len), generator=torch.Generator().manual_seed(rows)).to(dev)
 
 
-def _plain_passes(size, plan, device_kind: str, dev, reps: int, compiled: bool) -> tuple[list[float], float]:
-    """Pass times at ``PROBE_ROWS`` and the AdamW step time; the model is freed on return.
+def _plain_passes(size, plan, device_kind: str, dev, reps: int, compiled: bool) -> dict[str, list[float]]:
+    """Repeats of the passes at ``PROBE_ROWS`` and of the AdamW step, by probe name; the model is freed on return.
 
     ``compiled``: each block's forward goes through ``torch.compile`` as a ``--compile on`` cell's
     does; each probe's untimed warmup pass takes the (re)compilation for its batch shape."""
@@ -115,8 +147,11 @@ def _plain_passes(size, plan, device_kind: str, dev, reps: int, compiled: bool) 
     if compiled:
         apply_compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = [_median_time(_pass(model, plan, device_kind, _tokens(size, rows, dev)), reps) for rows in PROBE_ROWS]
-    return times, _median_time(_optimizer_step(opt, device_kind), reps)
+    out = {pass_probe(rows): _timed_repeats(_pass(model, plan, device_kind, _tokens(size, rows, dev)), reps,
+                                            FIRST_PROBE_WARMUP if rows == PROBE_ROWS[0] else 1)
+           for rows in PROBE_ROWS}
+    out[optimizer_probe()] = _timed_repeats(_optimizer_step(opt, device_kind), reps)
+    return out
 
 
 def _optimizer_step(opt: torch.optim.Optimizer, device_kind: str):
@@ -139,14 +174,24 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
     plan = PrecisionPlan(dtype)
     plan.configure_backends(device_kind)
     # one model at a time (each helper frees its own): K concurrent copies of `small` must fit in host memory
-    times, opt_s = _plain_passes(size, plan, device_kind, dev, reps, compiled)
+    repeats = _plain_passes(size, plan, device_kind, dev, reps, compiled)
+    for w in WRAPPERS:
+        repeats.update(_wrapped_repeats(size, plan, device_kind, dev, w, reps, compiled))
+    return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "params": size.params,
+            "base_gib": base_gib, **from_repeats(repeats, size.params)}
+
+
+def from_repeats(repeats: dict[str, list[float]], params: int) -> dict:
+    """The entry's timings from its probes' repeats: each probe's median, alpha and beta fitted to the
+    passes, and the wrappers' extra cost over the plain pass and AdamW step (clipped at 0)."""
+    med = {name: statistics.median(ts) for name, ts in repeats.items()}
+    times = [med[pass_probe(r)] for r in PROBE_ROWS]
+    opt_s = med[optimizer_probe()]
     alpha, beta = fit_line(list(PROBE_ROWS), times)
-    wrapped = {w: _wrapped_pass_s(size, plan, device_kind, dev, w, reps, compiled) for w in WRAPPERS}
-    return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "pass_s": times,
-            "alpha_s": alpha, "beta_s_per_row": beta, "optimizer_s": opt_s, "params": size.params,
-            "optimizer_s_per_param": opt_s / size.params, "base_gib": base_gib,
-            "wrapper_overhead_s": {w: max(0.0, p - times[0]) for w, (p, _) in wrapped.items()},
-            "wrapper_optimizer_s": {w: max(0.0, o - opt_s) for w, (_, o) in wrapped.items()}}
+    return {"pass_s": times, "alpha_s": alpha, "beta_s_per_row": beta, "optimizer_s": opt_s,
+            "optimizer_s_per_param": opt_s / params, "repeats": repeats,
+            "wrapper_overhead_s": {w: max(0.0, med[pass_probe(PROBE_ROWS[0], w)] - times[0]) for w in WRAPPERS},
+            "wrapper_optimizer_s": {w: max(0.0, med[optimizer_probe(w)] - opt_s) for w in WRAPPERS}}
 
 
 def _init_one_rank_group(device_kind: str) -> None:
@@ -163,10 +208,10 @@ def _worker_base_gib(device_kind: str) -> float:
     return psutil.Process().memory_info().rss / GIB
 
 
-def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int,
-                    compiled: bool) -> tuple[float, float]:
-    """One-sequence forward+backward, and one AdamW step, through the strategy's real wrappers on a
-    one-rank group: ``(pass_s, optimizer_s)``.
+def _wrapped_repeats(size, plan, device_kind: str, dev, wrapper: str, reps: int,
+                     compiled: bool) -> dict[str, list[float]]:
+    """Repeats of a one-sequence forward+backward, and of one AdamW step, through the strategy's real
+    wrappers on a one-rank group, by probe name (``fsdp pass 1 row``, ``fsdp AdamW step``).
 
     Collectives over one rank move nothing, so the difference to the plain pass is the
     wrappers' own cost: FSDP2's hooks and copy-in/out, DTensor's dispatch. The optimizer's
@@ -183,10 +228,12 @@ def _wrapped_pass_s(size, plan, device_kind: str, dev, wrapper: str, reps: int,
         apply_compile(model)
     if "fsdp" in wrapper:
         apply_fsdp(model, dims.mesh("dp_shard"), True, plan.fsdp_policy())
-    pass_s = _median_time(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps)
+    passes = _timed_repeats(_pass(model, plan, device_kind, _tokens(size, PROBE_ROWS[0], dev)), reps,
+                            FIRST_PROBE_WARMUP)
     reduce_partial_grads(model.parameters())  # as the step does before its optimizer (tp-sp's LayerNorms)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return pass_s, _median_time(_optimizer_step(opt, device_kind), reps)
+    return {pass_probe(PROBE_ROWS[0], wrapper): passes,
+            optimizer_probe(wrapper): _timed_repeats(_optimizer_step(opt, device_kind), reps)}
 
 
 def workload_fingerprint(device_kind: str, size: str, seq_len: int, dtype: str, threads: int,
@@ -218,9 +265,9 @@ def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, th
     """Run the measurement in ``concurrent`` processes at once, as a node's ranks compute at once.
 
     CPU ranks share cores, caches and memory bandwidth (GPU ranks share the host): a pass timed
-    alone is faster than the same pass beside the other ranks. Each time is the slowest copy's;
-    alpha and beta are refitted from those. The copies time every pass in lockstep (a barrier
-    before each), as ranks that meet at every step's collectives.
+    alone is faster than the same pass beside the other ranks. The copies time every pass in
+    lockstep (a barrier before each), as ranks that meet at every step's collectives, so each
+    repeat's time is the slowest copy's in that repeat; medians, alpha and beta come from those.
     """
     jobs = [(size, seq_len, dtype, device_kind, threads, i, compiled) for i in range(concurrent)]
     ctx = mp.get_context("spawn")
@@ -228,15 +275,13 @@ def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, th
     with ProcessPoolExecutor(max_workers=concurrent, mp_context=ctx, initializer=_join_lockstep,
                              initargs=(barrier,)) as pool:
         runs = list(pool.map(_measure_in_child, jobs))
-    out = dict(runs[0])
-    out["pass_s"] = [max(r["pass_s"][i] for r in runs) for i in range(len(PROBE_ROWS))]
-    out["optimizer_s"] = max(r["optimizer_s"] for r in runs)
-    out["optimizer_s_per_param"] = out["optimizer_s"] / out["params"]
-    for key in ("wrapper_overhead_s", "wrapper_optimizer_s"):
-        out[key] = {w: max(r[key][w] for r in runs) for w in WRAPPERS}
-    out["alpha_s"], out["beta_s_per_row"] = fit_line(list(PROBE_ROWS), out["pass_s"])
-    out["base_gib"] = max(r["base_gib"] for r in runs)
-    return out
+    return {**runs[0], **from_repeats(slowest_copy(runs), runs[0]["params"]),
+            "base_gib": max(r["base_gib"] for r in runs)}
+
+
+def slowest_copy(runs: list[dict]) -> dict[str, list[float]]:
+    """Each probe's repeats, repeat by repeat the slowest copy's (lockstep copies time repeat i together)."""
+    return {name: [max(ts) for ts in zip(*(r["repeats"][name] for r in runs))] for name in runs[0]["repeats"]}
 
 
 def need_gib(size: str, seq_len: int, dtype: str, device_kind: str, concurrent: int) -> float:
@@ -269,13 +314,20 @@ def check_fits(size: str, seq_len: int, dtype: str, device_kind: str, concurrent
 
 def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
                        cache: Path | None = None, force: bool = False, compiled: bool = False) -> dict:
-    """Measure (or reuse) the workload rates and keep them in the calibration store."""
+    """Measure (or reuse) the workload rates and keep them in the calibration store.
+
+    Measured again once when its repeats disagree, stored marked ``unsteady`` when they still do
+    (:func:`harness.calibration.steadiness.measure_steadily`)."""
     if not force:
         hit = lookup_workload(device_kind, size, seq_len, dtype, threads, concurrent, cache, compiled)
         if hit is not None:
             return hit
     check_fits(size, seq_len, dtype, device_kind, concurrent)
     fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent, compiled)
-    entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             **measure_concurrent(size, seq_len, dtype, device_kind, threads, concurrent, compiled)}
+
+    def measure() -> dict:
+        return {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **measure_concurrent(size, seq_len, dtype, device_kind, threads, concurrent, compiled)}
+
+    entry = steadiness.measure_steadily(measure, label_of("workload", fp), judge_entry)
     return store.put("workload", fp, entry, cache)

@@ -80,6 +80,13 @@ def _number(name: str, v, expected: str) -> float:
         raise UsageError(f"{name} {v!r}: expected {expected}") from None
 
 
+def _rate(name: str, v) -> float:
+    x = _number(name, v, "a rate in Hz >= 0, e.g. 10 (0 turns the monitor off)")
+    if not 0.0 <= x <= 1000.0:
+        raise UsageError(f"{name} {v!r}: must be a rate in Hz in [0, 1000], e.g. 10 (0 turns the monitor off)")
+    return x
+
+
 def positive_float(name: str, v) -> float:
     x = _number(name, v, "a number")
     if x <= 0:
@@ -124,6 +131,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default), cpu or cuda; harness plan also takes a hardware preset "
                         "(h100, h100-pcie, h200, a100) for a what-if prediction")
     g.add_argument("--nvtx", choices=("on", "off"), default=None, help="NVTX ranges (default on)")
+    g.add_argument("--monitor-hz", help="GPU (NVML) or host sampling rate over the measured window, Hz "
+                                        "(default 10; 0: no monitor thread, the record says so)")
     g.add_argument("--profile", action="store_true", default=None, help="torch.profiler traces per rank")
     g.add_argument("--mem-cap-gib", help="CPU: cap each rank's memory growth; over it the cell is oom")
     g.add_argument("--no-reference", action="store_true", default=None,
@@ -253,6 +262,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         target_loss=positive_float(v.label("target_loss"), v["target_loss"]) if "target_loss" in v else None,
         nnodes=int_arg(v.label("nnodes"), v.get("nnodes", 1), 1),
         nvtx=v.get("nvtx", "on") == "on",
+        monitor_hz=_rate(v.label("monitor_hz"), v.get("monitor_hz", 10.0)),
         profile=bool(v.get("profile", False)),
         mem_cap_gib=positive_float(v.label("mem_cap_gib"), v["mem_cap_gib"]) if "mem_cap_gib" in v else None,
         degrees=degrees_arg(v.get("degrees")),

@@ -11,6 +11,7 @@ from pathlib import Path
 from harness.calibration import store
 from harness.calibration.auto import ensure_calibrated
 from harness.calibration.normaliser import calibration_record
+from harness.calibration.provenance import misprediction_note
 from harness.cli.args import add_sweep_args, device_line, int_arg, spec_from_args, sweep_arg_values
 from harness.errors import UsageError
 from harness.jobs import Terminated, sigterm_as_interrupt
@@ -71,6 +72,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise UsageError(f"{flag} {value:g}: must be > 0 seconds")
     plan = _rounds_plan(args, spec)
+    if args.recalibrate and args.no_calibrate:
+        raise UsageError("--recalibrate with --no-calibrate: one measures every calibration again, the other none; "
+                         "drop one of them")
     if args.nsys and spec.batch_auto:
         raise UsageError("--nsys with --batch auto: a capture covers one job per cell and the batch search runs "
                          "several; pass a --batch")
@@ -87,7 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _rounds_plan(args: argparse.Namespace, spec) -> RoundsPlan:
     """``--rounds``/``--round-order``, or on ``--resume`` without them the run's own (its rounds.json)."""
     held = recorded_rounds(args.resume) if args.resume is not None else None
-    n = args.rounds if args.rounds is not None else (held.n if held else 1)
+    n = int_arg("--rounds", args.rounds, 1) if args.rounds is not None else (held.n if held else 1)
     plan = RoundsPlan(n=n, order=args.round_order or (held.order if held else "shuffle"), seed=spec.seed)
     if plan.n > 1 and args.nsys:
         raise UsageError(f"--rounds {plan.n} with --nsys: a capture covers one job per cell; capture with --rounds 1")
@@ -115,11 +119,12 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
         if node_rank == 0:
             if not args.no_calibrate:
                 _calibration_store(out)
-                ensure_calibrated(spec, [c for c in todo if c.valid])
+                ensure_calibrated(spec, [c for c in todo if c.valid], force=args.recalibrate)
                 cells = predict_cells(cells, force=spec.force)  # the predictions from everything just measured
             if not run.resume:
                 append_record(out / RECORDS_FILENAME, calibration_record(run.run_id, spec.device_kind))
-        records = run_sweep(cells, opts, spec.device_kind, replan=lambda c: predict_cells([c], force=True)[0])
+        records = run_sweep(cells, opts, spec.device_kind, replan=lambda c: predict_cells([c], force=True)[0],
+                            note=None if args.no_calibrate else lambda rec: misprediction_note(rec, store.default_path()))
     except KeyboardInterrupt as e:
         name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, Terminated) else ("Ctrl-C", 130)
         print(f"\ninterrupted ({name}): finished records are kept in {out}/{RECORDS_FILENAME}, the running cell "
@@ -148,7 +153,7 @@ def register(sub) -> None:
     b.add_argument("--nsys", action="store_true",
                    help="every cell under Nsight Systems: one report per node in cells/<id>/nsys (a process row "
                         "per rank), read back and checked (metrics.nsys); ranks start through torchrun")
-    b.add_argument("--rounds", type=lambda v: int_arg("--rounds", v, 1),
+    b.add_argument("--rounds",
                    help="measure every cell once per round, N rounds, the order changed each round; each record is "
                         "its cell's median round, with the round-to-round spread (default 1; 5 on a shared machine)")
     b.add_argument("--round-order", choices=ORDERS,
@@ -156,4 +161,6 @@ def register(sub) -> None:
     b.add_argument("--node-rank", type=int, help="this machine's rank in a multi-node sweep")
     b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
     b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")
+    b.add_argument("--recalibrate", action="store_true",
+                   help="measure every calibration these cells need again, even if stored (and say so)")
     b.set_defaults(fn=cmd_bench)

@@ -17,8 +17,10 @@ from harness.calibration.collectives import (
     bus_factor,
     calibrate_comm,
     human_bytes,
+    lookup_comm,
     parse_size,
 )
+from harness.calibration.provenance import label_of
 from harness.calibration.workload import calibrate_workload, lookup_workload
 from harness.cli.args import csv_list, int_arg
 from harness.errors import UsageError
@@ -65,9 +67,36 @@ def _comm_args(args: argparse.Namespace, device: str) -> tuple[int, int, int] | 
     return None if n == 1 else (n, lo, hi)
 
 
-def _origin(cached: bool, e: dict) -> str:
-    """Whether a calibration was served from the store or measured now."""
-    return f"(cached, measured {e.get('measured_at', '?')})" if cached else "(measured now)"
+def _forced(v: str | None) -> frozenset[str]:
+    """The kinds ``--force`` re-measures: all with no value, else a comma list of kinds."""
+    if v is None:
+        return frozenset()
+    kinds = csv_list(v)
+    for k in kinds:
+        if k not in store.KINDS:
+            raise UsageError(f"--force {k!r}: choose from {', '.join(store.KINDS)}, a comma list of them, or none "
+                             f"(every kind), e.g. --force workload")
+    return frozenset(kinds or store.KINDS)
+
+
+def _origin(stored: dict | None, forced: bool, e: dict) -> str:
+    """Whether a calibration was served from the store, measured now, or measured again over a stored
+    one; with its repeats' spread, and a flag when it is unsteady."""
+    spread = (e.get("spread") or {}).get("ratio")
+    steady = f", repeats spread {spread:.3g}x" if spread is not None else ""
+    if e.get("unsteady"):
+        steady += f", UNSTEADY ({e.get('unsteady_reason')}): predictions from it are flagged; re-measure with --force"
+    if stored is not None and not forced:
+        return f"(cached, measured {e.get('measured_at', '?')}{steady})"
+    return f"(measured now{steady})"
+
+
+def _said_forced(kind: str, stored: dict | None, forced: frozenset[str]) -> None:
+    """One line when ``--force`` replaced a stored entry."""
+    if stored is not None and kind in forced:
+        fp = stored["fingerprint"]
+        print(f"re-measured (--force): {label_of(kind, fp)} (the stored entry was measured "
+              f"{stored.get('measured_at', 'at an unknown time')})")
 
 
 def _print_workload(e: dict, threads: int, origin: str) -> None:
@@ -108,30 +137,35 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise UsageError("--compile times compiled workload passes: name the sizes with --workloads, e.g. "
                              "--workloads tiny --compile")
         check_levers(device, tp_enabled=False, warmup=1, compile=True, ac="none", optimizer="adamw")
+    forced = _forced(args.force)
     path = store.default_path()
     why = store.unwritable(path)
     if why is not None:
         raise UsageError(f"calibration store {path} is not writable ({why}); set {store.ENV}=FILE to a writable "
                          f"path, e.g. {store.ENV}=./calibration.json")
     for dt in csv_list(args.dtype):
-        cached = not args.force and matmul.lookup(device, dt, threads) is not None
-        e = matmul.calibrate(device, dt, threads, force=args.force)
+        stored = matmul.lookup(device, dt, threads)
+        e = matmul.calibrate(device, dt, threads, force="matmul" in forced)
+        _said_forced("matmul", stored, forced)
         median = e.get("median_tflops") or statistics.median(s["tflops"] for s in e["shapes"])  # older cache entries
         ref = e.get("reference_tflops")
         plain = f", plain {'x'.join(map(str, e['reference_shape']))} {ref:.4g}" if ref else ""
         print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s max, "
               f"{median:.4g} median over {len(e['shapes'])} shapes (best shape {e['best_shape']}{plain}) "
-              f"{_origin(cached, e)} -> {path}")
+              f"{_origin(stored, 'matmul' in forced, e)} -> {path}")
     for name, seq in workloads:
         for dt in csv_list(args.dtype):
             th = threads if device == "cpu" else 0
-            cached = not args.force and lookup_workload(device, name, seq, dt, th, concurrent,
-                                                        compiled=args.compile) is not None
-            e = calibrate_workload(device, name, seq, dt, th, concurrent, force=args.force, compiled=args.compile)
-            _print_workload(e, threads, _origin(cached, e))
+            stored = lookup_workload(device, name, seq, dt, th, concurrent, compiled=args.compile)
+            e = calibrate_workload(device, name, seq, dt, th, concurrent, force="workload" in forced,
+                                   compiled=args.compile)
+            _said_forced("workload", stored, forced)
+            _print_workload(e, threads, _origin(stored, "workload" in forced, e))
     if comm is not None:
         n, lo, hi = comm
-        e = calibrate_comm(device, n, lo, hi, force=args.force)
+        stored = lookup_comm(device, n)
+        e = calibrate_comm(device, n, lo, hi, force="comm" in forced)
+        _said_forced("comm", stored, forced)
         _print_comm(e, n)
     elif not args.no_comm:
         print("comm: n/a: bus bandwidth needs >= 2 ranks")
@@ -144,7 +178,8 @@ def register(sub) -> None:
     k.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     k.add_argument("--dtype", default="fp32")
     k.add_argument("--threads", type=int, help="CPU threads for the matmul (default: all cores)")
-    k.add_argument("--force", action="store_true", help="re-measure even if cached")
+    k.add_argument("--force", nargs="?", const="", metavar="KINDS",
+                   help="re-measure even if cached: every kind, or only the listed ones (matmul,workload,comm)")
     k.add_argument("--gpus", help="ranks for the bus-bandwidth measurement (default: all GPUs; 2 on CPU; 1 skips it)")
     k.add_argument("--no-comm", action="store_true", help="matmul peak only")
     k.add_argument("--comm-min-bytes", help="smallest message, e.g. 4KiB (default 4KiB)")

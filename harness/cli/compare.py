@@ -19,7 +19,8 @@ def register(sub) -> None:
     c.add_argument("--threshold", type=float, default=0.05, help="relative change that matters")
     c.add_argument("--alpha", type=float, default=0.05, help="Mann-Whitney U significance level")
     c.add_argument("--normalize", choices=NORMALIZE_CHOICES, default="none",
-                   help="divide throughput by the calibration workload measured in the same run")
+                   help="divide each cell's throughput by the matmul workload timed around it in the "
+                        "same run; a side whose timings spread over 10%% gives INCONCLUSIVE, not a change")
     c.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the ratio CI")
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     c.set_defaults(fn=cmd_compare)

@@ -160,6 +160,22 @@ def step_spread_pct(diff: RunDiff) -> tuple[int, float, float, float] | None:
     return len(d), float(np.mean(d)), float(np.median(d)), float(np.max(d))
 
 
+def round_spread_pct(diff: RunDiff) -> list[tuple[int, int, float, float]]:
+    """Both sides measured with ``--rounds``: per round k, ``(k, n, mean, median)`` of ``100 |B_k/A_k - 1|``
+    over the cells ok on both sides, each side's round k alone: what two sweeps without rounds, each
+    measuring every cell once, would have differed by (rounds at the same position of their sweeps)."""
+    pairs = [((c.a["metrics"].get("rounds") or {}).get("medians_s") or [],
+              (c.b["metrics"].get("rounds") or {}).get("medians_s") or [])
+             for c in diff.cells if c.a.get("status") == "ok" and c.b.get("status") == "ok"]
+    n_rounds = min((min(len(a), len(b)) for a, b in pairs), default=0)
+    out = []
+    for k in range(n_rounds):
+        d = [100 * abs(b[k] / a[k] - 1) for a, b in pairs if a[k] and b[k]]
+        if d:
+            out.append((k + 1, len(d), float(np.mean(d)), float(np.median(d))))
+    return out
+
+
 # ---- presentation ------------------------------------------------------------------------------
 
 
@@ -257,6 +273,12 @@ def diff_markdown(diff: RunDiff, a_name: str, b_name: str, a_records: Sequence[d
             n, mean, median, top = spread
             out += [f"Median step, B against A, over the {n} cells ok in both: mean |B/A - 1| {mean:.1f}%, "
                     f"median {median:.1f}%, max {top:.1f}%.", ""]
+        per_round = round_spread_pct(diff)
+        if per_round:
+            out += ["One round of each side alone (round k of A against round k of B: what two sweeps without "
+                    "`--rounds` would have differed by): " + "; ".join(
+                        f"round {k}: mean {mean:.1f}%, median {median:.1f}%" for k, _, mean, median in per_round)
+                    + ".", ""]
     else:
         out += ["No cell is in both runs.", ""]
     notes = [f"- `{c.cell_id}`: {c.note}" for c in diff.cells if c.note]

@@ -5,7 +5,7 @@ Tested against exact numbers; nothing here reads records or prints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,7 +41,8 @@ class CompareOptions:
     confidence: float = 0.95
     """Two-sided confidence level of the bootstrap interval."""
     normalize: str = "none"
-    """``calibration`` divides each side's throughput by its calibration throughput."""
+    """``calibration`` divides each cell's throughput by the machine's matmul throughput around it
+    (:mod:`harness.compare.cell_normaliser`)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold < 1.0:
@@ -126,8 +127,17 @@ def decide(
     return PASS, f"within +/-{threshold:.0%} (ratio {ratio:.3f}, {ci})"
 
 
-def judge_samples(base: np.ndarray, cand: np.ndarray, opts: CompareOptions) -> PairResult:
-    """Compare two arrays of per-step throughput samples (higher is better)."""
+def judge_samples(
+    base: np.ndarray, cand: np.ndarray, opts: CompareOptions, ci_factor: float = 1.0
+) -> PairResult:
+    """Compare two arrays of per-step throughput samples (higher is better).
+
+    ``ci_factor`` (>= 1) widens the bootstrap CI to ``[low / ci_factor, high * ci_factor]``
+    before the verdict: the uncertainty of what the samples were divided by
+    (:mod:`harness.compare.cell_normaliser`), which resampling the steps cannot see.
+    """
+    if not ci_factor >= 1.0:
+        raise UsageError(f"ci_factor ({ci_factor}) must be >= 1; it widens the CI, 1 leaves it as is")
     n_base, n_cand = len(base), len(cand)
     medians = {
         "base_median": float(np.median(base)) if n_base else float("nan"),
@@ -141,7 +151,19 @@ def judge_samples(base: np.ndarray, cand: np.ndarray, opts: CompareOptions) -> P
         return PairResult(TOO_FEW, reason, n_base=n_base, n_cand=n_cand, **medians)
     ratio = median_ratio(base, cand)
     low, high = bootstrap_ratio_ci(base, cand, opts.n_bootstrap, opts.seed, opts.confidence)
+    low, high = low / ci_factor, high * ci_factor
     p_value = mannwhitney_less_p(base, cand)
     verdict, reason = decide(ratio, low, high, p_value, opts.threshold, opts.alpha)
     return PairResult(verdict, reason, ratio=ratio, ci_low=low, ci_high=high,
                       p_value=p_value, n_base=n_base, n_cand=n_cand, **medians)
+
+
+def withhold_change(result: PairResult, notes: list[str]) -> PairResult:
+    """A change that a side's own measurement cannot support is no change: IMPROVED or REGRESSION
+    becomes INCONCLUSIVE, its reason followed by ``but`` and the notes (a side flagged unstable,
+    an unsteady normaliser). Any other verdict keeps, the notes appended to its reason."""
+    if not notes:
+        return result
+    if result.verdict in (IMPROVED, REGRESSION):
+        return replace(result, verdict=INCONCLUSIVE, reason=f"{result.reason} but " + "; ".join(notes))
+    return replace(result, reason="; ".join([result.reason, *notes]))

@@ -6,6 +6,12 @@ pair and formats the verdicts; ``harness compare`` (:mod:`harness.cli.compare`) 
 Cells are paired by ``fingerprint`` (docs/records.md). Per pair the statistic is the
 ratio of median throughputs cand/base, with a seeded percentile-bootstrap confidence
 interval (Efron & Tibshirani 1993) and a one-sided Mann-Whitney U test (H1: cand < base).
+With ``--normalize calibration`` each cell's throughput is in multiples of the machine's speed
+around it, and the CI is widened by the normalisers' spread (:mod:`harness.compare.cell_normaliser`).
+A side that cannot vouch for its own numbers (``metrics.unstable_reason`` set, or a normaliser
+spread over its limit) gives INCONCLUSIVE where the numbers alone would say IMPROVED or
+REGRESSION (:func:`harness.compare.stats.withhold_change`); a cell that fails only in the
+candidate is a REGRESSION whatever the timings.
 
 Exit codes of :func:`run_compare`: 0 all PASS / IMPROVED / INCONCLUSIVE / SKIPPED (same
 ``invalid`` or ``oom`` status on both sides), 1 any REGRESSION (including a cell that fails
@@ -17,14 +23,14 @@ TOO FEW SAMPLES when there is no regression (a regression outranks "cannot judge
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
+from harness.compare.cell_normaliser import NO_NORMALISER, Normaliser, cell_normaliser, run_normaliser
 from harness.compare.stats import (  # noqa: F401  (re-exported: the gate's verdicts and options)
     CANNOT_JUDGE,
     INCONCLUSIVE,
@@ -38,14 +44,16 @@ from harness.compare.stats import (  # noqa: F401  (re-exported: the gate's verd
     CompareOptions,
     PairResult,
     judge_samples,
+    withhold_change,
 )
 from harness.errors import UsageError
-from harness.records.reader import calibration_medians, latest_per_cell, load_any
+from harness.records.reader import latest_per_cell, load_any
 from harness.text import first_line, fmt_or
 
 COLUMNS = [
     "cell_id", "verdict", "base_median_tok_per_s", "cand_median_tok_per_s", "ratio",
-    "ci_low", "ci_high", "p_value", "n_base", "n_cand", "reason",
+    "ci_low", "ci_high", "p_value", "n_base", "n_cand", "base_normaliser_s", "cand_normaliser_s",
+    "base_normaliser_spread_pct", "cand_normaliser_spread_pct", "reason",
 ]
 
 # ---------------------------------------------------------------- records -> samples
@@ -77,17 +85,6 @@ def _tokens_per_step(record: dict[str, Any]) -> float | None:
     if config.get("global_batch") is not None and config.get("seq_len") is not None:
         return float(config["global_batch"] * config["seq_len"])
     return None
-
-
-def calibration_time_s(records: Iterable[dict[str, Any]], label: str) -> float:
-    """Median time of the run's calibration workload (the first calibration record's)."""
-    first = next(iter(calibration_medians(records).values()), None)
-    if first is not None:
-        return float(first)
-    raise UsageError(
-        f"{label}: no calibration record with samples.step_time_s (kind == 'calibration'); "
-        "rerun with calibration enabled or use --normalize none"
-    )
 
 
 def fingerprint_diff(base_fields: dict[str, Any], cand_fields: dict[str, Any]) -> str:
@@ -139,7 +136,7 @@ def _index_cells(records: Sequence[dict[str, Any]], label: str) -> dict[str, dic
 
 
 def _judge_pair(
-    base: dict[str, Any], cand: dict[str, Any], opts: CompareOptions, scales: tuple[float, float]
+    base: dict[str, Any], cand: dict[str, Any], opts: CompareOptions, norms: tuple[Normaliser, Normaliser]
 ) -> PairResult:
     base_status, cand_status = base.get("status", "ok"), cand.get("status", "ok")
     if base_status == cand_status and base_status in UNCHANGED_FAILURES:
@@ -150,15 +147,15 @@ def _judge_pair(
     if cand_status != "ok":
         reason = f"cand status {cand_status} (base ok): {first_line(cand.get('error'))}"
         return PairResult(REGRESSION, reason)
-    result = judge_samples(
-        throughput_samples(base) * scales[0], throughput_samples(cand) * scales[1], opts
-    )
+    result = judge_samples(throughput_samples(base) * norms[0].time_s,
+                           throughput_samples(cand) * norms[1].time_s, opts,
+                           ci_factor=norms[0].factor * norms[1].factor)
     notes = [f"{side} {(r.get('metrics') or {}).get('unstable_reason')}"
              for side, r in (("base", base), ("cand", cand))
              if (r.get("metrics") or {}).get("unstable_reason")]
-    if notes:
-        result = replace(result, reason="; ".join([result.reason, *notes]))
-    return result
+    notes += [note for side, n in (("base", norms[0]), ("cand", norms[1]))
+              if (note := n.unsteady_note(side)) is not None]
+    return withhold_change(result, notes)
 
 
 def compare(
@@ -170,22 +167,25 @@ def compare(
 ) -> pd.DataFrame:
     """One row per paired, unpaired or not-comparable cell; columns :data:`COLUMNS`.
 
-    With ``opts.normalize == "calibration"`` each side's throughput is multiplied by its
-    calibration median time, i.e. expressed in units of the calibration throughput.
+    With ``opts.normalize == "calibration"`` each side's throughput is multiplied by its cell's
+    normaliser time (:func:`harness.compare.cell_normaliser.cell_normaliser`), i.e. expressed in
+    units of the machine's matmul throughput around that cell.
     """
     base_cells = _index_cells(base_records, base_label)
     cand_cells = _index_cells(cand_records, cand_label)
-    scales = (1.0, 1.0)
+    runs = None
     if opts.normalize == "calibration":
-        scales = (calibration_time_s(base_records, base_label),
-                  calibration_time_s(cand_records, cand_label))
+        runs = (run_normaliser(base_records, base_label), run_normaliser(cand_records, cand_label))
     cand_only = {fp: r for fp, r in cand_cells.items() if fp not in base_cells}
     cand_only_by_id = {r.get("cell_id"): fp for fp, r in cand_only.items()}
     rows: list[dict[str, Any]] = []
     for fp, base in base_cells.items():
         cell_id = base.get("cell_id")
         if fp in cand_cells:
-            rows.append(_row(cell_id, _judge_pair(base, cand_cells[fp], opts, scales)))
+            norms = (NO_NORMALISER, NO_NORMALISER) if runs is None else \
+                (cell_normaliser(base, runs[0]), cell_normaliser(cand_cells[fp], runs[1]))
+            rows.append(_row(cell_id, _judge_pair(base, cand_cells[fp], opts, norms),
+                             None if runs is None else norms))
         elif cell_id in cand_only_by_id:
             cand = cand_only.pop(cand_only_by_id[cell_id])
             diff = fingerprint_diff(base.get("fingerprint_fields") or {},
@@ -201,12 +201,17 @@ def compare(
     return df
 
 
-def _row(cell_id: Any, result: PairResult) -> dict[str, Any]:
+def _row(cell_id: Any, result: PairResult, norms: tuple[Normaliser, Normaliser] | None = None) -> dict[str, Any]:
+    nan = float("nan")
+    base_n, cand_n = norms if norms is not None else (None, None)
     return {
         "cell_id": cell_id, "verdict": result.verdict,
         "base_median_tok_per_s": result.base_median, "cand_median_tok_per_s": result.cand_median,
         "ratio": result.ratio, "ci_low": result.ci_low, "ci_high": result.ci_high,
         "p_value": result.p_value, "n_base": result.n_base, "n_cand": result.n_cand,
+        "base_normaliser_s": base_n.time_s if base_n else nan, "cand_normaliser_s": cand_n.time_s if cand_n else nan,
+        "base_normaliser_spread_pct": 100 * base_n.spread if base_n else nan,
+        "cand_normaliser_spread_pct": 100 * cand_n.spread if cand_n else nan,
         "reason": result.reason,
     }
 
@@ -229,17 +234,23 @@ def format_table(df: pd.DataFrame) -> str:
 
     Throughput is in tokens/s (ops/s for pytest-benchmark input), or in multiples of the
     calibration throughput after ``--normalize calibration`` (``df.attrs["throughput_unit"]``).
+    A frame with any normaliser spread gets a ``normaliser spread % base/cand`` column.
     """
+    spreads = [c for c in ("base_normaliser_spread_pct", "cand_normaliser_spread_pct") if c in df]
+    normalised = bool(spreads) and bool(df[spreads].notna().to_numpy().any())
     rows = [
         [r.cell_id, r.verdict, fmt_or(r.base_median_tok_per_s, ",.1f"),
          fmt_or(r.cand_median_tok_per_s, ",.1f"), fmt_or(r.ratio, ".3f"),
          "n/a" if pd.isna(r.ci_low) else f"[{r.ci_low:.3f}, {r.ci_high:.3f}]",
-         fmt_or(r.p_value, ".2g"), f"{r.n_base}/{r.n_cand}", r.reason]
+         fmt_or(r.p_value, ".2g"), f"{r.n_base}/{r.n_cand}",
+         *([f"{fmt_or(r.base_normaliser_spread_pct, '.1f')}/{fmt_or(r.cand_normaliser_spread_pct, '.1f')}"]
+           if normalised else []), r.reason]
         for r in df.itertuples(index=False)
     ]
     unit = df.attrs.get("throughput_unit", "tok/s")
     headers = ["cell", "verdict", f"base median {unit}", f"cand median {unit}", "ratio cand/base",
-               "95% CI ratio", "MWU p", "n base/cand", "reason"]
+               "95% CI ratio", "MWU p", "n base/cand", *(["normaliser spread % base/cand"] if normalised else []),
+               "reason"]
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
@@ -249,8 +260,9 @@ def verdict_summary(df: pd.DataFrame) -> str:
     line = ", ".join(f"{n} {v}" for v, n in counts.items())
     code = exit_code(df)
     if INCONCLUSIVE in counts:
-        line += (f"; {counts[INCONCLUSIVE]} INCONCLUSIVE: slower beyond the threshold without "
-                 "statistical confidence, rerun with more steps")
+        line += (f"; {counts[INCONCLUSIVE]} INCONCLUSIVE: a change beyond the threshold that the "
+                 "measurements cannot support (CI or MWU short of confidence, a side unstable, or its "
+                 "machine unsteady); each reason gives its remedy")
     return f"verdicts: {line}; exit {code}"
 
 

@@ -129,6 +129,11 @@ class RunMetrics(TypedDict, total=False):
     machine_probe_s: dict[str, float]
     """CPU only: ``{"before", "after"}``, the normaliser workload timed around the cell
     (:mod:`harness.measure.machine_probe`)."""
+    rounds: dict[str, Any]
+    """``--rounds N`` only: ``n``, ``order``, ``seed``, ``medians_s`` (each round's median step, in round
+    order), ``chosen_round`` (the median round, whose measurements the record holds), ``ci_s``,
+    ``ci_coverage``, ``spread_pct`` (the median's order-statistic interval when recorded;
+    :mod:`harness.run.rounds`), ``machine_probe_s`` and ``wall_s`` of every round."""
     nsys: dict[str, Any]
     """Under Nsight Systems only: ``tool`` (nsys's version), ``dir``, ``measured_steps``, ``ranks`` (per
     rank: ``report``, ``ranges``, ``windows``, ``window_s``, ``steps_total``, ``steps_in_window``,

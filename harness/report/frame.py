@@ -7,12 +7,14 @@ version of the schema (``schema_version`` 1) loads.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from harness.measure.intervals import median_interval
 from harness.records.reader import latest_per_cell
 from harness.records.record import pulled_levers
 from harness.units import MIB
@@ -100,10 +102,16 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rounds(rounds: dict[str, Any] | None) -> dict[str, float]:
-    """``--rounds``: how many, and the interval of the median round (NaN without rounds)."""
-    ci = (rounds or {}).get("ci_s") or [math.nan, math.nan]
-    return {"rounds": num((rounds or {}).get("n")), "round_ci_low_s": num(ci[0]), "round_ci_high_s": num(ci[1]),
-            "round_spread_pct": num((rounds or {}).get("spread_pct"))}
+    """``--rounds``: how many, and the interval of the median round (NaN without rounds), recomputed from
+    the rounds' medians (``metrics.rounds.medians_s``) by :func:`harness.measure.intervals.median_interval`."""
+    medians = [float(x) for x in (rounds or {}).get("medians_s") or [] if x is not None]
+    if not medians:
+        return {"rounds": math.nan, "round_ci_low_s": math.nan, "round_ci_high_s": math.nan,
+                "round_spread_pct": math.nan}
+    low, high, _ = median_interval(medians)
+    mid = statistics.median(medians)
+    return {"rounds": float(len(medians)), "round_ci_low_s": low, "round_ci_high_s": high,
+            "round_spread_pct": 100.0 * (high - low) / 2 / mid if mid > 0 else math.nan}
 
 
 def _time_use(parts: dict[str, Any]) -> dict[str, float]:

@@ -113,13 +113,16 @@ def _wait_all(pids: dict[int, int]) -> list[dict]:
     exits: list[dict] = []
     deadline = None
     while pids:
-        if deadline is not None and time.monotonic() > deadline:
-            _signal_all(pids, (signal.SIGKILL,))
-            deadline = float("inf")
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            time.sleep(0.02)
-            continue
+        if deadline is None:  # nothing to do until a rank exits: block, never wake a core the ranks compute on
+            pid, status = os.waitpid(-1, 0)
+        else:
+            if time.monotonic() > deadline:
+                _signal_all(pids, (signal.SIGKILL,))
+                deadline = float("inf")
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.02)
+                continue
         rank = pids.pop(pid)
         code = _describe(status)
         root = code != 0 and all(e["exitcode"] == 0 for e in exits)  # the first rank seen to fail
@@ -133,6 +136,7 @@ def _wait_all(pids: dict[int, int]) -> list[dict]:
 def lead_cell(req: dict, marks: dict[str, float]) -> int:
     """The leader, forked from the server: a session of its own, the ranks forked, waited for, accounted."""
     os.setsid()  # the cell's processes: one group the sweep can kill without touching the server
+    _forget_child_wakeup()
     _redirect(Path(req["launcher_log"]))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)  # the leader and its ranks die as torchrun's would
@@ -153,12 +157,47 @@ def _say(msg: dict) -> None:
     sys.stdout.flush()
 
 
+_WAKEUP: tuple[int, int] | None = None
+"""The server's SIGCHLD wake-up pipe (read end, write end): a leader's exit wakes its ``select``."""
+
+
+def _child_wakeup() -> int:
+    """A pipe that SIGCHLD writes to, so the server sleeps in ``select`` until a request or a leader's exit
+    (polling every 50 ms, as before, woke a core the ranks compute on 20 times a second)."""
+    global _WAKEUP
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wake-up fd is written
+    signal.set_wakeup_fd(w)
+    _WAKEUP = (r, w)
+    return r
+
+
+def _forget_child_wakeup() -> None:
+    """In a forked leader: its ranks' exits are its own business, not the server's wake-up pipe's."""
+    if _WAKEUP is not None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in _WAKEUP:
+            os.close(fd)
+
+
 def serve(marks: PhaseMarks) -> None:
     """Fork a leader per request; report each leader's exit. Ends when stdin closes (the sweep is gone),
     killing whatever cell is still running."""
     leaders: set[int] = set()
+    wakeup = _child_wakeup()
     while True:
-        readable, _, _ = select.select([sys.stdin], [], [], 0.05)
+        readable, _, _ = select.select([sys.stdin, wakeup], [], [], None if not leaders else 5.0)
+        if wakeup in readable:
+            while True:
+                try:
+                    if not os.read(wakeup, 512):
+                        break
+                except BlockingIOError:
+                    break
+        readable = [f for f in readable if f is sys.stdin]
         while leaders:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:

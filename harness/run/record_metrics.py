@@ -132,7 +132,9 @@ def _instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace:
         v = stages_per_rank(cfg.pp_schedule)
         m["pipeline"] = {"stages": dims.pp * v, "virtual_per_rank": v, "microbatches": cfg.microbatches,
                          "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches)}
-    if monitor_result is not None:
+    if cfg.monitor_hz == 0:
+        m["monitor"] = {"note": "n/a: monitor off (--monitor-hz 0)"}
+    elif monitor_result is not None:
         m["monitor"] = monitor_result.to_record()
         energy = monitor_result.summary.get("energy_j")
         if energy is not None:
@@ -272,6 +274,8 @@ class RunFacts:
     """CPU: the normaliser workload timed ``before`` and ``after`` the cell (:mod:`harness.measure.machine_probe`)."""
     nsys: dict | None = None
     """Under Nsight Systems: the reports read back per rank (:func:`harness.run.nsys_capture.captured_job`)."""
+    rounds: dict | None = None
+    """``--rounds N``: every round's median and the median's interval (:mod:`harness.run.rounds`)."""
 
 
 def _overhead(facts: RunFacts, phase_marks: dict[str, float] | None) -> dict[str, Any]:
@@ -298,6 +302,8 @@ def run_metrics(facts: RunFacts, phase_marks: dict[str, float] | None = None) ->
         m["machine_probe_s"] = facts.machine_probe_s
     if facts.nsys is not None:
         m["nsys"] = facts.nsys
+    if facts.rounds is not None:
+        m["rounds"] = facts.rounds
     return m
 
 

@@ -10,7 +10,7 @@ is the cell's median round, and the round-to-round spread is kept beside it.
 
 The spread is the distribution-free interval of the median of the round medians: the order
 statistics ``(j, n+1-j)`` with the largest ``j`` whose binomial coverage is at least
-:data:`harness.measure.intervals.COVERAGE` (with fewer than 5 rounds no pair reaches it, and the full range is used, its
+:data:`harness.measure.intervals.COVERAGE` (with fewer than 4 rounds no pair reaches it, and the full range is used, its
 coverage given). Two cells whose intervals overlap are a tie (:mod:`harness.report.ties`).
 
 The rounds done are kept in ``rounds.json`` in the run directory (written atomically after each
@@ -72,8 +72,9 @@ def median_round(medians: list[float]) -> int:
 
 
 def summary(medians: list[float], plan: RoundsPlan) -> dict:
-    """``metrics.rounds``: every round's median step time, the chosen round, the median's interval and
-    its half-width as a percentage of the median (the ``±`` the tables show)."""
+    """``metrics.rounds``: every round's median step time, the chosen round, and the median's interval
+    with its coverage and half-width as % of the median as computed when recorded (the report recomputes
+    them from ``medians_s``, so a record keeps its raw rounds whatever rule later reads them)."""
     chosen = median_round(medians)
     low, high, cov = median_interval(medians)
     mid = statistics.median(medians)

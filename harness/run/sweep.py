@@ -61,8 +61,12 @@ class SweepOptions:
 
 def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, env_extra: dict | None = None,
               progress: Progress | None = None,
-              replan: Callable[[PlannedCell], PlannedCell] | None = None) -> list[dict]:
+              replan: Callable[[PlannedCell], PlannedCell] | None = None,
+              note: Callable[[dict], str | None] | None = None) -> list[dict]:
     """Run every valid cell not already ``ok``; return the records written in this call.
+
+    ``note`` says, after each record, what it must not hide (a step far from its prediction names
+    the calibration entry the prediction came from); the sweep prints what it returns.
 
     ``replan`` re-attaches the prediction of a cell whose batch ``--batch auto`` just found (the
     sweep never predicts itself); without it such a cell keeps the planned prediction. With
@@ -90,6 +94,9 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
                 print(f"{records_path}: its torn last line was moved to {side}", file=sys.stderr, flush=True)
         written.append(rec)
         progress.finish(label, rec["status"], _progress_note(rec))
+        said = note(rec) if note is not None else None
+        if said:
+            print(said, file=sys.stderr, flush=True)
 
     # One fork server per sweep (started by the first cell that needs it), killed with everything it
     # started whatever ends the sweep: Ctrl-C, SIGTERM, an error.
@@ -204,24 +211,20 @@ def _median_round_record(cell: PlannedCell, state: RoundState, cell_dir: Path, r
                          references: dict) -> dict:
     """The cell's record from its median round, with every round's median and the spread in ``metrics.rounds``."""
     rounds = state.rounds_of(cell.cell_id)
-    medians = [r["median_s"] for r in rounds.values()]
-    info = rounds_summary(medians, state.plan)
-    k = list(rounds)[info["chosen"]]
-    facts_k = rounds[k]
+    info = rounds_summary([r["median_s"] for r in rounds.values()], state.plan)
+    k = list(rounds)[info.pop("chosen")]
+    chosen = rounds[k]
     result_path = cell_dir / f"round{k + 1}" / "result.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else None
     outcome = Outcome("ok" if result is not None else "crashed",
                       None if result is not None else f"round {k + 1}'s result is gone from {result_path}", result,
-                      facts_k["returncode"], facts_k["wall_s"], facts_k["started_at"])
-    facts = RunFacts(wall_s=facts_k["wall_s"], est_mem_gib=cell.est_mem_gib, started_at=facts_k["started_at"],
-                     machine_probe_s=facts_k["machine_probe_s"])
-    rec = _record(cell, outcome, facts, run_id, env, references)
-    if rec["status"] == "ok":
-        info.pop("chosen")
-        rec["metrics"]["rounds"] = {**info, "chosen_round": k + 1,
-                                    "machine_probe_s": [r["machine_probe_s"] for r in rounds.values()],
-                                    "wall_s": sum(r["wall_s"] for r in rounds.values())}
-    return rec
+                      chosen["returncode"], chosen["wall_s"], chosen["started_at"])
+    facts = RunFacts(wall_s=chosen["wall_s"], est_mem_gib=cell.est_mem_gib, started_at=chosen["started_at"],
+                     machine_probe_s=chosen["machine_probe_s"],
+                     rounds={**info, "chosen_round": k + 1,
+                             "machine_probe_s": [r["machine_probe_s"] for r in rounds.values()],
+                             "wall_s": [r["wall_s"] for r in rounds.values()]})
+    return _record(cell, outcome, facts, run_id, env, references)
 
 
 def _search_batch(cell: PlannedCell, trial: Callable[[CellConfig, str], Outcome],

@@ -242,8 +242,8 @@ def _lr(cfg: CellConfig, step: int) -> float:
 
 
 def _start_monitor(cfg: CellConfig, local_rank: int, device: torch.device):
-    """Node-local rank 0 samples NVML (GPU) or the host (CPU) over the measured window."""
-    if local_rank != 0:
+    """Node-local rank 0 samples NVML (GPU) or the host (CPU) over the measured window (none at ``--monitor-hz 0``)."""
+    if local_rank != 0 or cfg.monitor_hz == 0:
         return None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     indices = list(range(local_world)) if cfg.device_kind == "cuda" else []

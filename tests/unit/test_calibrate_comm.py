@@ -143,8 +143,8 @@ def test_search_skips_shapes_too_slow_at_the_best_rate_so_far():
 def test_measure_reports_max_median_best_shape_and_the_reference_square(monkeypatch):
     # Seconds per product by m: TFLOP/s of the (m, m, m) squares are 1.024e-3, 2.048e-3 and 6.5536e-4.
     times = {8: 1e-6, 16: 4e-6, 32: 1e-4}
-    monkeypatch.setattr(calibrate, "_time_matmul", lambda a, b, cuda, min_time_s, repeats: times[a.shape[0]] *
-                        (a.shape[1] * b.shape[1]) / a.shape[0] ** 2)
+    monkeypatch.setattr(calibrate, "_time_matmul", lambda a, b, cuda, min_time_s, repeats: [times[a.shape[0]] *
+                        (a.shape[1] * b.shape[1]) / a.shape[0] ** 2])
     plan = calibrate.SearchPlan(dims=(8, 16, 32), step=8, climbs=0, reference=(16, 16, 16), warm_s=0, repeats=1)
     out = calibrate.measure("cpu", "fp32", plan=plan)
     assert out["tflops"] == pytest.approx(2.048e-3, rel=1e-9, abs=0) and out["best_shape"][0] == 16
@@ -264,5 +264,5 @@ def test_workload_copies_meet_before_every_timed_pass(monkeypatch):
             events.append("meet")
 
     monkeypatch.setattr(workload, "_lockstep", Barrier())
-    workload._median_time(lambda: events.append("pass"), 3)
+    assert len(workload._timed_repeats(lambda: events.append("pass"), 3)) == 3
     assert events == ["meet", "pass"] * 4

@@ -19,6 +19,9 @@ CASES = {
     "gpus0": (["--gpus", "0"], "--gpus '0': each value must be an integer >= 1"),
     "gpusx": (["--gpus", "x"], "--gpus 'x': each value must be an integer >= 1"),
     "steps0": (["--steps", "0"], "--steps '0': must be an integer >= 1"),
+    "monitor-hz": (["--monitor-hz", "-1"], "--monitor-hz '-1': must be a rate in Hz in [0, 1000]"),
+    "rounds0": (["--rounds", "0"], "--rounds '0': must be an integer >= 1"),
+    "rounds-nsys": (["--rounds", "3", "--nsys"], "--rounds 3 with --nsys: a capture covers one job per cell"),
     # Every requested cell invalid: exit 2, though the added single-device reference is valid.
     "only-reference-valid": (["--gpus", "2", "--degrees", "pp=3"],
                              "no valid cell to run: 10 cells (tiny-ddp-fp32-w2-gb8-strong, ...): dp_replicate (1) x "

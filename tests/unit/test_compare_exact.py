@@ -18,10 +18,12 @@ import pytest
 from scipy.stats import mannwhitneyu
 
 from harness.compare import verdicts as cmp
+from harness.compare.cell_normaliser import NO_NORMALISER, Normaliser, run_normaliser
 from harness.compare.stats import CompareOptions
 from harness.errors import UsageError
 
 OPTS = CompareOptions()
+NONE = (NO_NORMALISER, NO_NORMALISER)
 
 
 def rec(cell_id: str, fp: str, times: list[float] | None = None, status: str = "ok", error: str | None = None,
@@ -58,15 +60,20 @@ def test_corrupt_step_times_are_refused_naming_the_cell(bad: list[float]) -> Non
                             "the record is corrupt, rerun the cell")
 
 
-def test_calibration_time_is_the_median_of_the_first_calibration_record() -> None:
-    records = [rec("a", "f"), rec("calibration", "c", [3.0, 1.0, 2.0, 10.0], kind="calibration"),
-               rec("calibration", "c", [7.0], kind="calibration")]
-    assert cmp.calibration_time_s(records, "base") == 2.5
-    message = ("base: no calibration record with samples.step_time_s (kind == 'calibration'); "
-               "rerun with calibration enabled or use --normalize none")
-    for records in ([rec("a", "f")], [rec("calibration", "c", [], kind="calibration"), rec("c2", "c", [1.0], kind="calibration")]):
+def test_run_normaliser_is_the_median_of_every_calibration_sample_and_probe() -> None:
+    records = [rec("a", "f", metrics={"tokens_per_step": 1000, "machine_probe_s": {"before": 7.0, "after": None}}),
+               rec("calibration", "c", [3.0, 1.0, 2.0, 10.0], kind="calibration"),
+               rec("b", "g", metrics={"tokens_per_step": 1000})]
+    n = run_normaliser(records, "base")
+    # timings 1, 2, 3, 7, 10: median 3; numpy's linear p10 = 1 + 0.4 * 1, p90 = 7 + 0.6 * 3
+    assert n.time_s == 3.0
+    assert n.factor == pytest.approx(max(3.0 / 1.4, 8.8 / 3.0), rel=1e-12)
+    assert n.evidence == "matmul 1.4-8.8 s, p10-p90 of 5 timings"
+    message = ("base: no calibration record with samples.step_time_s (kind == 'calibration') and no cell with "
+               "metrics.machine_probe_s; rerun with calibration enabled or use --normalize none")
+    for records in ([rec("a", "f")], [rec("calibration", "c", [], kind="calibration")]):
         with pytest.raises(UsageError) as e:
-            cmp.calibration_time_s(records, "base")
+            run_normaliser(records, "base")
         assert str(e.value) == message
 
 
@@ -124,8 +131,10 @@ def test_compare_rows_exact() -> None:
     df = cmp.compare(base, cand, OPTS)
     assert list(df.columns) == cmp.COLUMNS == [
         "cell_id", "verdict", "base_median_tok_per_s", "cand_median_tok_per_s", "ratio",
-        "ci_low", "ci_high", "p_value", "n_base", "n_cand", "reason"]
+        "ci_low", "ci_high", "p_value", "n_base", "n_cand", "base_normaliser_s", "cand_normaliser_s",
+        "base_normaliser_spread_pct", "cand_normaliser_spread_pct", "reason"]
     assert df.attrs["throughput_unit"] == "tok/s"
+    assert df[["base_normaliser_s", "base_normaliser_spread_pct"]].isna().all().all()  # --normalize none
     rows = {r["cell_id"]: r for r in df.to_dict("records")}
     assert list(rows) == ["a", "b", "c", "d", "g", "h", "i", "e"]
     p = float(mannwhitneyu([2500.0] * 5, [2000.0] * 5, alternative="less").pvalue)
@@ -161,6 +170,8 @@ def test_calibration_normalisation_scales_each_side_by_its_calibration_time() ->
     a = df[df["cell_id"] == "a"].iloc[0]
     # base 2000 tok/s x 2 s, cand 2500 tok/s x 4 s: in units of each side's calibration throughput.
     assert (a["base_median_tok_per_s"], a["cand_median_tok_per_s"], a["ratio"]) == (4000.0, 10000.0, 2.5)
+    assert (a["base_normaliser_s"], a["cand_normaliser_s"]) == (2.0, 4.0)
+    assert (a["base_normaliser_spread_pct"], a["cand_normaliser_spread_pct"]) == (0.0, 0.0)  # two equal samples
     assert df.attrs["throughput_unit"] == "x calibration"
     assert set(df[df["verdict"] == "MISSING"]["reason"]) == {"only in base; missing from C", "only in cand; missing from B"}
 
@@ -242,8 +253,9 @@ def test_verdict_summary_counts_and_exit() -> None:
     inconclusive = df.iloc[:1].copy()
     inconclusive.loc[0, "verdict"] = "INCONCLUSIVE"
     assert cmp.verdict_summary(inconclusive) == (
-        "verdicts: 1 INCONCLUSIVE; 1 INCONCLUSIVE: slower beyond the threshold without statistical confidence, "
-        "rerun with more steps; exit 0")
+        "verdicts: 1 INCONCLUSIVE; 1 INCONCLUSIVE: a change beyond the threshold that the measurements cannot "
+        "support (CI or MWU short of confidence, a side unstable, or its machine unsteady); each reason gives its "
+        "remedy; exit 0")
 
 
 def test_exit_codes() -> None:
@@ -282,18 +294,18 @@ def test_run_compare_prints_table_and_summary_and_returns_the_code(tmp_path: Pat
 
 def test_short_is_the_first_line_cut_at_60() -> None:
     r = cmp._judge_pair(rec("a", "f", status="oom", error="a" * 61 + "\nsecond"),
-                        rec("a", "f", status="oom"), OPTS, (1.0, 1.0))
+                        rec("a", "f", status="oom"), OPTS, NONE)
     assert r.reason == "oom on both sides: no error message"
     r = cmp._judge_pair(rec("a", "f", status="invalid"), rec("a", "f", status="invalid", error="a" * 61 + "\nsecond"),
-                        OPTS, (1.0, 1.0))
+                        OPTS, NONE)
     assert r.reason == "invalid on both sides: " + "a" * 60
-    r = cmp._judge_pair(rec("a", "f", status="oom", error="x\ny"), rec("a", "f", status="crashed"), OPTS, (1.0, 1.0))
+    r = cmp._judge_pair(rec("a", "f", status="oom", error="x\ny"), rec("a", "f", status="crashed"), OPTS, NONE)
     assert (r.verdict, r.reason) == ("NOT COMPARABLE", "base status oom: x; rerun the base cell")
-    r = cmp._judge_pair(rec("a", "f"), rec("a", "f", status="crashed", error="x\ny"), OPTS, (1.0, 1.0))
+    r = cmp._judge_pair(rec("a", "f"), rec("a", "f", status="crashed", error="x\ny"), OPTS, NONE)
     assert (r.verdict, r.reason) == ("REGRESSION", "cand status crashed (base ok): x")
 
 
 def test_samples_are_scaled_before_judging() -> None:
-    r = cmp._judge_pair(rec("a", "f", [0.5] * 5), rec("a", "f", [0.5] * 5), OPTS, (1.0, 0.5))
+    r = cmp._judge_pair(rec("a", "f", [0.5] * 5), rec("a", "f", [0.5] * 5), OPTS, (NO_NORMALISER, Normaliser(0.5)))
     assert (r.base_median, r.cand_median, r.ratio) == (2000.0, 1000.0, 0.5)
     assert np.isclose(r.ci_low, 0.5) and np.isclose(r.ci_high, 0.5)

@@ -47,6 +47,8 @@ for rank, action in enumerate(["sleep", "fail", "ok"]):
     if pid == 0:
         if action == "sleep":
             time.sleep(60)
+        if action == "fail":
+            time.sleep(0.5)  # after the ok rank's exit: a rank still alive at the failure is ended
         os._exit(3 if action == "fail" else 0)
     pids[pid] = rank
 t0 = time.monotonic()

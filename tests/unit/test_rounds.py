@@ -36,18 +36,22 @@ def test_median_round_is_the_middle_one_and_the_lower_middle_when_even():
     assert median_round([4.0, 1.0, 3.0, 2.0]) == 3  # sorted 1,2,3,4: lower middle is 2.0, round index 3
 
 
-def test_median_interval_uses_the_order_statistics_with_90_percent_coverage():
-    lo, hi, cov = median_interval([5.0, 1.0, 4.0, 2.0, 3.0])  # n=5: only (x1, x5) reaches 90% (93.75%)
-    assert (lo, hi) == (1.0, 5.0) and cov == pytest.approx(0.9375)
-    lo, hi, cov = median_interval([float(x) for x in range(1, 11)])  # n=10: (x2, x9) covers 97.9%, (x3, x8) 89.1%
-    assert (lo, hi) == (2.0, 9.0) and cov == pytest.approx(1 - 2 * 11 / 1024)
-    lo, hi, cov = median_interval([2.0, 1.0, 3.0])  # fewer than 5: the full range, its coverage said
+def test_median_interval_uses_the_narrowest_order_statistics_with_60_percent_coverage():
+    lo, hi, cov = median_interval([5.0, 1.0, 4.0, 2.0, 3.0])  # n=5: (x2, x4) covers 62.5%
+    assert (lo, hi) == (2.0, 4.0) and cov == pytest.approx(0.625)
+    lo, hi, cov = median_interval([float(x) for x in range(1, 11)])  # n=10: (x4, x7) 65.6%, (x5, x6) 24.6%
+    assert (lo, hi) == (4.0, 7.0) and cov == pytest.approx(1 - 2 * 176 / 1024)
+    lo, hi, cov = median_interval([2.0, 1.0, 3.0])  # n=3: only the full range, its coverage said
     assert (lo, hi) == (1.0, 3.0) and cov == pytest.approx(0.75)
+    lo, hi, _ = median_interval([0.881, 0.049, 0.058, 0.050, 0.050])  # one disturbed round of five
+    assert (lo, hi) == (0.050, 0.058), "one disturbed round does not widen the interval"
+    lo, hi, cov = median_interval([1.0, 2.0, 3.0, 4.0, 5.0], coverage=0.9)
+    assert (lo, hi, cov) == (1.0, 5.0, 0.9375)
 
 
 def test_summary_spread_is_half_the_interval_as_percent_of_the_median():
-    s = summary([0.9, 1.0, 1.1, 1.0, 1.0], RoundsPlan(n=5))
-    assert s["ci_s"] == [0.9, 1.1] and s["spread_pct"] == pytest.approx(10.0)
+    s = summary([0.9, 1.0, 1.1, 1.05, 0.95], RoundsPlan(n=5))
+    assert s["ci_s"] == [0.95, 1.05] and s["spread_pct"] == pytest.approx(5.0) and s["ci_coverage"] == 0.625
     assert s["medians_s"][s["chosen"]] == 1.0
 
 
@@ -89,3 +93,19 @@ def test_a_tie_across_world_sizes_is_judged_on_tokens_per_device():
     # same step interval, but the second cell moves half the tokens per device: twice slower, no tie
     df = pd.DataFrame([_row("one", 1000.0, 1.0, 0.95, 1.05), _row("two", 500.0, 1.0, 0.95, 1.05)])
     assert tied_with(df, df.iloc[0]).empty
+
+
+def test_diff_gives_each_round_alone_beside_the_median_of_rounds():
+    from harness.compare.run_diff import CellDiff, RunDiff, round_spread_pct
+    from harness.compare.stats import PairResult
+
+    def rec(medians):
+        return {"status": "ok", "metrics": {"rounds": {"medians_s": medians}}}
+
+    diff = RunDiff([CellDiff("x", rec([1.0, 2.0, 1.0]), rec([1.1, 1.0, 1.0]), PairResult("PASS", "")),
+                    CellDiff("y", rec([1.0, 1.0, 1.0]), rec([1.3, 1.0, 2.0]), PairResult("PASS", ""))], [], [])
+    rows = round_spread_pct(diff)
+    assert [(k, n) for k, n, _, _ in rows] == [(1, 2), (2, 2), (3, 2)]
+    assert rows[0][2] == pytest.approx(20.0) and rows[1][2] == pytest.approx(25.0) and rows[2][3] == pytest.approx(50.0)
+    assert round_spread_pct(RunDiff([CellDiff("z", {"status": "ok", "metrics": {}}, rec([1.0]),
+                                              PairResult("PASS", ""))], [], [])) == []

@@ -63,7 +63,10 @@ def _install() -> None:
 
     def cell_id() -> str:
         cell_json = os.environ.get("HARNESS_CELL_JSON") or argv[argv.index("--cell") + 1]
-        return os.path.basename(os.path.dirname(cell_json))
+        cell_dir = os.path.dirname(cell_json)
+        if os.path.basename(cell_dir).startswith("round"):  # --rounds: cells/<id>/round<k>/cell.json
+            cell_dir = os.path.dirname(cell_dir)
+        return os.path.basename(cell_dir)
 
     import harness.run.train as train
 
