@@ -81,8 +81,8 @@ def run_sweep(cells: list[PlannedCell], opts: SweepOptions, device_kind: str, en
     todo = {c.cell_id for c in cells_to_run(cells, done, writer)}
     state = RoundState.open(opts.out, opts.rounds, opts.resume) if opts.rounds.n > 1 else None
     if progress is None:
-        total = len(todo) if state is None else sum(
-            1 if not c.valid else opts.rounds.n - len(state.rounds_of(c.cell_id)) for c in cells if c.cell_id in todo)
+        total = len(todo) if state is None else sum(  # with rounds: every cell's rounds left, then its record
+            1 if not c.valid else opts.rounds.n + 1 - len(state.rounds_of(c.cell_id)) for c in cells if c.cell_id in todo)
         progress = Progress(total=total, stream=sys.stdout)
     written: list[dict] = []
     records_path = opts.out / RECORDS_FILENAME

@@ -75,6 +75,24 @@ class HarnessCLI:
                                  f"stderr tail:\n{self.stderr(log)[-2000:]}") from None
         return subprocess.CompletedProcess(args, rc, self.stdout(log), self.stderr(log))
 
+    def signal_when(self, proc: subprocess.Popen, ready, sig: int = signal.SIGINT, log: str = "harness",
+                    timeout_s: float = 240.0, settle_s: float = 0.0) -> int:
+        """Send ``sig`` to the harness once ``ready()`` holds (after ``settle_s``), and return its exit code;
+        it fails if the harness exits or ``timeout_s`` passes first, and never leaves it running."""
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not ready():
+                assert proc.poll() is None, f"harness exited ({proc.returncode}) first:\n{self.stderr(log)[-2000:]}"
+                assert time.monotonic() < deadline, f"not ready within {timeout_s:.0f} s"
+                time.sleep(0.1)
+            time.sleep(settle_s)
+            proc.send_signal(sig)
+            return proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
     def stdout(self, log: str = "harness") -> str:
         return (self.tmp / f"{log}.stdout").read_text(errors="replace")
 

@@ -4,9 +4,7 @@ round, a crashed cell recorded at once, and ``--resume`` keeping the rounds that
 from __future__ import annotations
 
 import json
-import signal
 import statistics
-import time
 
 import pytest
 
@@ -46,18 +44,7 @@ def test_rounds_rotate_take_the_median_round_and_resume_keeps_finished_rounds(ha
     out = harness_cli.tmp / "run"
     proc = harness_cli.popen("bench", *FLAGS, "--rounds", "3", "--round-order", "rotate", "--out", str(out),
                              log="interrupted")
-    try:
-        deadline = time.monotonic() + 240
-        while _rounds_done(out) < 3:
-            assert proc.poll() is None, harness_cli.stderr("interrupted")[-2000:]
-            assert time.monotonic() < deadline, "three rounds of cells did not finish in time"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    rc = harness_cli.signal_when(proc, lambda: _rounds_done(out) >= 3, log="interrupted")
     assert rc == 130, harness_cli.stderr("interrupted")[-2000:]
     before = json.loads((out / "rounds.json").read_text())["cells"]
     kept = {(cid, k): (out / "cells" / cid / f"round{int(k) + 1}" / "result.json").stat().st_mtime_ns

@@ -41,19 +41,9 @@ def test_sigterm_mid_cell_kills_the_job_and_leaves_the_cell_unrecorded(harness_c
     out = harness_cli.tmp / "run"
     proc = harness_cli.popen("bench", *e2e.TINY[:-5], "--steps", "400", "--warmup", "1", "--batch", "4",
                              "--no-calibrate", *DDP, "--out", str(out), log="term")
-    try:
-        deadline = time.monotonic() + 240
-        while not e2e.rank_processes(str(out)):
-            assert proc.poll() is None, harness_cli.stderr("term")[-2000:]
-            assert time.monotonic() < deadline, "no worker started"
-            time.sleep(0.2)
-        time.sleep(2)  # the ranks are inside the training loop
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # SIGTERM 2 s after the ranks started: they are inside the training loop
+    rc = harness_cli.signal_when(proc, lambda: bool(e2e.rank_processes(str(out))), signal.SIGTERM, log="term",
+                                 settle_s=2.0)
     err = harness_cli.stderr("term")
     assert rc == 143, err[-2000:]
     assert "interrupted (SIGTERM)" in err and f"harness bench --resume {out}" in err
