@@ -8,6 +8,7 @@ interval). Pure.
 from __future__ import annotations
 
 import math
+import statistics
 
 COVERAGE = 0.60
 """Wanted coverage of the median's order-statistic interval. From 5 rounds the choice is between
@@ -39,3 +40,12 @@ def median_interval(values: list[float], coverage: float = COVERAGE) -> tuple[fl
 def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """Two intervals share a point: neither cell is measurably faster."""
     return a[0] <= b[1] and b[0] <= a[1]
+
+
+def median_spread(values: list[float], coverage: float = COVERAGE) -> dict:
+    """The median of ``values``, its :func:`median_interval` and that interval's half-width as % of the
+    median: ``{"median", "low", "high", "coverage", "spread_pct"}`` (what ``±`` means in the tables)."""
+    low, high, cov = median_interval(values, coverage)
+    mid = statistics.median(values)
+    return {"median": mid, "low": low, "high": high, "coverage": cov,
+            "spread_pct": 100.0 * (high - low) / 2 / mid if mid > 0 else math.nan}

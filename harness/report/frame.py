@@ -7,14 +7,13 @@ version of the schema (``schema_version`` 1) loads.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from harness.measure.intervals import median_interval
+from harness.measure.intervals import median_spread
 from harness.records.reader import latest_per_cell
 from harness.records.record import pulled_levers
 from harness.units import MIB
@@ -103,15 +102,14 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
 
 def _rounds(rounds: dict[str, Any] | None) -> dict[str, float]:
     """``--rounds``: how many, and the interval of the median round (NaN without rounds), recomputed from
-    the rounds' medians (``metrics.rounds.medians_s``) by :func:`harness.measure.intervals.median_interval`."""
+    the rounds' medians (``metrics.rounds.medians_s``) by :func:`harness.measure.intervals.median_spread`."""
     medians = [float(x) for x in (rounds or {}).get("medians_s") or [] if x is not None]
     if not medians:
         return {"rounds": math.nan, "round_ci_low_s": math.nan, "round_ci_high_s": math.nan,
                 "round_spread_pct": math.nan}
-    low, high, _ = median_interval(medians)
-    mid = statistics.median(medians)
-    return {"rounds": float(len(medians)), "round_ci_low_s": low, "round_ci_high_s": high,
-            "round_spread_pct": 100.0 * (high - low) / 2 / mid if mid > 0 else math.nan}
+    spread = median_spread(medians)
+    return {"rounds": float(len(medians)), "round_ci_low_s": spread["low"], "round_ci_high_s": spread["high"],
+            "round_spread_pct": spread["spread_pct"]}
 
 
 def _time_use(parts: dict[str, Any]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Which cells a sweep cannot tell apart: step-time intervals of ``--rounds`` that overlap.
 
-With rounds, each cell's record carries the interval of its median round
-(:func:`harness.run.rounds.median_interval`). The fastest cell is a winner only when no other
+With rounds, each cell's row carries the interval of its median over the rounds
+(:func:`harness.measure.intervals.median_spread`, computed by :mod:`harness.report.frame`). The fastest cell is a winner only when no other
 cell's interval reaches it; otherwise they are a tie, and the tables and "What to pick" say so.
 Without rounds there is no interval, and nothing is called a tie. Pure: frames in, rows out.
 """

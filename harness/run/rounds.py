@@ -20,14 +20,12 @@ cell's round), so ``--resume`` keeps the rounds that finished. Pure but for :cla
 from __future__ import annotations
 
 import json
-import math
 import random
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.measure.intervals import median_interval
+from harness.measure.intervals import median_spread
 from harness.records.atomic import write_json_atomic
 
 ORDERS = ("shuffle", "rotate")
@@ -75,12 +73,10 @@ def summary(medians: list[float], plan: RoundsPlan) -> dict:
     """``metrics.rounds``: every round's median step time, the chosen round, and the median's interval
     with its coverage and half-width as % of the median as computed when recorded (the report recomputes
     them from ``medians_s``, so a record keeps its raw rounds whatever rule later reads them)."""
-    chosen = median_round(medians)
-    low, high, cov = median_interval(medians)
-    mid = statistics.median(medians)
-    return {"n": len(medians), "order": plan.order, "seed": plan.seed, "medians_s": medians, "chosen": chosen,
-            "ci_s": [low, high], "ci_coverage": round(cov, 4),
-            "spread_pct": 100.0 * (high - low) / 2 / mid if mid > 0 else math.nan}
+    spread = median_spread(medians)
+    return {"n": len(medians), "order": plan.order, "seed": plan.seed, "medians_s": medians,
+            "chosen": median_round(medians), "ci_s": [spread["low"], spread["high"]],
+            "ci_coverage": round(spread["coverage"], 4), "spread_pct": spread["spread_pct"]}
 
 
 @dataclass
@@ -95,15 +91,15 @@ class RoundState:
     def open(cls, out: Path, plan: RoundsPlan, resume: bool) -> RoundState:
         """A fresh state, or on resume the file's (refused when it was another number or order of rounds)."""
         path = out / STATE_FILE
-        if not (resume and path.exists()):
+        held = recorded_rounds(out) if resume else None
+        if held is None:
             return cls(path, plan)
-        raw = json.loads(path.read_text())
-        held = RoundsPlan(**raw["plan"])
         if held != plan:
             raise UsageError(f"--resume {out}: the run was measured with --rounds {held.n} --round-order {held.order} "
                              f"(seed {held.seed}), not --rounds {plan.n} --round-order {plan.order} (seed {plan.seed}); "
                              f"resume with the run's own, or start a new --out")
-        done = {cid: {int(k): v for k, v in rounds.items()} for cid, rounds in raw["cells"].items()}
+        cells = json.loads(path.read_text())["cells"]
+        done = {cid: {int(k): v for k, v in rounds.items()} for cid, rounds in cells.items()}
         return cls(path, plan, done)
 
     def has(self, cell_id: str, round_index: int) -> bool:
