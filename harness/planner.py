@@ -29,7 +29,7 @@ from harness.precision import PrecisionPlan
 from harness.scaling import global_batch, scaled_lr
 from harness.spec import CellConfig, SweepSpec, cell_id_of
 from harness.units import GIB
-from workloads.sizes import get_size
+from workloads.sizes import ARCHS, get_size, seq_len_error
 
 
 @dataclass
@@ -65,22 +65,25 @@ def _order(strategy: str) -> int:
 
 def expand(spec: SweepSpec) -> list[PlannedCell]:
     """Every cell of the matrix, validated, with predictions from the calibration store as it is now."""
-    for name in spec.sizes:
+    for arch, name in product(spec.archs, spec.sizes):
         try:
-            get_size(name)
+            size = get_size(name, arch)
         except ValueError as e:  # unknown size: a usage error for the whole sweep, before anything runs
             raise UsageError(f"--sizes: {e}") from None
+        if size.device_kind == "plan":
+            raise UsageError(f"--sizes {name}: {arch} {name} ({size.params / 1e9:.1f}B parameters) is for harness plan "
+                             f"and harness fit only; bench a smaller size (harness workloads lists them)")
     strategies = list(spec.strategies)
     added_reference = spec.reference and "single" not in strategies
     if added_reference:
         strategies.insert(0, "single")
     cells: dict[str, PlannedCell] = {}
-    for size, prec, scaling, rule, levers, gpus, strat in product(spec.sizes, spec.precisions, spec.scalings,
-                                                                  spec.lr_rules, _levers(spec), spec.gpus, strategies):
-        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers)
+    for arch, size, prec, scaling, rule, levers, gpus, strat in product(
+            spec.archs, spec.sizes, spec.precisions, spec.scalings, spec.lr_rules, _levers(spec), spec.gpus, strategies):
+        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers, arch)
         cell.reference_only = added_reference and strat == "single"
         cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
-    ordered = sorted(cells.values(), key=lambda c: (c.raw["size"], c.raw["precision"], c.raw["scaling"],
+    ordered = sorted(cells.values(), key=lambda c: (ARCHS.index(c.raw["arch"]), c.raw["size"], c.raw["precision"], c.raw["scaling"],
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
                                                     c.raw["world_size"], _order(c.raw["strategy"]),
                                                     c.raw["compile"], AC_MODES.index(c.raw["ac"]),
@@ -94,8 +97,8 @@ def _levers(spec: SweepSpec) -> list[dict]:
 
 
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
-              gpus: int, levers: dict) -> PlannedCell:
-    size = get_size(size_name)
+              gpus: int, levers: dict, arch: str) -> PlannedCell:
+    size = get_size(size_name, arch)
     world = world_for(strategy, gpus * spec.nnodes) if strategy == "single" else gpus * spec.nnodes
     seq = spec.seq_len or size.seq_len
     gb = global_batch(scaling, spec.batch, world)
@@ -109,11 +112,12 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                base_lr=spec.base_lr, base_batch=base_batch, lr=scaled_lr(rule, spec.base_lr, base_batch, gb),
                lr_warmup_steps=spec.lr_warmup_steps, seed=spec.seed, target_loss=spec.target_loss,
                nvtx=spec.nvtx, monitor_hz=spec.monitor_hz, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
-               degrees=spec.degrees if strategy != "single" else None, batch_auto=spec.batch_auto, **levers,
-               **spec.extra)
+               degrees=spec.degrees if strategy != "single" else None, batch_auto=spec.batch_auto, arch=arch,
+               **levers, **spec.extra)
     try:
-        if seq > size.seq_len:
-            raise UsageError(f"seq_len ({seq}) exceeds {size_name}'s position table ({size.seq_len}); use --seq-len <= {size.seq_len}")
+        seq_error = seq_len_error(size, seq)
+        if seq_error:
+            raise UsageError(seq_error)
         PrecisionPlan(precision).check_device(spec.device_kind)
         layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], size, precision,
                                                    spec.pp_schedule, spec.microbatches, spec.grad_accum, gb)
@@ -138,11 +142,11 @@ def calibration_inputs(cfg: CellConfig) -> CalibrationInputs:
         return CalibrationInputs(dtype=dtype, threads=threads)
     concurrent = local_world if cfg.device_kind == "cpu" else 1
     matmul = lookup_matmul(cfg.device_kind, dtype, threads)
-    workload = lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads, concurrent, compiled=True) \
+    workload = lookup_workload(cfg.device_kind, cfg.workload_key, cfg.seq_len, dtype, threads, concurrent, compiled=True) \
         if cfg.compile else None
     compiled = workload is not None
     if workload is None:  # eager passes, or a compiled cell whose compiled passes were not timed (the prediction says so)
-        workload = lookup_workload(cfg.device_kind, cfg.size, cfg.seq_len, dtype, threads, concurrent)
+        workload = lookup_workload(cfg.device_kind, cfg.workload_key, cfg.seq_len, dtype, threads, concurrent)
     return CalibrationInputs(
         dtype=dtype, threads=threads, workload=workload, workload_compiled=compiled,
         matmul_tflops=matmul["tflops"] if matmul else None,

@@ -8,7 +8,7 @@ travels to the ranks as JSON (never pickle).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -17,6 +17,7 @@ from harness.parallel.levers import AC_MODES, OPTIMIZERS
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, Layout, resolve
 from harness.precision import PRECISIONS
 from harness.scaling import LR_RULES, SCALINGS
+from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, size_label
 
 
 def cell_id_of(c: dict) -> str:
@@ -25,7 +26,7 @@ def cell_id_of(c: dict) -> str:
     Takes the raw fields, so a cell that failed validation gets the id it would have had.
     """
     batch = "bauto" if c.get("batch_auto") else f"gb{c['global_batch']}"  # auto: the id is known before the batch
-    parts = [c["size"], c["strategy"], c["precision"], f"w{c['world_size']}", batch, c["scaling"]]
+    parts = [size_label(c), c["strategy"], c["precision"], f"w{c['world_size']}", batch, c["scaling"]]
     if c["lr_rule"] != "none":
         parts.append(f"lr-{c['lr_rule']}")
     if str(c["strategy"]).startswith("pp"):
@@ -95,6 +96,8 @@ class CellConfig:
     batch_auto: bool = False
     """``--batch auto``: the sweep searches the largest batch per rank that fits (:mod:`harness.run.batch_search`)
     and runs the cell at it; ``global_batch`` is then the batch found."""
+    arch: str = DEFAULT_ARCH
+    """Architecture family (:mod:`workloads.sizes`): ``gpt2`` or ``llama3``."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -106,6 +109,7 @@ class CellConfig:
             (self.device_kind, ("cpu", "cuda"), "device kind"),
             (self.ac, AC_MODES, "activation checkpointing"),
             (self.optimizer, OPTIMIZERS, "optimizer"),
+            (self.arch, ARCHS, "architecture"),
         )
         for value, valid, what in checks:
             if value not in valid:
@@ -125,6 +129,16 @@ class CellConfig:
     def layout(self) -> Layout:
         """The strategy resolved at this world size (:func:`harness.parallel.presets.resolve`)."""
         return resolve(self.strategy, self.world_size, self.degrees)
+
+    @property
+    def model_size(self) -> ModelSize:
+        """The workload at this cell's sequence length."""
+        return replace(get_size(self.size, self.arch), seq_len=self.seq_len)
+
+    @property
+    def workload_key(self) -> str:
+        """The size's name unique over families (``tiny``, ``llama3-tiny``): calibration entries are keyed by it."""
+        return get_size(self.size, self.arch).key
 
     @property
     def tokens_per_step(self) -> int:
@@ -168,6 +182,7 @@ class SweepSpec:
     compiles: tuple[bool, ...] = (False,)
     acs: tuple[str, ...] = ("none",)
     optimizers: tuple[str, ...] = ("adamw",)
+    archs: tuple[str, ...] = (DEFAULT_ARCH,)
     seq_len: int | None = None
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""

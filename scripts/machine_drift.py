@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from workloads.model import GPT, lm_loss
+from workloads.model import Decoder, lm_loss
 from workloads.sizes import get_size
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     size = get_size(args.size)
-    model = GPT(size)
+    model = Decoder(size)
     x = torch.randint(0, size.vocab_size, (8, size.seq_len))
 
     def fb() -> None:

@@ -1,13 +1,23 @@
-"""A GPT-style decoder: pre-LayerNorm blocks, causal SDPA attention, 4x GELU MLP, untied LM head.
+"""Pre-norm decoders of both families (:mod:`workloads.sizes`), one module tree for every strategy.
+
+* ``gpt2``: LayerNorm, learned positions, 4x GELU MLP, multi-head attention, biases.
+* ``llama3``: RMSNorm, rotary positions (theta 500,000) applied per head to q and k, SwiGLU MLP
+  (``gate``, ``up``, ``down``-as-``proj``), grouped-query attention (``n_kv_heads`` k/v heads shared
+  by groups of query heads: SDPA's ``enable_gqa``), no biases.
 
 The module tree is shaped for parallelism:
 
 * attention projections are separate ``q``/``k``/``v``/``out`` linears so tensor parallel
   can shard them column- and row-wise; the attention reshapes by ``head_dim`` (not by the
-  head count) so a rank holding ``n_heads / tp`` heads needs no special case;
+  head count) so a rank holding ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads
+  needs no special case;
+* the MLP's column-parallel inputs are ``fc`` (gpt2) or ``gate`` and ``up`` (llama3), its
+  row-parallel output ``proj`` in both (:mod:`harness.parallel.tp` shards by these names);
 * blocks live in a ``ModuleDict`` keyed by layer index so a pipeline stage that drops
   layers keeps the original parameter names;
-* ``embed``, ``norm`` and ``head`` may be ``None`` on pipeline stages that do not own them.
+* ``embed``, ``norm`` and ``head`` may be ``None`` on pipeline stages that do not own them;
+* RoPE's angles are computed in each attention from the positions of the tokens it sees, so a
+  pipeline stage, a checkpointed or compiled block needs no table passed in.
 """
 
 from __future__ import annotations
@@ -20,25 +30,43 @@ from workloads.sizes import ModelSize
 
 
 class Embeddings(nn.Module):
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int) -> None:
+    def __init__(self, vocab_size: int, seq_len: int | None, d_model: int) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
+        self.pos = nn.Embedding(seq_len, d_model) if seq_len else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        return self.tok(idx) + self.pos(pos)  # (B, T, C)
+        h = self.tok(idx)  # (B, T, C)
+        if self.pos is None:
+            return h
+        return h + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+def rope_angles(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's angles (Su et al. 2021), ``(T, head_dim / 2)`` each, in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (even, odd) pair of ``x`` (B, H, T, hd) by its position's angle, as Meta's reference does."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    re, im = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, head_dim: int) -> None:
+    def __init__(self, size: ModelSize) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.out = nn.Linear(d_model, d_model)
+        d, bias = size.d_model, not size.llama
+        self.head_dim = size.head_dim
+        self.rope_theta = size.rope_theta if size.llama else None
+        self.q = nn.Linear(d, d, bias=bias)
+        self.k = nn.Linear(d, size.kv_dim, bias=bias)
+        self.v = nn.Linear(d, size.kv_dim, bias=bias)
+        self.out = nn.Linear(d, d, bias=bias)
 
     def core(self, x: torch.Tensor) -> torch.Tensor:
         """Projections and attention, before the output projection: what selective activation
@@ -48,7 +76,11 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, hd)
+        if self.rope_theta is not None:
+            cos, sin = rope_angles(t, self.head_dim, self.rope_theta, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = k.shape[1] != q.shape[1]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H_local, T, hd)
         return y.transpose(1, 2).reshape(b, t, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +88,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gpt2's 4x GELU MLP."""
+
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
         self.fc = nn.Linear(d_model, d_ff)
@@ -65,34 +99,52 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class SwiGLU(nn.Module):
+    """llama3's MLP: ``proj(silu(gate(x)) * up(x))`` (Shazeer 2020), no biases."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, d_ff, bias=False)
+        self.up = nn.Linear(d_model, d_ff, bias=False)
+        self.proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
+def _norm(size: ModelSize) -> nn.Module:
+    return nn.RMSNorm(size.d_model, eps=size.norm_eps) if size.llama else nn.LayerNorm(size.d_model)
+
+
 class Block(nn.Module):
     def __init__(self, size: ModelSize) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(size.d_model)
-        self.attn = Attention(size.d_model, size.head_dim)
-        self.ln2 = nn.LayerNorm(size.d_model)
-        self.mlp = MLP(size.d_model, size.d_ff)
+        self.ln1 = _norm(size)
+        self.attn = Attention(size)
+        self.ln2 = _norm(size)
+        self.mlp = SwiGLU(size.d_model, size.d_ff) if size.llama else MLP(size.d_model, size.d_ff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
-    """Decoder-only transformer. ``forward(idx)`` returns logits ``(B, T, V)``."""
+class Decoder(nn.Module):
+    """Decoder-only transformer of either family. ``forward(idx)`` returns logits ``(B, T, V)``."""
 
     def __init__(self, size: ModelSize) -> None:
         super().__init__()
         self.size = size
-        self.embed: Embeddings | None = Embeddings(size.vocab_size, size.seq_len, size.d_model)
+        pos = size.seq_len if size.learned_positions else None
+        self.embed: Embeddings | None = Embeddings(size.vocab_size, pos, size.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(size) for i in range(size.n_layers)})
-        self.norm: nn.LayerNorm | None = nn.LayerNorm(size.d_model)
+        self.norm: nn.Module | None = _norm(size)
         self.head: nn.Linear | None = nn.Linear(size.d_model, size.vocab_size, bias=False)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        """GPT-2 init for both families: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
         std = 0.02
         for name, p in self.named_parameters():
             if p.dim() == 1:

@@ -78,7 +78,7 @@ def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]], set[tuple
         if dtype not in matmul.DTYPES:  # fp8: no calibration yet; its prediction and calibrated MFU say n/a
             continue
         matmuls.add((dtype, threads))
-        workloads.add((cfg.size, cfg.seq_len, dtype, threads, local_world if spec.device_kind == "cpu" else 1,
+        workloads.add((cfg.workload_key, cfg.seq_len, dtype, threads, local_world if spec.device_kind == "cpu" else 1,
                        cfg.compile))
         if local_world >= 2:
             comms.update({local_world, 2})  # 2 ranks: the group size of every hybrid's inner dimensions

@@ -42,7 +42,7 @@ from harness.parallel.levers import apply_compile
 from harness.parallel.tp import apply_tp, reduce_partial_grads
 from harness.precision import PrecisionPlan
 from harness.units import GIB
-from workloads.model import GPT, lm_loss
+from workloads.model import Decoder, lm_loss
 from workloads.sizes import get_size
 
 PROBE_ROWS = (1, 2, 4, 8)  # up to the local batch of a default 8-sequence single-device cell
@@ -119,7 +119,7 @@ def judge_entry(entry: dict) -> str | None:
 def _model(size, dev):
     torch.manual_seed(0)
     with torch.device(dev):
-        return GPT(size)
+        return Decoder(size)
 
 
 def _pass(model, plan, device_kind: str, x):

@@ -18,6 +18,7 @@ from harness.model.hardware import DEVICES
 from harness.parallel.levers import AC_MODES, COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
 from harness.spec import SweepSpec, default_device_kind
+from workloads.sizes import ARCHS, DEFAULT_ARCH
 
 EXIT_USAGE = 2
 RUN_DEVICES = ("auto", "cpu", "cuda")
@@ -106,6 +107,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep", type=Path, help="TOML sweep file; flags given on the command line override it")
     g.add_argument("--gpus", help="devices per node (CPU ranks without a GPU); a list sweeps device counts: 1,2,4")
     g.add_argument("--sizes", help="workload sizes (harness workloads lists them)")
+    g.add_argument("--arch", help="architecture families: gpt2,llama3 (default gpt2); each size is looked up in each")
     g.add_argument("--strategies", help="single,ddp,fsdp,zero2,hsdp,tp,tp-sp,pp,fsdp+tp,pp+fsdp,pp+fsdp+tp")
     g.add_argument("--precision", help="fp32,tf32,bf16,fp16")
     g.add_argument("--scaling", help="strong (fixed global batch) or weak (fixed per-device batch)")
@@ -251,6 +253,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         compiles=tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES)),
         acs=choices(v.label("ac"), v.get("ac", "none"), AC_MODES),
         optimizers=choices(v.label("optimizer"), v.get("optimizer", "adamw"), OPTIMIZERS),
+        archs=choices(v.label("arch"), v.get("arch", DEFAULT_ARCH), ARCHS),
         seq_len=int_arg(v.label("seq_len"), v["seq_len"], 1) if "seq_len" in v else None,
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedule=v.get("pp_schedule", "1f1b"),

@@ -38,7 +38,7 @@ from harness.parallel.presets import resolve
 from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
 from harness.run import train
-from workloads.model import GPT, lm_loss
+from workloads.model import Decoder, lm_loss
 from workloads.sizes import get_size
 
 COMPUTE = ("real", "fake")
@@ -121,7 +121,7 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
     torch.manual_seed(0)
     on_meta = layout.data_parallel != "ddp"  # DDP broadcasts real parameters when it wraps them
     with torch.device("meta" if on_meta else device):
-        model = GPT(size)
+        model = Decoder(size)
     fake_group = dist.get_backend() == "fake"
     par = parallelize(model, layout, device, precision, spec.pp_schedule, spec.microbatches, loss_fn=lm_loss,
                       stage_shapes=_stage_shapes(spec, size, layout, precision), ac=spec.ac,

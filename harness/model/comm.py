@@ -193,13 +193,14 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
         if first:
             per_pass += [(ag, hi)]
     else:
-        per_pass = ([(ar, lo)] * 2 + [(ar, hi)] * 4) * layers
+        # forward: the row-parallel outputs; backward: each column-parallel linear's input gradient
+        per_pass = ([(ar, lo)] * 2 + [(ar, hi)] * size.column_linears) * layers
         if last:
             per_pass += [(ag, logits), (ar, hi)]
     calls = [Call(k, b, tp, "tp", False) for k, b in per_pass] * passes
     if sp:  # the LayerNorms' partial gradients, summed once per step in one call (harness.parallel.tp)
-        norms = 2 * layers + (1 if last else 0)  # weight and bias of each
-        calls.append(Call(ar, norms * 2 * size.d_model * FP32, tp, "tp", False))
+        norms = 2 * layers + (1 if last else 0)  # weight (and LayerNorm's bias) of each
+        calls.append(Call(ar, norms * size.final_norm_params * FP32, tp, "tp", False))
     return calls
 
 

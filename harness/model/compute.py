@@ -96,7 +96,7 @@ def pipeline_time_s(stage_pass_s: float, pp: int, virtual: int, microbatches: in
 
 def layer_flops_per_token(c: CellShape) -> float:
     s = c.size
-    matmul_params = s.params_per_layer - 4 * s.d_model  # LayerNorm weights do no matmul
+    matmul_params = s.params_per_layer - s.norm_params_per_layer  # norm weights do no matmul
     return 6 * matmul_params + 12 * s.d_model * s.seq_len
 
 
@@ -162,9 +162,9 @@ def recompute_factor(c: CellShape) -> float:
     model = size.flops_per_token()
     attention = 4 * size.n_layers * size.d_model * size.seq_len  # scores and values, forward
     if c.recompute == "full":  # every block's forward again: 2 FLOPs per matmul weight, and the attention
-        extra = 2 * (size.n_layers * (size.params_per_layer - 4 * size.d_model)) + attention
-    elif c.recompute == "selective":  # the attention core: q, k, v projections (2 x 3 d^2) and the attention
-        extra = 2 * 3 * size.n_layers * size.d_model ** 2 + attention
+        extra = 2 * (size.n_layers * (size.params_per_layer - size.norm_params_per_layer)) + attention
+    elif c.recompute == "selective":  # the attention core: q, k, v projections (2 FLOPs per weight) and the attention
+        extra = 2 * size.n_layers * size.qkv_params + attention
     else:
         extra = 0
     return (model + extra) / model

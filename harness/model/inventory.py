@@ -1,4 +1,4 @@
-"""Every parameter tensor of :class:`workloads.model.GPT`, and what one rank holds of it.
+"""Every parameter tensor of :class:`workloads.model.Decoder` (either family), and what one rank holds of it.
 
 Built from the size alone (no model is instantiated), so it works for a 1.3B-parameter model
 at 1,024 ranks as fast as for ``tiny``. What a rank holds follows the code that shards it:
@@ -6,9 +6,9 @@ at 1,024 ranks as fast as for ``tiny``. What a rank holds follows the code that 
 * pipeline: stages are contiguous layer ranges (:func:`harness.parallel.pipeline.layer_ranges`);
   stage 0 adds the embeddings, the last stage the final norm and LM head; a rank holds
   stages ``r, r + pp, ...`` (one per virtual stage);
-* tensor parallel (:mod:`harness.parallel.tp`): q/k/v/fc weights and biases and the LM head
-  are column-parallel (dim 0 / tp), out/proj weights row-parallel (dim 1 / tp), their biases,
-  LayerNorms and embeddings replicated;
+* tensor parallel (:mod:`harness.parallel.tp`): q/k/v and the MLP's input linears (fc, or
+  gate and up) and their biases, and the LM head are column-parallel (dim 0 / tp), out/proj
+  weights row-parallel (dim 1 / tp), their biases, the norms and embeddings replicated;
 * FSDP2 ``fully_shard`` (dim 0 of the tp-local tensor, ``torch.chunk`` over ``dp_shard``): rank
   ``i`` holds chunk ``i``; collectives move the padded size (``ceil(dim0 / n)`` rows per rank).
   Each block is one FSDP group, everything else on a stage (embeddings, norm, head) the root group.
@@ -44,19 +44,32 @@ class ParamSpec:
 @functools.lru_cache(maxsize=64)
 def param_specs(size: ModelSize) -> tuple[ParamSpec, ...]:
     """Every parameter tensor, in the model's registration order."""
-    d, f, v, s = size.d_model, size.d_ff, size.vocab_size, size.seq_len
-    out = [ParamSpec("embed.tok.weight", (v, d), None, REPLICATE), ParamSpec("embed.pos.weight", (s, d), None, REPLICATE)]
+    d, f, v, s, kv = size.d_model, size.d_ff, size.vocab_size, size.seq_len, size.kv_dim
+    bias = not size.llama  # llama3: no biases, RMSNorm (weight only), no position table
+    out = [ParamSpec("embed.tok.weight", (v, d), None, REPLICATE)]
+    if size.learned_positions:
+        out.append(ParamSpec("embed.pos.weight", (s, d), None, REPLICATE))
+
+    def norm(name: str, layer: int | None) -> list[ParamSpec]:
+        return [ParamSpec(name + ".weight", (d,), layer, REPLICATE)] + \
+            ([ParamSpec(name + ".bias", (d,), layer, REPLICATE)] if bias else [])
+
+    def linear(name: str, shape: tuple[int, int], layer: int, tp: str) -> list[ParamSpec]:
+        # a column-parallel bias is sharded with its outputs, a row-parallel one replicated
+        return [ParamSpec(name + ".weight", shape, layer, tp)] + \
+            ([ParamSpec(name + ".bias", (shape[0],), layer, COL if tp == COL else REPLICATE)] if bias else [])
+
+    mlp_in = (("gate", "up") if size.llama else ("fc",))
     for i in range(size.n_layers):
         p = f"blocks.{i}."
-        out += [ParamSpec(p + "ln1.weight", (d,), i, REPLICATE), ParamSpec(p + "ln1.bias", (d,), i, REPLICATE)]
-        for proj in ("q", "k", "v"):
-            out += [ParamSpec(p + f"attn.{proj}.weight", (d, d), i, COL), ParamSpec(p + f"attn.{proj}.bias", (d,), i, COL)]
-        out += [ParamSpec(p + "attn.out.weight", (d, d), i, ROW), ParamSpec(p + "attn.out.bias", (d,), i, REPLICATE),
-                ParamSpec(p + "ln2.weight", (d,), i, REPLICATE), ParamSpec(p + "ln2.bias", (d,), i, REPLICATE),
-                ParamSpec(p + "mlp.fc.weight", (f, d), i, COL), ParamSpec(p + "mlp.fc.bias", (f,), i, COL),
-                ParamSpec(p + "mlp.proj.weight", (d, f), i, ROW), ParamSpec(p + "mlp.proj.bias", (d,), i, REPLICATE)]
-    out += [ParamSpec("norm.weight", (d,), None, REPLICATE), ParamSpec("norm.bias", (d,), None, REPLICATE),
-            ParamSpec("head.weight", (v, d), None, COL)]
+        out += norm(p + "ln1", i)
+        out += linear(p + "attn.q", (d, d), i, COL) + linear(p + "attn.k", (kv, d), i, COL) + \
+            linear(p + "attn.v", (kv, d), i, COL) + linear(p + "attn.out", (d, d), i, ROW)
+        out += norm(p + "ln2", i)
+        for name in mlp_in:
+            out += linear(p + f"mlp.{name}", (f, d), i, COL)
+        out += linear(p + "mlp.proj", (d, f), i, ROW)
+    out += norm("norm", None) + [ParamSpec("head.weight", (v, d), None, COL)]
     return tuple(out)
 
 

@@ -87,18 +87,41 @@ def inflight_microbatches(c: CellShape, pp_rank: int = 0) -> int:
     return min(c.microbatches, c.dims.pp - pp_rank)
 
 
+def composite_rms_norm(c: CellShape) -> bool:
+    """Whether ``nn.RMSNorm`` runs as composite ops, which also save the normalised input: on CPU always
+    (torch 2.13 fuses it on CUDA only), on CUDA when the input's dtype differs from the fp32 weight's
+    (autocast without FSDP's low-precision ``param_dtype``)."""
+    return c.device_kind != "cuda" or (c.compute_bytes != 4 and not c.fsdp)
+
+
+def _attention_token_elements(c: CellShape) -> float:
+    """q, k, v (grouped-query: ``kv_dim`` wide) and the attention output, per token, on one tp rank."""
+    return (2 * c.size.d_model + 2 * c.size.kv_dim) / c.dims.tp
+
+
 def _block_token_bytes(c: CellShape) -> float:
     """Bytes one block saves per token for its backward (under ``selective``, what it keeps)."""
-    d, tp, lo, hi = c.size.d_model, c.dims.tp, c.compute_bytes, c.residual_bytes
+    size, tp, lo, hi = c.size, c.dims.tp, c.compute_bytes, c.residual_bytes
+    d, f = size.d_model, size.d_ff
     sp = tp if c.dims.sequence_parallel else 1
-    # per token: LN in/out x2 (hi), q/k/v/attn-out and GELU in/out (lo, / tp). Under SP the LayerNorms
-    # save their sequence-sharded inputs, but the column-parallel linears save the all-gathered
-    # (full-sequence) LN outputs they consume: DTensor does not re-gather in backward as Megatron does.
-    ln = 2 * d * hi / sp + 2 * d * hi
-    per_layer = ln + 12 * d * lo / tp
+    # per token: each norm's input and output (hi), plus RMSNorm's normalised input when composite;
+    # q/k/v/attention output (lo, / tp); the MLP's: GELU's input and output (2 f), or SwiGLU's gate,
+    # silu(gate), up and their product (4 f) (lo, / tp). Under SP the norms save their sequence-sharded
+    # inputs, but the column-parallel linears save the all-gathered (full-sequence) norm outputs they
+    # consume: DTensor does not re-gather in backward as Megatron does.
+    norm_in = 2 if size.llama and composite_rms_norm(c) else 1
+    ln = 2 * norm_in * d * hi / sp + 2 * d * hi
+    mlp = 2 * size.mlp_matrices - 2  # 2 (GELU) or 4 (SwiGLU) tensors of width d_ff
+    per_layer = ln + (_attention_token_elements(c) + mlp * f / tp) * lo
     if c.recompute == "selective":
-        per_layer -= 4 * d * lo / tp
+        per_layer -= _attention_token_elements(c) * lo
     return per_layer
+
+
+def rope_table_bytes(c: CellShape) -> int:
+    """RoPE's cos and sin (fp32, ``seq x head_dim / 2`` each), computed and saved by each llama3 block's
+    attention, once per microbatch: not per row."""
+    return 4 * c.size.seq_len * c.size.head_dim if c.size.llama and c.recompute == "none" else 0
 
 
 def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
@@ -112,18 +135,21 @@ def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
     block_input = c.size.d_model * c.residual_bytes / sp
     per_layer = block_input if c.recompute == "full" else _block_token_bytes(c)
     stage_output = block_input if c.dims.pp_enabled and pp_rank < c.dims.pp - 1 else 0
-    return int(tokens * (layers * per_layer + stage_output))
+    tables = layers * rope_table_bytes(c) * inflight_microbatches(c, pp_rank)
+    return int(tokens * (layers * per_layer + stage_output)) + tables
 
 
-def _gelu_grad_bytes(c: CellShape) -> int:
-    """The GELU gradient one block's backward allocates, one microbatch (``4 d / tp`` per token)."""
-    return int(c.microbatch_rows * c.size.seq_len * 4 * c.size.d_model * c.compute_bytes / c.dims.tp)
+def _mlp_grad_bytes(c: CellShape) -> int:
+    """The MLP gradients one block's backward allocates, one microbatch: GELU's (``d_ff / tp`` per
+    token), or SwiGLU's two at once (the gradients of silu(gate) and of up: ``2 d_ff / tp``)."""
+    width = (c.size.mlp_matrices - 1) * c.size.d_ff
+    return int(c.microbatch_rows * c.size.seq_len * width * c.compute_bytes / c.dims.tp)
 
 
 def block_backward_bytes(c: CellShape) -> int:
     """Activations live in one block's backward, one microbatch: the block's (saved, or recomputed
     under ``full``) and its GELU gradient."""
-    return int(c.microbatch_rows * c.size.seq_len * _block_token_bytes(c)) + _gelu_grad_bytes(c)
+    return int(c.microbatch_rows * c.size.seq_len * _block_token_bytes(c)) + _mlp_grad_bytes(c)
 
 
 def grads_live_in_forward(c: CellShape) -> bool:
@@ -178,7 +204,7 @@ def peak_bytes(c: CellShape, base_bytes: float) -> float:
     """
     by_rank = state_bytes_by_rank(c)
     block = block_backward_bytes(c)
-    top_adds = block if c.recompute == "full" else _gelu_grad_bytes(c)  # what the top block's backward adds to the saved
+    top_adds = block if c.recompute == "full" else _mlp_grad_bytes(c)  # what the top block's backward adds to the saved
     transient = transient_param_bytes(c)
     peaks = []
     for pp_rank in range(c.dims.pp):

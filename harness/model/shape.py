@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import Layout
-from workloads.sizes import ModelSize, get_size
+from workloads.sizes import ModelSize
 
 LOW_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 """Bytes of an activation element; fp8 keeps its activations in bf16 (torchao casts at each matmul)."""
@@ -30,7 +30,7 @@ class CellShape:
     @classmethod
     def of(cls, cfg) -> CellShape:
         """From a planned :class:`~harness.spec.CellConfig`."""
-        size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
+        size = cfg.model_size
         dims = cfg.layout.dims
         return cls(size=size, dims=dims, strategy=cfg.strategy, precision=cfg.precision,
                    global_batch=cfg.global_batch, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches,

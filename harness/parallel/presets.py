@@ -159,7 +159,7 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
     layout = resolve(strategy, world, degrees)
     check_strategy(precision, strategy)
     mb = default_microbatches(layout.dims, microbatches)
-    check_model_fit(layout.dims, size.n_heads, size.d_ff, size.n_layers, pp_schedule, mb)
+    check_model_fit(layout.dims, size.n_heads, size.d_ff, size.n_layers, pp_schedule, mb, size.kv_heads)
     check_batch_split(layout.dims, global_batch, mb, grad_accum)
     return layout, mb
 
@@ -179,12 +179,19 @@ def world_for(strategy: str, gpus: int) -> int:
     return 1 if strategy == "single" else gpus
 
 
-def check_model_fit(dims: ParallelDims, n_heads: int, d_ff: int, n_layers: int, pp_schedule: str, microbatches: int) -> None:
+def _divisors(n: int) -> str:
+    return ", ".join(str(t) for t in range(1, n + 1) if n % t == 0)
+
+
+def check_model_fit(dims: ParallelDims, n_heads: int, d_ff: int, n_layers: int, pp_schedule: str, microbatches: int,
+                    n_kv_heads: int | None = None) -> None:
     """Checks that need the workload's shape; each error names the values and the fix."""
     if dims.tp_enabled:
         if n_heads % dims.tp:
-            ok = [t for t in range(1, n_heads + 1) if n_heads % t == 0]
-            raise UsageError(f"tp ({dims.tp}) must divide n_heads ({n_heads}); choose tp in {{{', '.join(map(str, ok))}}}")
+            raise UsageError(f"tp ({dims.tp}) must divide n_heads ({n_heads}); choose tp in {{{_divisors(n_heads)}}}")
+        if n_kv_heads and n_kv_heads % dims.tp:
+            raise UsageError(f"tp ({dims.tp}) must divide n_kv_heads ({n_kv_heads}): grouped-query attention shards "
+                             f"whole key/value heads; choose tp in {{{_divisors(n_kv_heads)}}}")
         if d_ff % dims.tp:
             raise UsageError(f"tp ({dims.tp}) must divide the MLP width ({d_ff}); choose a tp that divides {d_ff}")
     if dims.pp_enabled:

@@ -1,7 +1,7 @@
 """Tensor parallel (Megatron-LM, Shoeybi et al. 2019) with DTensor plans, optional sequence parallel.
 
-Per block: q/k/v and MLP fc are column-parallel (each rank holds ``n_heads / tp`` heads and
-``d_ff / tp`` MLP columns), the attention output and MLP proj are row-parallel, so each
+Per block: q/k/v and the MLP's input linears are column-parallel (:data:`COLUMN_LINEARS`), the
+attention output and MLP proj are row-parallel, so each
 block costs one all-reduce in forward and one in backward per sub-layer (attention, MLP).
 With sequence parallel (Korthikanti et al. 2022), the residual stream and LayerNorms are
 sharded along the sequence: the all-reduces become all-gather + reduce-scatter pairs and
@@ -27,8 +27,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 
+COLUMN_LINEARS = ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up")
+"""Column-parallel linears of a block (gpt2's MLP has ``fc``, llama3's SwiGLU ``gate`` and ``up``):
+each rank holds ``n_heads / tp`` query heads, ``n_kv_heads / tp`` key/value heads (grouped-query
+attention keeps each rank's query heads with the key/value heads they share) and ``d_ff / tp``
+MLP columns."""
+ROW_LINEARS = ("attn.out", "mlp.proj")
+
+
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
-    """Shard ``model`` (a :class:`workloads.GPT` or a pipeline stage of one) over ``tp_mesh``."""
+    """Shard ``model`` (a :class:`workloads.model.Decoder` or a pipeline stage of one) over ``tp_mesh``."""
     sp = sequence_parallel
     residual = Shard(1) if sp else Replicate()
     top: dict = {}
@@ -51,14 +59,9 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
             PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=False),
         )
     for block in model.blocks.values():
-        plan = {
-            "attn.q": ColwiseParallel(),
-            "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(),
-            "attn.out": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
-            "mlp.fc": ColwiseParallel(),
-            "mlp.proj": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
-        }
+        present = dict(block.named_modules())
+        plan = {name: ColwiseParallel() for name in COLUMN_LINEARS if name in present}
+        plan.update({name: RowwiseParallel(output_layouts=residual, use_local_output=not sp) for name in ROW_LINEARS})
         if sp:
             plan.update(
                 {

@@ -25,8 +25,14 @@ def pulled_levers(config: dict) -> dict:
     return {k: config[k] for k, off in FINGERPRINT_LEVERS.items() if config.get(k, off) != off}
 
 
+FINGERPRINT_AXES = {"arch": "gpt2"}
+"""Workload axes and their default: a cell off the default enters them in its fingerprint, a default one
+does not, so records from before the axis keep their fingerprints."""
+
+
 def fingerprint_fields(config: dict, env: dict, degrees: dict | None) -> dict:
     f = {k: config.get(k) for k in FINGERPRINT_CONFIG}
+    f.update({k: config[k] for k, off in FINGERPRINT_AXES.items() if config.get(k, off) != off})
     f.update(pulled_levers(config))
     f.update({k: env.get(k) for k in FINGERPRINT_ENV})
     f["degrees"] = degrees

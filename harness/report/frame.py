@@ -17,6 +17,7 @@ from harness.measure.intervals import median_spread
 from harness.records.reader import latest_per_cell
 from harness.records.record import pulled_levers
 from harness.units import MIB
+from workloads.sizes import size_label
 
 TIME_USE = {
     "time_startup_s": ("launch", "imports", "process_group", "build"),
@@ -70,7 +71,7 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
     if math.isnan(tokens_per_s):
         tokens_per_s = num(m.get("tokens_per_s_per_device")) * world_size
     return {
-        "cell_id": r.get("cell_id"), "size": cfg.get("size"), "strategy": cfg.get("strategy"),
+        "cell_id": r.get("cell_id"), "size": size_label(cfg), "strategy": cfg.get("strategy"),
         "precision": cfg.get("precision"), "levers": levers_label(cfg), "world_size": world_size,
         "global_batch": num(cfg.get("global_batch")), "scaling": cfg.get("scaling"),
         "lr_rule": cfg.get("lr_rule"), "status": r.get("status"), "error": r.get("error"),

@@ -195,7 +195,7 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
 def parity_key(cfg: dict) -> tuple:
     """Cells whose loss curves must match: same work, same data, same schedule of LRs (the levers
     change none of them: a compiled or checkpointed cell must match the eager one)."""
-    return tuple(cfg.get(k) for k in ("size", "precision", "global_batch", "seq_len", "lr", "lr_warmup_steps",
+    return (cfg.get("arch", "gpt2"),) + tuple(cfg.get(k) for k in ("size", "precision", "global_batch", "seq_len", "lr", "lr_warmup_steps",
                                       "seed", "steps", "warmup", "scaling", "lr_rule"))
 
 

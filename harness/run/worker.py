@@ -47,8 +47,7 @@ from harness.scaling import lr_at
 from harness.spec import CellConfig, threads_per_rank
 from harness.units import GIB
 from workloads.data import MarkovData
-from workloads.model import GPT, lm_loss
-from workloads.sizes import get_size
+from workloads.model import Decoder, lm_loss
 
 PROFILE_WARMUP = 1  # after the measured window: 1 profiler warmup step + 3 recorded steps
 PROFILE_STEPS = 4
@@ -107,7 +106,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
         torch.set_num_threads(_threads_per_rank())
     threads = torch.get_num_threads()
 
-    size = replace(get_size(cfg.size), seq_len=cfg.seq_len)
+    size = cfg.model_size
     layout = cfg.layout  # validated by the planner (resolve_cell) before the cell was launched
     dims = layout.dims
     dims.build_mesh(device.type)
@@ -116,7 +115,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
 
     torch.manual_seed(cfg.seed)
     with torch.device(device):
-        model = GPT(size)
+        model = Decoder(size)
     gns_state = None
     if layout.data_parallel == "ddp":
         gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group())

@@ -16,7 +16,7 @@ import torch
 
 from tests.bench.conftest import bare_step
 from workloads.data import MarkovData
-from workloads.model import GPT
+from workloads.model import Decoder
 from workloads.sizes import get_size
 
 SIZE, SEQ_LEN, BATCH = "tiny", 128, 8
@@ -25,7 +25,7 @@ SIZE, SEQ_LEN, BATCH = "tiny", 128, 8
 def median_step_s(steps: int, warmup: int) -> float:
     size = replace(get_size(SIZE), seq_len=SEQ_LEN)
     torch.manual_seed(0)
-    model = GPT(size)
+    model = Decoder(size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     data = MarkovData(size.vocab_size, SEQ_LEN, seed=0)
     times = []

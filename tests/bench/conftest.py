@@ -15,14 +15,14 @@ from harness.parallel.parallelize import Parallelized
 from harness.precision import PrecisionPlan
 from harness.run import train
 from workloads.data import MarkovData
-from workloads.model import GPT, lm_loss
+from workloads.model import Decoder, lm_loss
 from workloads.sizes import get_size
 
 
 def make_context(size_name: str, seq_len: int, batch: int, nvtx: bool, seed: int = 0):
     size = replace(get_size(size_name), seq_len=seq_len)
     torch.manual_seed(seed)
-    model = GPT(size)
+    model = Decoder(size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     ctx = train.StepContext(par=Parallelized(parts=[model], model=model, pipeline=None, data_parallel="none"),
                             optimizer=opt, precision=PrecisionPlan("fp32"), scaler=None, device_kind="cpu",

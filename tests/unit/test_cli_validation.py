@@ -15,7 +15,7 @@ CASES = {
               "global batch (3) must be divisible by dp (2) x grad_accum (1) = 2"),
     "microbatches": (["--gpus", "4", "--strategies", "pp", "--microbatches", "2"],
                      "schedule 1f1b with pp 4 needs >= 4 microbatches, got 2; raise --microbatches"),
-    "size": (["--sizes", "huge"], "unknown size 'huge'; choose from tiny"),
+    "size": (["--sizes", "huge"], "unknown gpt2 size 'huge'; choose from tiny"),
     "gpus0": (["--gpus", "0"], "--gpus '0': each value must be an integer >= 1"),
     "gpusx": (["--gpus", "x"], "--gpus 'x': each value must be an integer >= 1"),
     "steps0": (["--steps", "0"], "--steps '0': must be an integer >= 1"),
@@ -51,7 +51,7 @@ def test_unwritable_out_exits_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("toml,message", [
     ("stpes = 5\n", "unknown key 'stpes' in {f}; did you mean 'steps'?"),
-    ("bogus_key = 1\n", "unknown key 'bogus_key' in {f}; valid keys: ac, base_batch,"),
+    ("bogus_key = 1\n", "unknown key 'bogus_key' in {f}; valid keys: ac, arch, base_batch,"),
     ('steps = "five"\n', "{f}: steps 'five': must be an integer >= 1"),
     ("gpus = [2, 0]\n", "{f}: gpus '2,0': each value must be an integer >= 1"),
 ])

@@ -28,7 +28,7 @@ from harness.planner import expand
 from harness.records.record import fingerprint_fields, pulled_levers
 from harness.run.record_metrics import DEAD_GRAD_FRACTION
 from harness.spec import cell_id_of
-from workloads.model import GPT, lm_loss
+from workloads.model import Decoder, lm_loss
 from workloads.sizes import get_size
 
 TP_FAMILY = {"tp", "tp-sp", "fsdp+tp", "pp+fsdp+tp"}
@@ -113,7 +113,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[flo
 def test_activation_checkpointing_changes_no_number_and_keeps_fewer_bytes(mode):
     size = replace(get_size("tiny"), seq_len=64)
     torch.manual_seed(0)
-    eager = GPT(size)
+    eager = Decoder(size)
     checkpointed = copy.deepcopy(eager)
     apply_ac(checkpointed, mode)
     x = torch.randint(0, size.vocab_size, (4, size.seq_len))
@@ -260,7 +260,7 @@ def test_compiled_blocks_train_like_eager_and_keep_their_parameter_names():
     every gradient of a compiled tiny model match eager within fp32 reassociation (1e-5)."""
     size = replace(get_size("tiny"), seq_len=32, n_layers=2)
     torch.manual_seed(0)
-    eager = GPT(size)
+    eager = Decoder(size)
     compiled = copy.deepcopy(eager)
     levers.apply_compile(compiled)
     x = torch.randint(0, size.vocab_size, (2, size.seq_len))

@@ -17,7 +17,7 @@ from harness.model import comm, memory
 from harness.model.inventory import ParamSpec, coords
 from harness.model.shape import CellShape
 from harness.parallel.presets import degrees_for
-from workloads.model import GPT
+from workloads.model import Decoder
 from workloads.sizes import get_size
 
 TINY = get_size("tiny")
@@ -34,7 +34,7 @@ def shape(strategy: str, world: int, **kw) -> CellShape:
 
 def test_tiny_inventory_is_what_the_model_builds() -> None:
     with torch.device("meta"):
-        params = list(GPT(TINY).parameters())
+        params = list(Decoder(TINY).parameters())
     assert (sum(p.numel() for p in params), len(params)) == (PARAMS, TENSORS)
     assert ROOT == 82_176
 
@@ -105,7 +105,7 @@ def test_state_bytes_exact() -> None:
 
 def test_uneven_fsdp_shards_follow_torch_chunk_per_rank() -> None:
     with torch.device("meta"):
-        params = list(GPT(TINY).parameters())
+        params = list(Decoder(TINY).parameters())
     # dim 0 of every tensor chunked over 3 ranks the way torch.chunk does: 43, 43, 42 of 128 rows.
     expected = [sum(torch.chunk(torch.empty(p.shape[0], device="meta"), 3)[k].numel() * p[0].numel() for p in params)
                 for k in range(3)]

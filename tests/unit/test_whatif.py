@@ -184,7 +184,7 @@ def test_invalid_strategies_are_rows_with_the_reason():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(size_name="huge"), "--sizes: unknown size 'huge'"),
+    (dict(size_name="huge"), "--sizes: unknown gpt2 size 'huge'"),
     (dict(gpus=0), "--gpus 0: must be an integer >= 1"),
     (dict(efficiency=1.5), "--efficiency 1.5: must be a fraction of the datasheet peak in (0, 1]"),
     (dict(recompute="some"), "--recompute 'some': choose from none, selective, full"),

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from workloads.data import MarkovData
-from workloads.model import GPT, lm_loss
+from workloads.model import Decoder, lm_loss
 from workloads.sizes import SIZES, get_size
 
 
@@ -20,14 +20,14 @@ from workloads.sizes import SIZES, get_size
 def test_param_count_formula_matches_model(name):
     size = get_size(name)
     with torch.device("meta"):
-        model = GPT(size)
+        model = Decoder(size)
     assert sum(p.numel() for p in model.parameters()) == size.params
 
 
 def test_sizes_span_tiny_to_13b():
     assert get_size("small").params_nonembedding == pytest.approx(124e6, rel=0.01)
     assert 1.3e9 <= get_size("xl").params <= 1.5e9
-    with pytest.raises(ValueError, match="unknown size 'huge'; choose from tiny, mini, small"):
+    with pytest.raises(ValueError, match="unknown gpt2 size 'huge'; choose from tiny, mini, small"):
         get_size("huge")
 
 
@@ -36,7 +36,7 @@ def test_flops_per_token_matches_flop_counter(name, seq):
     """PaLM 6N + 12LdS within 2% of the counted fwd+bwd FLOPs (math SDPA so attention is counted)."""
     size = replace(get_size(name), seq_len=seq)
     torch.manual_seed(0)
-    model = GPT(size)
+    model = Decoder(size)
     x = torch.randint(0, size.vocab_size, (2, seq))
     counter = FlopCounterMode(display=False)
     with sdpa_kernel(SDPBackend.MATH), counter:

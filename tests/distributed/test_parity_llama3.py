@@ -1,0 +1,81 @@
+"""llama3 (RMSNorm, RoPE, SwiGLU, grouped-query attention) computes the same training under every
+strategy as on one device, and its communication and model states are what the model says.
+
+Tolerances as for gpt2 (:mod:`tests.distributed.test_parity`): loss within 1e-4, the step-1
+gradient norm within 1e-6, the step-1 parameter norms within 1e-5, relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.run.formulas import max_rel_diff
+from harness.run.record_metrics import parity_diffs
+from tests.distributed._spawn import cell, run_cells
+from tests.distributed.test_parity import GRAD_NORM_TOL, PARAMS_TOL, TOL, _check_model, _pp_kw
+
+pytestmark = pytest.mark.distributed
+
+W2 = ["ddp", "fsdp", "zero2", "tp", "tp-sp", "pp"]
+W4 = ["hsdp", "fsdp+tp", "pp+fsdp"]
+
+
+def _cell(strategy: str, world: int, **kw) -> dict:
+    return cell(strategy, world, arch="llama3", **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cells = [_cell("single", 1), _cell("single", 1, global_batch=16)]
+    return run_cells(cells, 1, tmp_path_factory.mktemp("llama3-w1"))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    cells = [_cell(s, 2, **_pp_kw(s, 2)) for s in W2]
+    cells.append(_cell("pp", 2, pp_schedule="interleaved1f1b", microbatches=4))
+    cells.append(_cell("pp", 2, pp_schedule="gpipe", microbatches=2))
+    return run_cells(cells, 2, tmp_path_factory.mktemp("llama3-w2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    cells = [_cell(s, 4, global_batch=16, **_pp_kw(s, 4)) for s in W4]
+    return run_cells(cells, 4, tmp_path_factory.mktemp("llama3-w4"))
+
+
+def _single(reference: dict, gb: int) -> dict:
+    return reference[f"llama3-tiny-single-fp32-w1-gb{gb}-strong"]
+
+
+def _assert_parity(results: dict, reference: dict, gb: int) -> None:
+    ref = _single(reference, gb)
+    assert results, "no cells ran"
+    for cid, res in results.items():
+        assert cid.startswith("llama3-tiny-"), cid
+        loss = max_rel_diff(res["metrics"]["loss"], ref["metrics"]["loss"])
+        assert loss <= TOL, f"{cid}: loss differs by {loss:.1e}"
+        diffs = parity_diffs(res["metrics"], res.get("samples") or {}, ref)
+        assert diffs["grad_norm"] is not None and diffs["grad_norm"] <= GRAD_NORM_TOL, f"{cid}: {diffs}"
+        assert diffs["params"] is not None and diffs["params"] <= PARAMS_TOL, f"{cid}: {diffs}"
+
+
+def test_llama3_learns_on_one_device(reference):
+    loss = _single(reference, 8)["metrics"]["loss"]
+    assert loss[-1] < loss[0]
+
+
+def test_llama3_every_strategy_matches_one_device_world2(world2, reference):
+    assert len(world2) == len(W2) + 2
+    _assert_parity(world2, reference, 8)
+
+
+def test_llama3_model_predicts_counted_comm_and_states_world2(world2):
+    """Five column-parallel linears per block (q, k, v, gate, up) under tp; RMSNorm's lone weight under tp-sp."""
+    _check_model(world2)
+
+
+@pytest.mark.slow
+def test_llama3_hybrids_match_one_device_world4(world4, reference):
+    _assert_parity(world4, reference, 16)
+    _check_model(world4)
