@@ -18,7 +18,7 @@ from harness.model.hardware import DEVICES
 from harness.parallel.levers import AC_MODES, COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
 from harness.spec import SweepSpec, default_device_kind
-from workloads.sizes import ARCHS, DEFAULT_ARCH
+from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
 
 EXIT_USAGE = 2
 RUN_DEVICES = ("auto", "cpu", "cuda")
@@ -60,6 +60,15 @@ def choices(name: str, s, valid: tuple[str, ...]) -> tuple[str, ...]:
     if not out:
         raise UsageError(f"{name} is empty; choose from {', '.join(valid)}")
     return out
+
+
+def workload_keys(archs: tuple[str, ...], sizes: tuple[str, ...]) -> list[str]:
+    """Each family's sizes as keys unique over families (``tiny``, ``llama3-8b``); an unknown size is a
+    UsageError listing the family's names."""
+    try:
+        return [get_size(name, arch).key for arch in archs for name in sizes]
+    except ValueError as e:
+        raise UsageError(f"--sizes: {e}") from None
 
 
 def degrees_arg(s: str | None) -> dict | None:

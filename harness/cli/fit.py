@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints
+from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints, workload_keys
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.fit_cells import RECORDS, fit_all
@@ -22,9 +22,9 @@ from harness.records.record import new_run_id
 from harness.report.fit_text import BANNER, fit_table, legend
 from harness.spec import default_device_kind
 from harness.units import GIB
-from workloads.sizes import SIZES, get_size
+from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size, seq_len_error
 
-FLAGS = ("gpus", "nnodes", "sizes", "strategies", "precision", "ac", "batch", "device_mem", "device", "compute",
+FLAGS = ("arch", "gpus", "nnodes", "sizes", "strategies", "precision", "ac", "batch", "device_mem", "device", "compute",
          "steps", "seq_len", "microbatches", "pp_schedule", "degrees", "out")
 """Flags written back into fit.md's command line."""
 DEFAULTS = {"cpu": dict(sizes="tiny", precision="fp32"), "cuda": dict(sizes="small", precision="bf16")}
@@ -61,7 +61,7 @@ def _device(value: str | None) -> str:
 
 def _compute(value: str, device_kind: str, size: str) -> str:
     if value == "auto":  # a GPU-class size's real step takes this CPU minutes to hours per rank role
-        return "fake" if device_kind == "cpu" and get_size(size).device_kind == "gpu" else "real"
+        return "fake" if device_kind == "cpu" and get_size(size).device_kind != "cpu" else "real"
     return value
 
 
@@ -70,10 +70,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     d = DEFAULTS[device_kind]
     gpus = ints("--gpus", args.gpus)
     nnodes = int_arg("--nnodes", args.nnodes, 1)
-    sizes = csv_list(args.sizes or d["sizes"])
-    for s in sizes:
-        if s not in SIZES:
-            raise UsageError(f"--sizes: unknown size {s!r}; choose from {', '.join(SIZES)}")
+    sizes = workload_keys(choices("--arch", args.arch or DEFAULT_ARCH, ARCHS), csv_list(args.sizes or d["sizes"]))
     auto = str(args.batch).strip() == "auto"
     micro = 1 if auto else int_arg("--batch", args.batch, 1)
     steps = int_arg("--steps", args.steps, 1)
@@ -84,8 +81,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     acs = choices("--ac", args.ac, AC_MODES)
     cells, compute = [], {}
     for size in sizes:  # every cell is validated before anything runs
-        if seq and seq > get_size(size).seq_len:
-            raise UsageError(f"--seq-len {seq} exceeds {size}'s position table ({get_size(size).seq_len})")
+        if seq and seq_len_error(get_size(size), seq):
+            raise UsageError(f"--seq-len: {seq_len_error(get_size(size), seq)}")
         compute[size] = _compute(args.compute, device_kind, size)
         for prec in csv_list(args.precision or d["precision"]):
             for g in gpus:
@@ -120,6 +117,7 @@ def register(sub) -> None:
                                    "with fake collectives (memory only; no time or throughput)")
     p.add_argument("--gpus", required=True, help="devices per node N (a list fits several: 8,64)")
     p.add_argument("--nnodes", default="1", help="nodes; the world is gpus x nnodes")
+    p.add_argument("--arch", help="architecture families: gpt2,llama3 (default gpt2)")
     p.add_argument("--sizes", help="workload sizes (default tiny on CPU, small on GPU)")
     p.add_argument("--strategies", default="fsdp", help="fsdp,zero2,hsdp,tp,tp-sp,pp,fsdp+tp,pp+fsdp,pp+fsdp+tp,ddp")
     p.add_argument("--precision", help="fp32,bf16,... (default fp32 on CPU, bf16 on GPU)")

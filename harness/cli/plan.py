@@ -8,6 +8,7 @@ from pathlib import Path
 from harness.cli.args import (
     RUN_DEVICES,
     add_sweep_args,
+    choices,
     csv_list,
     degrees_arg,
     device_line,
@@ -16,6 +17,7 @@ from harness.cli.args import (
     ints,
     merged,
     spec_from_args,
+    workload_keys,
 )
 from harness.errors import UsageError
 from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
@@ -25,11 +27,12 @@ from harness.planner import expand
 from harness.report.model_error import model_error
 from harness.report.plan_text import plan_table
 from harness.report.whatif_text import BANNER, assumptions_lines, error_line, whatif_table
-from workloads.sizes import get_size
+from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
 
 FIT_BANNER = ("PREDICTIONS from the analytic model (harness/model), except peak memory where `harness fit` measured "
               "it (--fit-from; noted per row): nothing here ran on the named hardware.")
 
+WHATIF_DEFAULT_SIZE = {"gpt2": "xl", "llama3": "8b"}
 ERROR_FROM = Path("results/reference/model-cpu-tiny-mini-w2-w4-r5")
 
 
@@ -59,7 +62,9 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
     if v.get("scaling", "strong") != "strong":
         raise UsageError(f"--scaling {v['scaling']}: the what-if takes --batch as the global batch; drop --scaling")
     efficiency = fraction(v.label("efficiency"), v["efficiency"]) if "efficiency" in v else None
-    sizes = csv_list(v.get("sizes", "xl"))
+    archs = choices(v.label("arch"), v.get("arch", DEFAULT_ARCH), ARCHS)
+    sizes = (workload_keys(archs, csv_list(v["sizes"])) if "sizes" in v
+             else [get_size(WHATIF_DEFAULT_SIZE[a], a).key for a in archs])
     strategies = csv_list(v["strategies"]) if v.get("strategies") else None
     opts = dict(global_batch=int_arg(v.label("batch"), v["batch"], 1) if "batch" in v else None,
                 seq_len=int_arg(v.label("seq_len"), v["seq_len"], 1) if "seq_len" in v else None,

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from harness.cli.args import choices
 from harness.errors import UsageError
 from harness.records.reader import RECORDS_FILENAME
 from harness.report import write_report
 from workloads.data import MarkovData
-from workloads.sizes import SIZES
+from workloads.sizes import ARCHS, FAMILIES, FLOP_CONVENTION_LABEL, FLOP_CONVENTIONS
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -21,18 +22,33 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _published(s) -> str:
+    if not s.tied_published:
+        return "same"
+    return f"{s.params_published:,} (tied head)"
+
+
 def cmd_workloads(args: argparse.Namespace) -> int:
-    rows = []
-    for s in SIZES.values():
-        floor = MarkovData(s.vocab_size, s.seq_len).entropy_floor if s.vocab_size <= 4096 else None
-        rows.append([s.name, s.n_layers, s.d_model, s.n_heads, s.seq_len, s.vocab_size, f"{s.params:,}",
-                     f"{s.params_nonembedding:,}", f"{s.flops_per_token() / 1e6:,.1f}",
-                     f"{s.flops_per_token_megatron() / 1e6:,.1f}", f"{floor:.3f}" if floor else "-"])
-    print(tabulate(rows, headers=["size", "layers", "d_model", "heads", "seq_len", "vocab", "params",
-                                  "N (non-embed)", "MFLOP/token (PaLM)", "MFLOP/token (Megatron)",
-                                  "entropy floor (nats)"], tablefmt="github"))
-    print("\nPaLM: 6*N + 12*L*d*S; Megatron (causal-halved attention): 6*N + 6*L*d*S; "
-          "N = all parameters except the token/position embedding tables (the untied LM head counts).")
+    archs = choices("--arch", args.arch, ARCHS) if args.arch else ARCHS
+    for arch in archs:
+        rows = []
+        for s in FAMILIES[arch].values():
+            floor = MarkovData(s.vocab_size, s.seq_len).entropy_floor if s.vocab_size <= 4096 else None
+            flops = s.flops_by_convention()
+            rows.append([s.name, s.device_kind, s.n_layers, s.d_model, s.n_heads, s.kv_heads, s.d_ff, s.seq_len,
+                         s.vocab_size, f"{s.params:,}", _published(s), f"{s.params_nonembedding:,}",
+                         *(f"{flops[k] / 1e6:,.1f}" for k in FLOP_CONVENTIONS), f"{floor:.3f}" if floor else "-"])
+        print(f"## {arch}\n")
+        print(tabulate(rows, headers=["size", "runs on", "layers", "d_model", "heads", "kv heads", "d_ff", "seq_len",
+                                      "vocab", "params (trained)", "params (published)", "N (non-embed)",
+                                      *(f"MFLOP/token {k}" for k in FLOP_CONVENTIONS), "entropy floor (nats)"],
+                       tablefmt="github", disable_numparse=True))
+        print()
+    print("params (trained): the model the harness builds, LM head always untied so tensor and pipeline parallel "
+          "can place it; params (published): the released checkpoint's count where it ties the head (Llama 3.2 "
+          "1B, 3B). FLOPs per token at the size's seq_len, forward + backward, N = all parameters but the "
+          "embedding tables: " + "; ".join(f"{k}: {FLOP_CONVENTION_LABEL[k]}" for k in FLOP_CONVENTIONS)
+          + ". runs on: cpu/gpu sizes bench anywhere; plan sizes are for harness plan and harness fit only.")
     return 0
 
 
@@ -40,5 +56,6 @@ def register(sub) -> None:
     r = sub.add_parser("report", help="rebuild summary.md, summary.csv and plots from a run's records")
     r.add_argument("dir", type=Path)
     r.set_defaults(fn=cmd_report)
-    w = sub.add_parser("workloads", help="print the workload size table")
+    w = sub.add_parser("workloads", help="print each family's sizes: parameters and FLOPs per token")
+    w.add_argument("--arch", help="families to list: gpt2,llama3 (default all)")
     w.set_defaults(fn=cmd_workloads)

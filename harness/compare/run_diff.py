@@ -215,7 +215,7 @@ def cells_table(diff: RunDiff) -> pd.DataFrame:
             "verdict": t.verdict,
             "step ms A -> B": _pair(_metric(a, "step_time_s", "median") * 1e3, _metric(b, "step_time_s", "median") * 1e3,
                                     ".1f"),
-            f"MFU %{tag}": _pair(mfu_a, mfu_b, ".1f"),
+            f"MFU % (PaLM){tag}": _pair(mfu_a, mfu_b, ".1f"),
             "peak GiB": _pair(_metric(a, "peak_mem_gib"), _metric(b, "peak_mem_gib"), ".2f"),
             "comm MiB/step": _pair(_metric(a, "comm_bytes_per_step") / MIB, _metric(b, "comm_bytes_per_step") / MIB,
                                    ".1f"),

@@ -104,13 +104,14 @@ def _block_token_bytes(c: CellShape) -> float:
     size, tp, lo, hi = c.size, c.dims.tp, c.compute_bytes, c.residual_bytes
     d, f = size.d_model, size.d_ff
     sp = tp if c.dims.sequence_parallel else 1
-    # per token: each norm's input and output (hi), plus RMSNorm's normalised input when composite;
+    # per token: each norm's input and output (hi), or, for a composite RMSNorm, its input and normalised
+    # input upcast to fp32 (torch's composite computes in fp32 and saves both) and its output (hi);
     # q/k/v/attention output (lo, / tp); the MLP's: GELU's input and output (2 f), or SwiGLU's gate,
     # silu(gate), up and their product (4 f) (lo, / tp). Under SP the norms save their sequence-sharded
     # inputs, but the column-parallel linears save the all-gathered (full-sequence) norm outputs they
     # consume: DTensor does not re-gather in backward as Megatron does.
-    norm_in = 2 if size.llama and composite_rms_norm(c) else 1
-    ln = 2 * norm_in * d * hi / sp + 2 * d * hi
+    norm_saved = 2 * d * 4 if size.llama and composite_rms_norm(c) else d * hi
+    ln = 2 * norm_saved / sp + 2 * d * hi
     mlp = 2 * size.mlp_matrices - 2  # 2 (GELU) or 4 (SwiGLU) tensors of width d_ff
     per_layer = ln + (_attention_token_elements(c) + mlp * f / tp) * lo
     if c.recompute == "selective":

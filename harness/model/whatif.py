@@ -30,12 +30,20 @@ from harness.model.memory import RECOMPUTE, peak_bytes, state_bytes_by_rank
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import predict_step
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, resolve_cell, world_for
-from workloads.sizes import ModelSize, get_size
+from workloads.sizes import ModelSize, get_size, seq_len_error
 
 SEQUENCES_PER_DEVICE = 8
-"""Default global batch: 8 sequences per device (8,192 tokens at seq 1024; 0.5M tokens on 64 GPUs,
-the order of GPT-3 XL's 1M-token batch, Brown et al. 2020 table 2.1). It is the harness's
-one-device GPU default batch, scaled like ``--scaling weak``."""
+TOKENS_PER_DEVICE = 8192
+"""Default global batch: 8,192 tokens per device, at most 8 sequences: 8 sequences at seq 1024
+(0.5M tokens on 64 GPUs, the order of GPT-3 XL's 1M-token batch, Brown et al. 2020 table 2.1; the
+harness's one-device GPU default batch, scaled like ``--scaling weak``), one at Llama 3's 8,192."""
+
+
+def sequences_per_device(seq_len: int) -> int:
+    """The default batch per device at ``seq_len`` (:data:`TOKENS_PER_DEVICE`)."""
+    return max(1, min(SEQUENCES_PER_DEVICE, TOKENS_PER_DEVICE // seq_len))
+
+
 DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "single")
 """``single`` runs on one device; ask for it with ``--strategies single`` as a reference."""
 
@@ -91,9 +99,8 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
         raise UsageError(f"--efficiency {efficiency!r}: must be a fraction of the datasheet peak in (0, 1], "
                          f"e.g. 0.4")
     if seq_len is not None:
-        if seq_len > size.seq_len:
-            raise UsageError(f"--seq-len {seq_len} exceeds {size.name}'s position table ({size.seq_len}); "
-                             f"use --seq-len <= {size.seq_len}")
+        if seq_len_error(size, seq_len):
+            raise UsageError(f"--seq-len: {seq_len_error(size, seq_len)}")
         size = replace(size, seq_len=seq_len)
     return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
                     recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
@@ -103,7 +110,7 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
 def shape_for(s: Scenario, strategy: str) -> CellShape:
     """The cell a strategy runs at this scale; UsageError (the row's reason) when it cannot run."""
     world = world_for(strategy, s.gpus)
-    gb = s.global_batch or SEQUENCES_PER_DEVICE * world
+    gb = s.global_batch or sequences_per_device(s.size.seq_len) * world
     layout, mb = resolve_cell(strategy, world, s.degrees if strategy != "single" else None, s.size, s.precision,
                               s.pp_schedule, s.microbatches, s.grad_accum, gb)
     return CellShape(size=s.size, dims=layout.dims, strategy=strategy, precision=s.precision, global_batch=gb,
@@ -138,6 +145,7 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         valid=True, degrees=dims.degrees(), world_size=dims.world_size, global_batch=c.global_batch,
         microbatches=c.microbatches, step_time_s=step, tokens_per_s_per_device=tokens_per_device,
         mfu_pct=100.0 * c.size.flops_per_token() * tokens_per_device / (s.peak_tflops * 1e12),
+        mfu_megatron_pct=100.0 * c.size.flops_per_token_megatron() * tokens_per_device / (s.peak_tflops * 1e12),
         compute_s=p.compute_s, optimizer_s=p.optimizer_s, comm_s=p.comm_s, exposed_comm_s=p.exposed_comm_s,
         bubble_s=p.bubble_s, bubble_fraction=p.bubble_fraction, model_states_gib_per_rank=states,
         peak_mem_gib_per_rank=peak, fits=fits,

@@ -26,7 +26,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-
 COLUMN_LINEARS = ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up")
 """Column-parallel linears of a block (gpt2's MLP has ``fc``, llama3's SwiGLU ``gate`` and ``up``):
 each rank holds ``n_heads / tp`` query heads, ``n_kv_heads / tp`` key/value heads (grouped-query

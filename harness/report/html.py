@@ -27,7 +27,7 @@ img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0 1.5em; }
 SUMMARY_COLUMNS = {
     "cell_id": "cell", "status": "status", "tokens_per_s_per_device": "tokens/s/dev",
     "step_time_median_s": "step median (ms)", "step_time_cv": "CV %", "tflops_per_device": "TFLOP/s/dev",
-    "mfu_pct": "MFU %", "mfu_calibrated_pct": "MFU cal. %", "peak_mem_gib": "peak mem GiB",
+    "mfu_pct": "MFU % (PaLM)", "mfu_calibrated_pct": "MFU cal. % (PaLM)", "peak_mem_gib": "peak mem GiB",
     "comm_mib_per_step": "comm MiB/step", "overlap_pct": "overlap %", "scaling_efficiency": "scaling eff.",
     "parity_max_rel_diff": "parity rel diff",
 }

@@ -41,8 +41,8 @@ SUMMARY_COLUMNS = [
     Column("step median (ms)", "step_time_median_s", 1e3, ".2f", "min"),
     Column("CV %", "step_time_cv", 100.0, ".1f", "min"),
     Column("TFLOP/s/dev", "tflops_per_device", 1.0, ".3g", "max"),
-    Column("MFU %", "mfu_pct", 1.0, ".1f", "max"),
-    Column("MFU cal. %", "mfu_calibrated_pct", 1.0, ".1f", "max"),
+    Column("MFU % (PaLM)", "mfu_pct", 1.0, ".1f", "max"),
+    Column("MFU cal. % (PaLM)", "mfu_calibrated_pct", 1.0, ".1f", "max"),
     Column("peak mem GiB", "peak_mem_gib", 1.0, ".2f", "min"),
     Column("model state MiB/rank", "model_state_mib_per_rank", 1.0, ".1f", "min"),
     Column("comm MiB/step", "comm_mib_per_step", 1.0, ".1f", "min", multi_device_only=True),
@@ -58,11 +58,11 @@ FORMULAS = """**Formulas**
 
 - tokens/s = global tokens per step / median step time, global tokens per step = global batch x seq len
 - tokens/s/dev = tokens/s / devices
-- TFLOP/s per device = flops_per_token x tokens/s / devices / 1e12
+- TFLOP/s per device = flops_per_token x tokens/s / devices / 1e12, flops_per_token by PaLM's count, 6N + 12 L d S (the full attention square; torchtitan counts the same for gpt2 and llama3; Megatron's causal count, 6N + 6 L d S, is lower: `harness workloads` lists all three)
 - MFU % = 100 x TFLOP/s per device / datasheet peak TFLOP/s of the device at the cell's precision; MFU cal. % divides by the measured matmul peak instead
 - scaling efficiency = tokens/s at N devices / (N x tokens/s at 1 device), same size, precision, scaling and LR rule
 - CV % = 100 x std / mean of the measured step times
-- with `--rounds N`: step median = the median round's median; ± = half the width of the median's interval over the rounds (order statistics, about 90% coverage from 5 rounds), as % of the median; (tie) = a cell whose interval overlaps the fastest's, scaled to equal tokens per device: not measurably slower
+- with `--rounds N`: step median = the median round's median; ± = half the width of the median's interval over the rounds (order statistics, about 60% coverage: the 2nd to 4th of 5 rounds), as % of the median; (tie) = a cell whose interval overlaps the fastest's, scaled to equal tokens per device: not measurably slower
 - B_simple = tr(Sigma) / |G|^2, the simple noise scale (McCandlish et al. 2018), in sequences like the global batch
 - **bold** = best in its column: max for throughput, MFU, overlap and efficiency; min for time, CV, memory, comm and parity (1-device cells are not ranked for efficiency, comm and parity: 1, 0 and 0 by definition)"""
 

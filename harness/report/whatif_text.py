@@ -10,8 +10,9 @@ from pathlib import Path
 from tabulate import tabulate
 
 from harness.model.hardware import DEFAULT_EFFICIENCY, KERNEL_EFFICIENCY, MAMF_FRACTION
-from harness.model.whatif import SEQUENCES_PER_DEVICE, Scenario
+from harness.model.whatif import TOKENS_PER_DEVICE, Scenario, sequences_per_device
 from harness.text import degrees_label
+from workloads.sizes import FLOP_CONVENTION_LABEL
 
 BANNER = ("PREDICTIONS from the analytic model (harness/model), not measurements: "
           "nothing here ran on the named hardware.")
@@ -19,6 +20,7 @@ BANNER = ("PREDICTIONS from the analytic model (harness/model), not measurements
 
 def assumptions_lines(s: Scenario) -> list[str]:
     d = s.device
+    per_device = sequences_per_device(s.size.seq_len)
     if s.efficiency == DEFAULT_EFFICIENCY:
         eff = (f"{s.efficiency:.3f} (matmul fraction {MAMF_FRACTION:.3f} x step efficiency {KERNEL_EFFICIENCY:.3f}, "
                f"both measured in bf16 on one H200, results/gpu/; assumed for this device)")
@@ -27,7 +29,8 @@ def assumptions_lines(s: Scenario) -> list[str]:
     nodes = f"{s.gpus} GPUs = {s.nodes} node(s) x {d.gpus_per_node}" if s.gpus > d.gpus_per_node else \
         f"{s.gpus} GPUs on one node of {d.gpus_per_node}"
     batch = f"global batch {s.global_batch} sequences" if s.global_batch else \
-        f"global batch {SEQUENCES_PER_DEVICE * s.gpus} sequences ({SEQUENCES_PER_DEVICE} per device; --batch sets it)"
+        f"global batch {per_device * s.gpus} sequences ({per_device} per device, at most {TOKENS_PER_DEVICE:,} tokens; " \
+        f"--batch sets it)"
     lines = []
     if s.precision != "bf16" and s.efficiency == DEFAULT_EFFICIENCY:
         lines.append(f"warning: the default efficiency was measured in bf16; {s.precision} kernels reach another "
@@ -40,8 +43,12 @@ def assumptions_lines(s: Scenario) -> list[str]:
         f"interconnect: {d.intra.name} {d.intra.gbps:g} GB/s/direction ({d.intra.latency_s * 1e6:g} us) in a node; "
         f"{d.inter.name} {d.inter.gbps:g} GB/s per GPU NIC ({d.inter.latency_s * 1e6:g} us) across nodes; "
         f"tp innermost on NVLink, a group spanning nodes at min(NVLink, its GPUs per node x NIC)",
-        f"workload: {s.size.name} ({_params(s.size.params)} params), seq {s.size.seq_len}, {batch}, "
+        f"workload: {s.size.arch} {s.size.name} ({_params(s.size.params)} params), seq {s.size.seq_len}, {batch}, "
         f"pp schedule {s.pp_schedule}, recompute {s.recompute}; peaks exclude the CUDA context and NCCL buffers",
+        f"MFU: model FLOPs per token by {FLOP_CONVENTION_LABEL['palm']} = {s.size.flops_per_token() / 1e9:,.2f} GFLOP "
+        f"(torchtitan counts {s.size.flops_per_token_torchtitan() / 1e9:,.2f}), and by "
+        f"{FLOP_CONVENTION_LABEL['megatron']} = {s.size.flops_per_token_megatron() / 1e9:,.2f} GFLOP "
+        f"(Megatron-Bridge's count); recompute not counted",
     ]
 
 
@@ -58,17 +65,18 @@ def whatif_table(rows: list[dict]) -> str:
     out = []
     for r in rows:
         if not r["valid"]:
-            out.append(["-", r["strategy"], "-", "-", "-", "-", "-", "-", "-", "-", "invalid", r["reason"]])
+            out.append(["-", r["strategy"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "invalid", r["reason"]])
             continue
         note = "; ".join(([r["reason"]] if r["reason"] else []) + r["notes"])
         out.append([r["rank"] or "-", r["strategy"], degrees_label(r["degrees"]), f"{r['tokens_per_s_per_device']:,.0f}",
-                    f"{r['mfu_pct']:.1f}", _num(r["step_time_s"] * 1e3), _num(r["exposed_comm_s"] * 1e3),
+                    f"{r['mfu_pct']:.1f}", f"{r['mfu_megatron_pct']:.1f}", _num(r["step_time_s"] * 1e3), _num(r["exposed_comm_s"] * 1e3),
                     _num(r["bubble_s"] * 1e3), _num(r["model_states_gib_per_rank"], 2),
                     _num(r["peak_mem_gib_per_rank"]), "yes" if r["fits"] else "NO", note])
-    return tabulate(out, headers=["rank", "strategy", "degrees", "tokens/s/device", "MFU %", "step ms",
+    return tabulate(out, headers=["rank", "strategy", "degrees", "tokens/s/device", "MFU % (PaLM)",
+                                  "MFU % (Megatron causal)", "step ms",
                                   "exposed comm ms", "bubble ms", "model states GiB/rank", "peak GiB/rank",
                                   "fits", "note"], tablefmt="github", disable_numparse=True,
-                    colalign=("right", "left", "left") + ("right",) * 7 + ("left", "left"))
+                    colalign=("right", "left", "left") + ("right",) * 8 + ("left", "left"))
 
 
 def error_line(err: dict, run_dir: Path) -> str:

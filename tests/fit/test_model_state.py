@@ -35,6 +35,9 @@ def _cells(size: str):
     # tiny: 4 heads and 4 layers; mini: 8 heads and 6 layers (tp = N and pp = N are presets)
     ("tiny", {("tp", 8), ("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}),
     pytest.param("mini", {("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}, marks=pytest.mark.slow),
+    # llama3 tiny: 2 KV heads, so fsdp+tp (tp = 2) is valid and tp = N is not; no position table, no biases
+    pytest.param("llama3-tiny", {("tp", 8), ("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)},
+                 marks=pytest.mark.slow),
 ])
 def test_model_states_per_role_equal_the_model_exactly(size, expect_invalid, tmp_path):
     cells, invalid = _cells(size)
@@ -65,3 +68,21 @@ def test_activation_checkpointing_keeps_the_states_and_lowers_each_role_peak(tmp
             a, b = results[(eager.cell_id, role.rank)], results[(full.cell_id, role.rank)]
             assert b["model_state_bytes"] == a["model_state_bytes"], (full.cell_id, role.name)
             assert b["peak_bytes"] < a["peak_bytes"], (full.cell_id, role.name, a["peak_bytes"], b["peak_bytes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_llama3_peak_within_10_percent_of_the_model_on_mean(precision, tmp_path):
+    """The llama3 block's activations (GQA's narrower k/v, SwiGLU's four d_ff-wide tensors, RMSNorm's fp32
+    saves, RoPE's tables) against FakeTensorMode roles at N = 8, micro-batch 2, seq 128: each cell's
+    highest role (the model predicts the peak over ranks) within 10% of the model on mean, as the
+    issue holds the CPU reference to (the same cells of gpt2 tiny: 12% at seq 64)."""
+    cells = [plan_fit_cell("llama3-tiny", s, precision, 8, 2, "cpu", seq_len=128, ac=ac)
+             for s in ("fsdp", "fsdp+tp", "pp+fsdp", "ddp") for ac in ("none", "full")]
+    results = run_fake_roles(cells, tmp_path, steps=1, compute="fake")
+    errors = {}
+    for cell in cells:
+        measured = max(results[(cell.cell_id, role.rank)]["peak_bytes"] for role in rank_roles(cell.shape))
+        errors[cell.cell_id] = (peak_bytes(cell.shape, 0.0) - measured) / measured
+    assert sum(abs(e) for e in errors.values()) / len(errors) <= 0.10, errors
+    assert max(abs(e) for e in errors.values()) <= 0.20, errors

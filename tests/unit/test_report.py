@@ -148,7 +148,7 @@ def test_summary_table_marks_best_and_shows_failures(records: list[dict[str, Any
     assert by_key[("ddp", "bf16", "2")]["CV %"] == "2.0"  # all tied: nothing bold
     assert by_key[("ddp", "fp32", "2")]["comm MiB/step"] == "**3.0**"
     assert by_key[("fsdp", "fp32", "2")]["overlap %"] == "**55.0**"
-    assert by_key[("ddp", "bf16", "2")]["MFU %"] == "n/a"
+    assert by_key[("ddp", "bf16", "2")]["MFU % (PaLM)"] == "n/a"
     oom = by_key[("fsdp", "bf16", "2")]
     assert oom["status"] == f"oom: {OOM_ERROR[:60]}"
     assert oom["tokens/s/dev"] == summary.FAILED_CELL

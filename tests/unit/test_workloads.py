@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from workloads.data import MarkovData
 from workloads.model import Decoder, lm_loss
-from workloads.sizes import SIZES, get_size
+from workloads.sizes import FAMILIES, SIZES, get_size, seq_len_error
 
 
 @pytest.mark.parametrize("name", list(SIZES))
@@ -45,6 +45,73 @@ def test_flops_per_token_matches_flop_counter(name, seq):
     assert counted == pytest.approx(size.flops_per_token(), rel=0.02)
     # Megatron's causal-halved count is strictly lower by 6*L*d*S.
     assert size.flops_per_token() - size.flops_per_token_megatron() == 6 * size.n_layers * size.d_model * seq
+
+
+# Meta's published parameter counts of the released checkpoints (Llama 3.2 1B and 3B tie the LM head
+# to the token embedding; Llama 3.1 8B, 70B and 405B do not).
+META_PARAMS = {"1b": 1_235_814_400, "3b": 3_212_749_824, "8b": 8_030_261_248, "70b": 70_553_706_496,
+               "405b": 405_853_388_800}
+
+
+@pytest.mark.parametrize("name", list(META_PARAMS))
+def test_llama3_counts_are_metas_exactly(name):
+    size = get_size(name, "llama3")
+    assert size.params_published == META_PARAMS[name]
+    # the harness trains an untied head: one more vocab x d matrix where Meta ties it
+    assert size.params - size.params_published == (size.d_model * size.vocab_size if size.tied_published else 0)
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "1b"])
+def test_llama3_param_count_formula_matches_model(name):
+    size = get_size(name, "llama3")
+    with torch.device("meta"):
+        model = Decoder(size)
+    assert sum(p.numel() for p in model.parameters()) == size.params
+    assert not any(n.endswith(".bias") for n, _ in model.named_parameters())  # no biases
+    assert model.embed.pos is None  # RoPE: no position table
+    assert model.blocks["0"].attn.k.out_features == size.n_kv_heads * size.head_dim  # grouped-query k/v
+
+
+def test_llama3_swiglu_width_is_metas_rounding():
+    """int(2/3 x 4d), times ffn_dim_multiplier, rounded up to multiple_of: Meta's published hidden widths."""
+    assert {n: get_size(n, "llama3").d_ff for n in ("1b", "3b", "8b", "70b", "405b")} == \
+        {"1b": 8192, "3b": 8192, "8b": 14336, "70b": 28672, "405b": 53248}
+
+
+@pytest.mark.parametrize("name,seq", [("tiny", 128), ("mini", 256)])
+def test_llama3_flops_per_token_matches_flop_counter(name, seq):
+    """PaLM 6N + 12LdS within 2% of the counted fwd+bwd FLOPs of llama3 (GQA, SwiGLU; math SDPA)."""
+    size = replace(get_size(name, "llama3"), seq_len=seq)
+    torch.manual_seed(0)
+    model = Decoder(size)
+    x = torch.randint(0, size.vocab_size, (2, seq))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        lm_loss(model(x), x).backward()
+    counted = counter.get_total_flops() / x.numel()
+    assert counted == pytest.approx(size.flops_per_token(), rel=0.02)
+
+
+def test_flop_conventions_side_by_side_on_llama3_8b():
+    """torchtitan's count equals PaLM's (H x head_dim = d); both sit 12.5% above Megatron's causal count at 8,192."""
+    flops = get_size("8b", "llama3").flops_by_convention()
+    assert flops["torchtitan"] == flops["palm"]
+    assert flops["palm"] / flops["megatron"] == pytest.approx(1.125, abs=0.001)
+
+
+def test_sizes_are_looked_up_per_family_and_by_key():
+    assert get_size("tiny").arch == "gpt2" and get_size("tiny", "llama3").arch == "llama3"
+    assert get_size("llama3-8b") is FAMILIES["llama3"]["8b"]
+    assert get_size("tiny", "llama3").key == "llama3-tiny" and get_size("tiny").key == "tiny"
+    with pytest.raises(ValueError, match="unknown llama3 size 'xl'; choose from tiny, mini, 1b"):
+        get_size("xl", "llama3")
+    with pytest.raises(ValueError, match="unknown architecture 'mamba'"):
+        get_size("tiny", "mamba")
+
+
+def test_rope_has_no_position_table_to_cap_the_sequence():
+    assert seq_len_error(get_size("tiny", "llama3"), 4096) is None
+    assert "exceeds tiny's position table (128)" in seq_len_error(get_size("tiny"), 4096)
 
 
 def test_markov_data_is_seeded_and_learnable():
