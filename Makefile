@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
 GPUS ?= 1
+ARCH ?=
 SIZES ?=
 STRATEGIES ?=
 PRECISION ?=
@@ -24,7 +25,7 @@ ARGS ?=
 # make mutate: mutmut's parallel children (the machine is shared; each child is one pytest process).
 MUTATE_JOBS ?= 2
 
-bench_args = --gpus $(GPUS) \
+bench_args = --gpus $(GPUS) $(if $(ARCH),--arch $(ARCH)) \
 	$(if $(SIZES),--sizes $(SIZES)) $(if $(STRATEGIES),--strategies $(STRATEGIES)) \
 	$(if $(PRECISION),--precision $(PRECISION)) $(if $(SCALING),--scaling $(SCALING)) \
 	$(if $(LR_RULE),--lr-rule $(LR_RULE)) $(if $(STEPS),--steps $(STEPS)) \

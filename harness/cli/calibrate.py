@@ -185,7 +185,7 @@ def register(sub) -> None:
     k.add_argument("--comm-min-bytes", help="smallest message, e.g. 4KiB (default 4KiB)")
     k.add_argument("--comm-max-bytes", help="largest message, e.g. 64MiB (default 64MiB)")
     k.add_argument("--workloads", help="sizes whose forward+backward and optimizer step to time for the "
-                                       "performance model, e.g. tiny,small")
+                                       "performance model, e.g. tiny,small (another family by key: llama3-tiny)")
     k.add_argument("--seq-len", help="sequence length for --workloads (default: the size's)")
     k.add_argument("--concurrent", help="--workloads: copies measured at once, as many as a node's ranks (default 1)")
     k.add_argument("--compile", action="store_true",

@@ -149,7 +149,7 @@ def _mlp_grad_bytes(c: CellShape) -> int:
 
 def block_backward_bytes(c: CellShape) -> int:
     """Activations live in one block's backward, one microbatch: the block's (saved, or recomputed
-    under ``full``) and its GELU gradient."""
+    under ``full``) and its MLP gradients."""
     return int(c.microbatch_rows * c.size.seq_len * _block_token_bytes(c)) + _mlp_grad_bytes(c)
 
 

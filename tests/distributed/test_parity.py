@@ -35,6 +35,11 @@ def _pp_kw(strategy: str, world: int) -> dict:
     return {"microbatches": 2 * pp} if strategy.startswith("pp") else {}
 
 
+def schedule_cells(make) -> list[dict]:
+    """The other two pipeline schedules at 2 ranks (1F1B is the ``pp`` preset's): ``make`` is a cell maker."""
+    return [make("pp", 2, pp_schedule="interleaved1f1b", microbatches=4), make("pp", 2, pp_schedule="gpipe", microbatches=2)]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     cells = [cell("single", 1), cell("single", 1, global_batch=16), cell("ddp", 1, degrees={"dp_replicate": 1})]
@@ -43,9 +48,7 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    cells = [cell(s, 2, **_pp_kw(s, 2)) for s in W2]
-    cells.append(cell("pp", 2, pp_schedule="interleaved1f1b", microbatches=4))
-    cells.append(cell("pp", 2, pp_schedule="gpipe", microbatches=2))
+    cells = [cell(s, 2, **_pp_kw(s, 2)) for s in W2] + schedule_cells(cell)
     cells.append(cell("ddp", 2, grad_accum=2))
     return run_cells(cells, 2, tmp_path_factory.mktemp("w2"))
 

@@ -12,7 +12,7 @@ import pytest
 from harness.run.formulas import max_rel_diff
 from harness.run.record_metrics import parity_diffs
 from tests.distributed._spawn import cell, run_cells
-from tests.distributed.test_parity import GRAD_NORM_TOL, PARAMS_TOL, TOL, _check_model, _pp_kw
+from tests.distributed.test_parity import GRAD_NORM_TOL, PARAMS_TOL, TOL, _check_model, _pp_kw, schedule_cells
 
 pytestmark = pytest.mark.distributed
 
@@ -41,9 +41,7 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2_rest(tmp_path_factory):
-    cells = [_cell(s, 2, **_pp_kw(s, 2)) for s in SLOW_W2]
-    cells.append(_cell("pp", 2, pp_schedule="interleaved1f1b", microbatches=4))
-    cells.append(_cell("pp", 2, pp_schedule="gpipe", microbatches=2))
+    cells = [_cell(s, 2, **_pp_kw(s, 2)) for s in SLOW_W2] + schedule_cells(_cell)
     return run_cells(cells, 2, tmp_path_factory.mktemp("llama3-w2-rest"))
 
 
