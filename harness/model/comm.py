@@ -186,15 +186,18 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
     layers = rank_layers(size.n_layers, c.dims.pp, c.virtual, coord.pp)
     first, last = 0 in mine, stages - 1 in mine
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
+    # ac full recomputes each block's forward in its backward, collectives included, up to the last
+    # tensor the backward needs (torch's checkpoint stops there): the MLP's output collective is not redone
+    again = 1 if c.recompute == "full" else 0
     if sp:
-        per_pass = [(ag, hi), (rs, lo), (ag, lo), (rs, hi)] * (2 * layers)
+        per_pass = ([(ag, hi), (rs, lo), (ag, lo), (rs, hi)] * 2 + again * [(ag, hi), (rs, lo), (ag, hi)]) * layers
         if last:
             per_pass += [(ag, hi), (ag, logits), (rs, hi)]
         if first:
             per_pass += [(ag, hi)]
     else:
         # forward: the row-parallel outputs; backward: each column-parallel linear's input gradient
-        per_pass = ([(ar, lo)] * 2 + [(ar, hi)] * size.column_linears) * layers
+        per_pass = ([(ar, lo)] * (2 + again) + [(ar, hi)] * size.column_linears) * layers
         if last:
             per_pass += [(ag, logits), (ar, hi)]
     calls = [Call(k, b, tp, "tp", False) for k, b in per_pass] * passes

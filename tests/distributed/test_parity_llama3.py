@@ -36,6 +36,7 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cells = [_cell(s, 2, **_pp_kw(s, 2)) for s in FAST_W2]
+    cells.append(_cell("tp-sp", 2, ac="full"))  # recomputes its forward collectives (but the MLP's last)
     return run_cells(cells, 2, tmp_path_factory.mktemp("llama3-w2"))
 
 
@@ -73,12 +74,13 @@ def test_llama3_learns_on_one_device(reference):
 
 
 def test_llama3_fsdp_tp_sp_pp_match_one_device_world2(world2, reference):
-    assert len(world2) == len(FAST_W2)
+    assert len(world2) == len(FAST_W2) + 1
     _assert_parity(world2, reference, 8)
 
 
 def test_llama3_model_predicts_counted_comm_and_states_world2(world2):
-    """RMSNorm's lone weight in the partial-gradient all-reduce under tp-sp; stages' activations under pp."""
+    """RMSNorm's lone weight in the partial-gradient all-reduce under tp-sp; stages' activations under pp;
+    ac full's recomputed forward collectives."""
     _check_model(world2)
 
 
