@@ -17,7 +17,7 @@ from harness.parallel.levers import AC_MODES, OPTIMIZERS
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, Layout, resolve
 from harness.precision import PRECISIONS
 from harness.scaling import LR_RULES, SCALINGS
-from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, size_label
+from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, size_key, size_label
 
 
 def cell_id_of(c: dict) -> str:
@@ -138,7 +138,7 @@ class CellConfig:
     @property
     def workload_key(self) -> str:
         """The size's name unique over families (``tiny``, ``llama3-tiny``): calibration entries are keyed by it."""
-        return get_size(self.size, self.arch).key
+        return size_key(self.arch, self.size)
 
     @property
     def tokens_per_step(self) -> int:

@@ -62,7 +62,7 @@ class ModelSize:
     @property
     def key(self) -> str:
         """Unique over families: the size name for gpt2 (as records always had it), ``arch-name`` otherwise."""
-        return self.name if self.arch == DEFAULT_ARCH else f"{self.arch}-{self.name}"
+        return size_key(self.arch, self.name)
 
     @property
     def llama(self) -> bool:
@@ -234,11 +234,15 @@ SIZES: dict[str, ModelSize] = FAMILIES[DEFAULT_ARCH]
 """The default family's sizes (gpt2)."""
 
 
+def size_key(arch: str, name: str) -> str:
+    """A size's name unique over families: ``tiny`` (gpt2, as records always had it), ``llama3-tiny``."""
+    return name if arch == DEFAULT_ARCH else f"{arch}-{name}"
+
+
 def size_label(config: dict) -> str | None:
-    """A cell config's size, unique over families: ``tiny`` (gpt2, as records always had it), ``llama3-tiny``."""
-    arch = config.get("arch") or DEFAULT_ARCH
+    """A cell config's :func:`size_key` (records from before the arch axis are gpt2)."""
     size = config.get("size")
-    return size if arch == DEFAULT_ARCH or size is None else f"{arch}-{size}"
+    return None if size is None else size_key(config.get("arch") or DEFAULT_ARCH, size)
 
 
 def seq_len_error(size: ModelSize, seq_len: int) -> str | None:
