@@ -115,8 +115,7 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                degrees=spec.degrees if strategy != "single" else None, batch_auto=spec.batch_auto, arch=arch,
                **levers, **spec.extra)
     try:
-        seq_error = seq_len_error(size, seq)
-        if seq_error:
+        if seq_error := seq_len_error(size, seq):
             raise UsageError(seq_error)
         PrecisionPlan(precision).check_device(spec.device_kind)
         layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], size, precision,

@@ -81,8 +81,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     acs = choices("--ac", args.ac, AC_MODES)
     cells, compute = [], {}
     for size in sizes:  # every cell is validated before anything runs
-        if seq and seq_len_error(get_size(size), seq):
-            raise UsageError(f"--seq-len: {seq_len_error(get_size(size), seq)}")
+        if seq and (error := seq_len_error(get_size(size), seq)):
+            raise UsageError(f"--seq-len: {error}")
         compute[size] = _compute(args.compute, device_kind, size)
         for prec in csv_list(args.precision or d["precision"]):
             for g in gpus:

@@ -99,8 +99,8 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
         raise UsageError(f"--efficiency {efficiency!r}: must be a fraction of the datasheet peak in (0, 1], "
                          f"e.g. 0.4")
     if seq_len is not None:
-        if seq_len_error(size, seq_len):
-            raise UsageError(f"--seq-len: {seq_len_error(size, seq_len)}")
+        if error := seq_len_error(size, seq_len):
+            raise UsageError(f"--seq-len: {error}")
         size = replace(size, seq_len=seq_len)
     return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
                     recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
