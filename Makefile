@@ -32,7 +32,7 @@ bench_args = --gpus $(GPUS) $(if $(ARCH),--arch $(ARCH)) \
 	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) \
 	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
 
-.PHONY: setup setup-nsys lint test test-slow test-nsys test-all bench plan trace compare gate report bench-ci workloads mutate clean
+.PHONY: setup setup-nsys setup-slurm lint test test-slow test-nsys test-slurm test-all bench plan trace compare gate report bench-ci workloads mutate clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,10 +56,10 @@ lint: setup
 # A tier that selects no test fails (pytest exit 5), never passes quietly.
 PYTEST = $(BIN)/python -m pytest -q -p no:cacheprovider
 test: setup
-	$(PYTEST) -m "not slow and not nsys" tests
+	$(PYTEST) -m "not slow and not nsys and not slurm" tests
 
 test-slow: setup
-	$(PYTEST) -m "slow and not nsys" tests
+	$(PYTEST) -m "slow and not nsys and not slurm" tests
 
 # The nsys tier: a real Nsight Systems capture (make setup-nsys first); skips with "n/a: no nsys".
 test-nsys: setup
@@ -68,7 +68,15 @@ test-nsys: setup
 setup-nsys:
 	bash scripts/setup_nsys.sh
 
-test-all: test test-slow test-nsys
+# The slurm tier: sbatch jobs on a private Slurm (munged, slurmctld, two slurmd) that the tier
+# starts on this host (make setup-slurm first; root); skips with "n/a: no slurm".
+test-slurm: setup
+	$(PYTEST) -m slurm -rs tests
+
+setup-slurm:
+	bash scripts/setup_slurm.sh
+
+test-all: test test-slow test-nsys test-slurm
 
 bench: setup
 	$(BIN)/harness bench $(bench_args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -153,11 +154,16 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", help="machines in the job (torchrun rendezvous at --rdzv-endpoint, node rank 0 hosts it)")
 
 
-def sweep_actions() -> list[argparse.Action]:
-    """The sweep-matrix flags' argparse actions (argparse has no public list of a parser's actions)."""
+def actions_of(add: Callable[[argparse.ArgumentParser], None]) -> list[argparse.Action]:
+    """The argparse actions ``add`` puts on a parser (argparse has no public list of a parser's actions)."""
     parser = argparse.ArgumentParser(add_help=False)
-    add_sweep_args(parser)
+    add(parser)
     return [a for a in parser._actions if a.dest != "help"]
+
+
+def sweep_actions() -> list[argparse.Action]:
+    """The sweep-matrix flags' argparse actions."""
+    return actions_of(add_sweep_args)
 
 
 def sweep_arg_values(args: argparse.Namespace) -> dict:

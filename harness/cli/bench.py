@@ -21,7 +21,14 @@ from harness.report import write_report
 from harness.run.launch import LAUNCHERS, Rendezvous
 from harness.run.nsys_capture import nsys_tool
 from harness.run.rounds import ORDERS, RoundsPlan, recorded_rounds
-from harness.run.rundir import existing_records, recorded_sweep_args, save_sweep_args, start_run
+from harness.run.rundir import (
+    check_same_sweep,
+    existing_records,
+    holds_records,
+    recorded_sweep_args,
+    save_sweep_args,
+    start_run,
+)
 from harness.run.sweep import SweepOptions, cells_to_run, finished_cells, run_sweep
 
 
@@ -57,7 +64,21 @@ def _calibration_store(out: Path) -> None:
     os.environ[store.ENV] = str(fallback)  # the calibration children inherit it
 
 
+def _or_resume(args: argparse.Namespace) -> None:
+    """``--out DIR --or-resume``: start DIR, or finish it when it holds this same sweep (a requeued job)."""
+    if args.resume is not None:
+        raise UsageError(f"--or-resume with --resume {args.resume}: --resume already finishes a run; drop --or-resume")
+    if args.out is None:
+        raise UsageError("--or-resume needs --out DIR: the directory a restarted job finishes")
+    if holds_records(args.out):
+        check_same_sweep(args.out, sweep_arg_values(args))
+        args.resume = args.out
+        print(f"--or-resume: {args.out} holds this sweep's records; finishing it", flush=True)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.or_resume:
+        _or_resume(args)
     if args.resume is not None:
         _restore_sweep_args(args.resume, args)  # `--resume DIR` alone re-plans the run's cells; flags given win
     spec = spec_from_args(args)
@@ -138,29 +159,37 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
     return 1 if failed or untrusted else 0
 
 
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """How the cells run (not which): bench's flags that ``harness slurm`` passes on to every node."""
+    p.add_argument("--cell-timeout", type=float, help="seconds per cell before it is killed (default from steps)")
+    p.add_argument("--stall-timeout", type=float,
+                   help="seconds a rank may go without finishing a measured step before its cell is killed as a "
+                        "hang (default: off, only --cell-timeout)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="fork",
+                   help="fork: one process imports torch once and forks the cell's ranks (one node; default); "
+                        "torchrun: torchrun starts each rank afresh (always across nodes)")
+    p.add_argument("--nsys", action="store_true",
+                   help="every cell under Nsight Systems: one report per node in cells/<id>/nsys (a process row "
+                        "per rank), read back and checked (metrics.nsys); ranks start through torchrun")
+    p.add_argument("--rounds",
+                   help="measure every cell once per round, N rounds, the order changed each round; each record is "
+                        "its cell's median round, with the round-to-round spread (default 1; 5 on a shared machine)")
+    p.add_argument("--round-order", choices=ORDERS,
+                   help="shuffle: a seeded shuffle per round (--seed; default); rotate: the plan's order rotated by one")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure every calibration these cells need again, even if stored (and say so)")
+
+
 def register(sub) -> None:
     b = sub.add_parser("bench", help="run a sweep: one torchrun job per cell -> records, summary, plots")
     add_sweep_args(b)
     b.add_argument("--out", type=Path, help="run directory (default results/<run-id>); never overwritten")
     b.add_argument("--resume", type=Path, help="finish an interrupted run: re-run cells without an ok record")
-    b.add_argument("--cell-timeout", type=float, help="seconds per cell before it is killed (default from steps)")
-    b.add_argument("--stall-timeout", type=float,
-                   help="seconds a rank may go without finishing a measured step before its cell is killed as a "
-                        "hang (default: off, only --cell-timeout)")
-    b.add_argument("--launcher", choices=LAUNCHERS, default="fork",
-                   help="fork: one process imports torch once and forks the cell's ranks (one node; default); "
-                        "torchrun: torchrun starts each rank afresh (always across nodes)")
-    b.add_argument("--nsys", action="store_true",
-                   help="every cell under Nsight Systems: one report per node in cells/<id>/nsys (a process row "
-                        "per rank), read back and checked (metrics.nsys); ranks start through torchrun")
-    b.add_argument("--rounds",
-                   help="measure every cell once per round, N rounds, the order changed each round; each record is "
-                        "its cell's median round, with the round-to-round spread (default 1; 5 on a shared machine)")
-    b.add_argument("--round-order", choices=ORDERS,
-                   help="shuffle: a seeded shuffle per round (--seed; default); rotate: the plan's order rotated by one")
+    b.add_argument("--or-resume", action="store_true",
+                   help="with --out DIR: start DIR, or finish it as --resume would when it already holds this same "
+                        "sweep (same flags); another sweep there is refused. For jobs a scheduler may requeue")
+    add_run_args(b)
     b.add_argument("--node-rank", type=int, help="this machine's rank in a multi-node sweep")
     b.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node)")
-    b.add_argument("--no-calibrate", action="store_true", help="skip the automatic matmul-peak calibration")
-    b.add_argument("--recalibrate", action="store_true",
-                   help="measure every calibration these cells need again, even if stored (and say so)")
     b.set_defaults(fn=cmd_bench)

@@ -92,8 +92,7 @@ def existing_records(out: Path) -> list[dict]:
 
 def save_sweep_args(out: Path, values: dict) -> None:
     """Keep the run's sweep flags (``values``: flag dest -> value as given)."""
-    write_json_atomic(out / SWEEP_ARGS_FILE,
-                      {k: str(Path(v).resolve()) if isinstance(v, Path) else v for k, v in values.items()})
+    write_json_atomic(out / SWEEP_ARGS_FILE, _as_recorded(values))
 
 
 def recorded_sweep_args(out: Path) -> dict:
@@ -105,6 +104,40 @@ def recorded_sweep_args(out: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UsageError(f"{path} is unreadable ({e}); give the sweep flags again with --resume {out}") from None
+
+
+def _as_recorded(values: dict) -> dict:
+    """Sweep flag values as :func:`save_sweep_args` keeps them (paths resolved, JSON types)."""
+    return json.loads(json.dumps({k: str(Path(v).resolve()) if isinstance(v, Path) else v
+                                  for k, v in values.items()}))
+
+
+def holds_records(out: Path) -> bool:
+    """Whether ``out`` already holds records (an empty records file is a run that measured nothing)."""
+    records = out / RECORDS_FILENAME
+    return records.exists() and records.stat().st_size > 0
+
+
+def _shown(values: dict, key: str) -> str:
+    return repr(values[key]) if key in values else "unset"
+
+
+def check_same_sweep(out: Path, values: dict) -> None:
+    """Refuse to continue ``out`` unless it was started with these sweep flags (``values``, by dest).
+
+    What a requeued or resubmitted scheduler job needs: the same command finishes its own sweep,
+    and a directory holding another sweep is never mixed into it.
+    """
+    held = recorded_sweep_args(out)
+    if not held:
+        raise UsageError(f"--out {out} holds records without recorded sweep flags ({SWEEP_ARGS_FILE}); finish it "
+                         f"with --resume {out} and its flags, or pass a new --out")
+    given = _as_recorded(values)
+    differ = sorted(k for k in held.keys() | given.keys() if held.get(k) != given.get(k))
+    if differ:
+        what = ", ".join(f"--{k.replace('_', '-')} {_shown(held, k)} there, {_shown(given, k)} here" for k in differ)
+        raise UsageError(f"--out {out} holds a different sweep ({what}); pass a new --out, or --resume {out} "
+                         f"to finish that sweep")
 
 
 @dataclass
@@ -129,7 +162,7 @@ def start_run(out: Path | None, resume: Path | None, node_rank: int) -> Run:
     _writable(out)
     lock = lock_run(out, node_rank)
     try:
-        if resume is None and node_rank == 0 and records.exists() and records.stat().st_size > 0:
+        if resume is None and node_rank == 0 and holds_records(out):
             raise UsageError(f"--out {out} already holds records; pass a new --out, or --resume {out} to finish it")
         if resume is not None:
             recs = existing_records(out)

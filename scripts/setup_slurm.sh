@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `make setup-slurm`: Slurm's daemons and client tools and MUNGE from Debian/Ubuntu's main archive
+# (slurm-wlm 22.05 on Debian 12), for the slurm test tier (`make test-slurm`).
+#
+# Idempotent. Installs only: it starts no daemon and writes no slurm.conf; the tier's fixture
+# (tests/slurm/cluster.py) runs munged, slurmctld and two slurmd in a private directory of its own.
+# Where it cannot install (not root, not an apt system), it says why in one line and exits 1.
+set -euo pipefail
+
+say() { echo "setup-slurm: $*"; }
+tools=(munged slurmctld slurmd sbatch srun scontrol squeue scancel)
+
+missing() {
+    local t out=()
+    for t in "${tools[@]}"; do command -v "$t" >/dev/null 2>&1 || out+=("$t"); done
+    echo "${out[*]}"
+}
+
+if [ -z "$(missing)" ]; then
+    say "ok: $(slurmd -V 2>/dev/null), $(munged -V 2>/dev/null | head -n1)"
+    exit 0
+fi
+if [ "$(id -u)" != 0 ]; then
+    say "n/a: installing packages needs root; run it as root (sudo make setup-slurm); missing: $(missing)"
+    exit 1
+fi
+if ! command -v apt-get >/dev/null || [ ! -r /etc/os-release ] || ! grep -qiE '^(ID|ID_LIKE)=.*(debian|ubuntu)' /etc/os-release; then
+    say "n/a: not a Debian/Ubuntu apt system; install slurmctld, slurmd, the Slurm client and munge with your package manager"
+    exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+left=$(missing)
+[ -z "$left" ] || { say "error: installed, but still not on PATH: $left"; exit 1; }
+say "ok: $(slurmd -V), $(munged -V 2>/dev/null | head -n1)"

@@ -1,0 +1,155 @@
+"""The slurm tier (``make test-slurm``): ``harness slurm`` jobs on a real scheduler.
+
+A private Slurm (munged, slurmctld, two slurmd on this host; tests/slurm/cluster.py) runs the
+generated script with ``sbatch``: a sweep lands complete records; a job stopped mid-cell, once by
+a SIGTERM to its tasks and once by ``scontrol requeue``, finishes its sweep with every cell ok once
+and nothing lost; a job at its time limit ends its cell on the warning signal and exits 143 with
+the resume line; a two-node job runs one harness per node through srun and one rendezvous.
+Without Slurm every test skips with "n/a: no slurm" (``make setup-slurm`` installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.records.reader import RECORDS_FILENAME, latest_per_cell, read_records
+from tests.slurm.cluster import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
+
+CPU_CELLS = ["--device", "cpu", "--sizes", "tiny", "--warmup", "1", "--batch", "4", "--no-calibrate",
+             "--no-reference"]
+"""Tiny gpt2 cells on CPU ranks, no calibration (the tier tests the scheduler, not the model)."""
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+JOB_TIMEOUT_S = 600
+PROGRESS = re.compile(r"^\[\d+/\d+\] .*$", re.M)
+CELL_START = re.compile(r"^\[\d+/\d+\] \S+ \.\.\. ")
+"""A cell's start line, "[2/3] tiny-fsdp-... ... (elapsed 0:32)"; its end line says "[2/3] tiny-fsdp-...: ok"."""
+
+
+def _submit(slurm: SlurmCluster, out: Path, *flags: str) -> str:
+    done = slurm.run("harness", "slurm", *CPU_CELLS, *flags, "--out", str(out), "--submit", timeout=120)
+    found = re.search(r"^submitted job (\d+): run directory (.+)$", done.stdout, re.M)
+    assert found, done.stdout
+    job = found.group(1)
+    assert Path(found.group(2)) == out.resolve()
+    assert f"tail -f {out.resolve()}/slurm-{job}.out" in done.stdout, "the follow command names the job's log"
+    return job
+
+
+def _log(out: Path, job: str) -> str:
+    path = out / f"slurm-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _cell_records(out: Path) -> list[dict]:
+    path = out / RECORDS_FILENAME
+    return [r for r in read_records(path)[0] if r.get("kind", "cell") == "cell"] if path.exists() else []
+
+
+def _ok_cells(out: Path) -> list[str]:
+    return [r["cell_id"] for r in _cell_records(out) if r["status"] == "ok"]
+
+
+def _wait_until(ready, timeout: float, what: str, slurm: SlurmCluster, out: Path, job: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not after {timeout:.0f} s: {what}\n--- job log\n{_log(out, job)[-3000:]}\n"
+                                 f"{slurm.logs()}")
+        if slurm.job(job).get("JobState") in ENDED:
+            raise AssertionError(f"job {job} ended before {what}\n--- job log\n{_log(out, job)[-3000:]}")
+        time.sleep(0.5)
+
+
+def _mid_cell(out: Path, job: str, n_ok: int) -> bool:
+    """``n_ok`` cells are recorded ok and the job's current attempt is running a cell."""
+    attempt = _log(out, job).rsplit(f"harness job {job}: attempt", 1)[-1]
+    progress = PROGRESS.findall(attempt)
+    return len(_ok_cells(out)) >= n_ok and bool(progress) and CELL_START.match(progress[-1]) is not None
+
+
+def test_a_submitted_sweep_lands_complete_records(slurm, tmp_path):
+    out = tmp_path / "run"
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp", "--steps", "3")
+    fields = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), _log(out, job)
+    records = _cell_records(out)
+    assert sorted(r["cell_id"] for r in records) == ["tiny-ddp-fp32-w2-gb4-strong", "tiny-fsdp-fp32-w2-gb4-strong"]
+    assert all(r["status"] == "ok" for r in records), [(r["cell_id"], r["error"]) for r in records]
+    assert (out / "summary.md").exists() and (out / "job.sbatch").exists()
+    assert re.search(rf"^harness job {job}: attempt 1 on n[12], ", _log(out, job), re.M)
+
+
+def test_a_job_stopped_mid_cell_twice_finishes_its_sweep_with_nothing_lost(slurm, tmp_path):
+    out = tmp_path / "run"
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", "40")
+    cells = 3
+
+    # Attempt 1: SIGTERM to the job's tasks (what the time-limit warning sends) once cell 2 runs.
+    _wait_until(lambda: _mid_cell(out, job, 1), JOB_TIMEOUT_S, "cell 1 ok and cell 2 running", slurm, out, job)
+    report = slurm.run("harness", "report", str(out), timeout=120)  # a run still going: complete records only
+    assert "tiny-ddp-fp32-w2-gb4-strong" in (out / "summary.csv").read_text(), report.stdout
+    slurm.run("scancel", "--signal=TERM", job)
+    pending = slurm.wait_for(job, ("PENDING",), 120)
+    assert pending["Restarts"] == "1", "the script requeues the job after the harness exits 143"
+    first_attempt = (out / RECORDS_FILENAME).read_bytes()
+    slurm.release(job)
+
+    # Attempt 2: Slurm's own requeue (as for preemption) while the next cell runs.
+    slurm.wait_for(job, ("RUNNING",), 120)
+    _wait_until(lambda: _mid_cell(out, job, 2), JOB_TIMEOUT_S, "cell 2 ok and cell 3 running", slurm, out, job)
+    slurm.run("scontrol", "requeue", job)
+    pending = slurm.wait_for(job, ("PENDING",), 120)
+    assert pending["Restarts"] == "2"
+    slurm.release(job)
+
+    fields = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
+    log = _log(out, job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    final = (out / RECORDS_FILENAME).read_bytes()
+    assert final.startswith(first_attempt), "a later attempt appends; no earlier record is lost or rewritten"
+    records = _cell_records(out)
+    latest, _ = latest_per_cell(records)
+    assert len(latest) == cells and all(r["status"] == "ok" for r in latest)
+    assert sorted(_ok_cells(out)) == sorted(r["cell_id"] for r in latest), "every cell is recorded ok once"
+    assert len({json.loads(line)["run_id"] for line in final.splitlines()}) == 1, "one run id over the attempts"
+    for attempt in (1, 2, 3):
+        assert f"harness job {job}: attempt {attempt} on" in log, log[-3000:]
+    assert log.count("interrupted (SIGTERM)") == 2 and log.count("finish with: harness bench --resume") == 2
+    assert "requeueing (restart 1 of 3)" in log
+    assert log.count("holds this sweep's records; finishing it") == 2
+
+
+def test_a_job_at_its_time_limit_ends_its_cell_and_exits_143_with_the_resume_line(slurm, tmp_path):
+    """--time 2 with the warning 60 s before: Slurm checks every 30 s and may signal up to 30 s
+    early, so SIGTERM comes 30-60 s in, with the harness well started, and well before the limit."""
+    out = tmp_path / "run"
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", "2000", "--time", "2",
+                  "--warn-before", "60", "--max-restarts", "0")
+    fields = slurm.wait_for(job, ENDED, 300)
+    log = _log(out, job)
+    assert fields["ExitCode"] == "143:0", f"{fields['JobState']} {fields['ExitCode']}\n{log[-3000:]}"
+    assert fields["JobState"] == "FAILED", "ended by the harness on the warning, not killed at the limit"
+    assert f"finish with: harness bench --resume {out.resolve()}" in log
+    assert "the sweep stopped on SIGTERM after 0 restarts; resubmit to finish the sweep: sbatch" in log
+    assert not any(r["status"] != "ok" for r in _cell_records(out)), "the cell the signal ended is not recorded"
+
+
+def test_a_two_node_job_runs_one_harness_per_node_through_one_rendezvous(slurm, tmp_path):
+    out = tmp_path / "run"
+    job = _submit(slurm, out, "--nnodes", "2", "--gpus", "1", "--strategies", "ddp", "--steps", "3",
+                  "--cell-timeout", "240")
+    fields = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
+    log = _log(out, job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    assert fields["NodeList"] == "n[1-2]"
+    assert len(re.findall(r"^run \S+: 1 cells to run", log, re.M)) == 2, "one harness per node"
+    [record] = _cell_records(out)
+    assert record["status"] == "ok" and record["cell_id"] == "tiny-ddp-fp32-w2-gb4-strong"
+    assert record["config"]["nnodes"] == 2 and record["config"]["world_size"] == 2
