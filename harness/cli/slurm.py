@@ -212,7 +212,12 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 def _submit(sbatch: str, path: Path, out: Path) -> int:
     """``sbatch --parsable`` the script; print the job id, the run directory and how to follow it."""
-    done = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True, timeout=120)
+    try:
+        done = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        print(f"harness slurm: sbatch gave no answer in 120 s (is slurmctld up? sinfo); nothing submitted that "
+              f"we know of: check squeue, then sbatch {path}", file=sys.stderr)
+        return 1
     if done.returncode != 0:
         why = (done.stderr.strip() or done.stdout.strip() or "no message").splitlines()[-1]
         print(f"harness slurm: sbatch refused {path} (exit {done.returncode}): {why}", file=sys.stderr)

@@ -10,9 +10,11 @@ build allows). :func:`unavailable` says why the daemons cannot start here, for t
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +27,7 @@ DAEMONS = ("munged", "munge", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("n1", "n2")
 NO_SLURM = "n/a: no slurm"
+PR_SET_PDEATHSIG = 1
 
 SLURM_CONF = """\
 ClusterName=harness-test
@@ -50,9 +53,13 @@ ReturnToService=2
 MpiDefault=none
 JobRequeue=1
 KillWait=30
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 {nodes}
-PartitionName=test Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
+PartitionName=test Nodes={node_list} Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=urgent Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
+"""Jobs run in ``test``; a job in ``urgent`` preempts them, and a preempted job is requeued."""
 NODE_LINE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} State=UNKNOWN"
 
 
@@ -103,10 +110,22 @@ class SlurmCluster:
                                      f"{states}\n{self.logs()}")
             time.sleep(1.0)
 
+    def wait_restarted(self, job_id: str, restarts: int, timeout: float) -> dict[str, str]:
+        """The job's fields once Slurm counts ``restarts`` requeues of it (in whatever state it is then)."""
+        deadline = time.monotonic() + timeout
+        while (fields := self.job(job_id)).get("Restarts") != str(restarts):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job_id}: Restarts={fields.get('Restarts')} after {timeout:.0f} s, not "
+                                     f"{restarts}\n{self.logs()}")
+            time.sleep(0.5)
+        return fields
+
     def release(self, job_id: str) -> None:
-        """Start a requeued job now, not after Slurm's hold of a requeued job (BeginTime = now + 120 s),
-        as an admin may."""
-        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        """Start a requeued job now, not after Slurm's hold of a requeued job (BeginTime, up to
+        now + 120 s), as an admin may; a job that has started already needs nothing."""
+        done = self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+        if done.returncode != 0 and self.job(job_id).get("JobState") == "PENDING":
+            raise AssertionError(f"scontrol update JobId={job_id} StartTime=now: {done.stderr.strip()}")
 
     def logs(self, lines: int = 15) -> str:
         out = []
@@ -117,11 +136,15 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel every job, then end the daemons (slurmd, slurmctld, munged last)."""
-        if self.daemons and self.daemons[-1].poll() is None:
-            self.run("scancel", "--partition", "test", check=False)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
-                time.sleep(1.0)
+        if self.daemons and all(p.poll() is None for p in self.daemons):  # else scancel would retry for minutes
+            try:
+                self.run("scancel", "--partition", "test", check=False, timeout=30)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and self.run("squeue", "-h", check=False, timeout=30).stdout.strip():
+                    time.sleep(1.0)
+            except subprocess.TimeoutExpired as e:
+                print(f"slurm fixture: {e.cmd[0]} gave no answer in {e.timeout:.0f} s; stopping the daemons anyway",
+                      file=sys.stderr)
         for proc in reversed(self.daemons):
             if proc.poll() is None:
                 proc.terminate()
@@ -167,10 +190,16 @@ def start_cluster(job_env: dict[str, str], start_timeout_s: float = 90) -> Slurm
     return cluster
 
 
+def _die_with_parent() -> None:
+    """In the daemon, before exec: SIGTERM when the process that started it dies, however it dies
+    (a killed pytest leaves no daemon behind). Linux's prctl(PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _start(cluster: SlurmCluster, argv: list[str]) -> None:
     log = open(cluster.root / "log" / f"{argv[0]}-{len(cluster.daemons)}.stdout.log", "w")
     cluster.daemons.append(subprocess.Popen(argv, env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL))
+                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
     log.close()  # the child holds its own copy
 
 
@@ -190,12 +219,18 @@ def _wait(ready, timeout: float, what: str, cluster: SlurmCluster) -> None:
         time.sleep(0.5)
 
 
-if __name__ == "__main__":  # python tests/slurm/cluster.py: start one and hold it until Ctrl-C
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":  # python -m tests.slurm.cluster: start one, hold it until Ctrl-C or SIGTERM
     reason = unavailable()
     if reason:
         sys.exit(reason)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started with `&` (SIGINT ignored)
+        signal.signal(sig, _interrupt)
     c = start_cluster(dict(os.environ))
-    print(f"export SLURM_CONF={c.env['SLURM_CONF']}   # Ctrl-C here stops the cluster", flush=True)
+    print(f"export SLURM_CONF={c.env['SLURM_CONF']}   # Ctrl-C or SIGTERM here stops the cluster", flush=True)
     try:
         while True:
             time.sleep(3600)

@@ -96,17 +96,14 @@ def test_a_job_stopped_mid_cell_twice_finishes_its_sweep_with_nothing_lost(slurm
     report = slurm.run("harness", "report", str(out), timeout=120)  # a run still going: complete records only
     assert "tiny-ddp-fp32-w2-gb4-strong" in (out / "summary.csv").read_text(), report.stdout
     slurm.run("scancel", "--signal=TERM", job)
-    pending = slurm.wait_for(job, ("PENDING",), 120)
-    assert pending["Restarts"] == "1", "the script requeues the job after the harness exits 143"
+    slurm.wait_restarted(job, 1, 120)  # the script requeues the job after the harness exits 143
     first_attempt = (out / RECORDS_FILENAME).read_bytes()
     slurm.release(job)
 
     # Attempt 2: Slurm's own requeue (as for preemption) while the next cell runs.
-    slurm.wait_for(job, ("RUNNING",), 120)
     _wait_until(lambda: _mid_cell(out, job, 2), JOB_TIMEOUT_S, "cell 2 ok and cell 3 running", slurm, out, job)
     slurm.run("scontrol", "requeue", job)
-    pending = slurm.wait_for(job, ("PENDING",), 120)
-    assert pending["Restarts"] == "2"
+    slurm.wait_restarted(job, 2, 120)
     slurm.release(job)
 
     fields = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
@@ -124,6 +121,26 @@ def test_a_job_stopped_mid_cell_twice_finishes_its_sweep_with_nothing_lost(slurm
     assert log.count("interrupted (SIGTERM)") == 2 and log.count("finish with: harness bench --resume") == 2
     assert "requeueing (restart 1 of 3)" in log
     assert log.count("holds this sweep's records; finishing it") == 2
+
+
+def test_a_preempted_job_is_requeued_by_slurm_and_finishes_its_sweep(slurm, tmp_path):
+    """A job in the ``urgent`` partition preempts the sweep (PreemptMode=REQUEUE): Slurm sends
+    SIGTERM, requeues the job itself, and the next attempt finishes the sweep."""
+    out = tmp_path / "run"
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp", "--steps", "40")
+    _wait_until(lambda: _mid_cell(out, job, 1), JOB_TIMEOUT_S, "cell 1 ok and cell 2 running", slurm, out, job)
+    urgent = slurm.run("sbatch", "--parsable", "--partition", "urgent", "--exclusive", "--nodes", "2",
+                       "--output", str(tmp_path / "urgent.out"), "--wrap", "echo urgent ran").stdout.strip()
+    slurm.wait_restarted(job, 1, 120)
+    assert (slurm.wait_for(urgent, ENDED, 120)["JobState"]) == "COMPLETED"
+    slurm.release(job)
+    fields = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
+    log = _log(out, job)
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-3000:]
+    assert "DUE TO PREEMPTION" in log and "interrupted (SIGTERM)" in log
+    assert "requeueing" not in log, "Slurm requeued the preempted job; the script must not requeue it again"
+    latest, attempts = latest_per_cell(_cell_records(out))
+    assert [r["status"] for r in latest] == ["ok", "ok"] and sorted(_ok_cells(out)) == sorted(attempts)
 
 
 def test_a_job_at_its_time_limit_ends_its_cell_and_exits_143_with_the_resume_line(slurm, tmp_path):
