@@ -21,14 +21,9 @@ if importer_linked; then
     say "ok: $(nsys --version 2>/dev/null | head -n1) at $(command -v nsys), importer in place"
     exit 0
 fi
-if [ "$(id -u)" != 0 ]; then
-    say "n/a: installing packages needs root; run it as root (sudo make setup-nsys) or install Nsight Systems from NVIDIA's installer"
-    exit 1
-fi
-if ! command -v apt-get >/dev/null || [ ! -r /etc/os-release ] || ! grep -qiE '^(ID|ID_LIKE)=.*(debian|ubuntu)' /etc/os-release; then
-    say "n/a: not a Debian/Ubuntu apt system; install Nsight Systems from NVIDIA's installer (see README: Nsight Systems)"
-    exit 1
-fi
+# shellcheck source=scripts/apt_common.sh
+. "$(dirname "$0")/apt_common.sh"
+require_apt_root setup-nsys "install Nsight Systems from NVIDIA's installer (see README: Nsight Systems)"
 
 # Debian: the package lives in non-free (its dependencies in contrib). Add both components to
 # the existing sources, deb822 (.sources) or one-line (.list), without naming any mirror.

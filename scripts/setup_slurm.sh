@@ -20,14 +20,9 @@ if [ -z "$(missing)" ]; then
     say "ok: $(slurmd -V 2>/dev/null), $(munged -V 2>/dev/null | head -n1)"
     exit 0
 fi
-if [ "$(id -u)" != 0 ]; then
-    say "n/a: installing packages needs root; run it as root (sudo make setup-slurm); missing: $(missing)"
-    exit 1
-fi
-if ! command -v apt-get >/dev/null || [ ! -r /etc/os-release ] || ! grep -qiE '^(ID|ID_LIKE)=.*(debian|ubuntu)' /etc/os-release; then
-    say "n/a: not a Debian/Ubuntu apt system; install slurmctld, slurmd, the Slurm client and munge with your package manager"
-    exit 1
-fi
+# shellcheck source=scripts/apt_common.sh
+. "$(dirname "$0")/apt_common.sh"
+require_apt_root setup-slurm "install slurmctld, slurmd, the Slurm client and munge ($(missing) missing) with your package manager"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
