@@ -130,7 +130,8 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
     todo = cells_to_run(cells, finished_cells(existing_records(out)) if run.resume else set(), node_rank == 0)
     print(device_line(spec), flush=True)
     rounds = f" x {plan.n} rounds ({plan.order}, seed {plan.seed})" if plan.n > 1 else ""
-    print(f"run {run.run_id}: {sum(c.valid for c in todo)} cells to run{rounds}, {sum(not c.valid for c in todo)} "
+    who = f"run {run.run_id}" if node_rank == 0 else f"node {node_rank}"  # node 0 names the run and writes it
+    print(f"{who}: {sum(c.valid for c in todo)} cells to run{rounds}, {sum(not c.valid for c in todo)} "
           f"invalid -> {out}", flush=True)
     rdzv = Rendezvous(nnodes=spec.nnodes, node_rank=node_rank, endpoint=args.rdzv_endpoint)
     opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout,

@@ -52,14 +52,14 @@ def test_sigterm_mid_cell_kills_the_job_and_leaves_the_cell_unrecorded(harness_c
     assert e2e.read_records(out) == [], "the interrupted cell must have no record, so --resume re-runs it"
 
 
-def _interrupt_when(proc, harness_cli, log: str, ready, what: str) -> int:
+def _interrupt_when(proc, harness_cli, log: str, ready, what: str, sig: int = signal.SIGINT) -> int:
     deadline = time.monotonic() + 240
     try:
         while not ready():
             assert proc.poll() is None, harness_cli.stderr(log)[-2000:]
             assert time.monotonic() < deadline, f"never reached: {what}"
             time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)  # the harness alone, as a terminal's Ctrl-C reaches it first
+        proc.send_signal(sig)  # the harness alone, as a terminal's Ctrl-C reaches it first
         return proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
@@ -80,27 +80,30 @@ def _one_line_and_nothing_left(harness_cli, e2e, proc, log: str, out) -> None:
     assert e2e.survivors(str(out)) == []
 
 
-def _handles_sigint(pid: int) -> bool:
-    """The process has a SIGINT handler installed (bit 2 of SigCgt in /proc/PID/status)."""
+def _handles(pid: int, sig: int) -> bool:
+    """The process has a handler installed for ``sig`` (its bit in SigCgt, /proc/PID/status)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return False
     caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(caught, 16) & (1 << (signal.SIGINT - 1)))
+    return bool(int(caught, 16) & (1 << (sig - 1)))
 
 
-def test_ctrl_c_while_the_harness_starts_is_one_line(harness_cli, e2e):
+@pytest.mark.parametrize("sig,name", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_an_interrupt_while_the_harness_starts_is_one_line(harness_cli, e2e, sig, name):
     """The first second of the first command: the harness was started with SIGINT ignored (as by
-    ``harness ... &`` in a script), and Ctrl-C arrives while it still imports torch."""
+    ``harness ... &`` in a script), and Ctrl-C, or a scheduler's SIGTERM, arrives while it still
+    imports torch."""
     out = harness_cli.tmp / "run"
     proc = harness_cli.popen("bench", *e2e.TINY, *DDP, "--out", str(out), log="start")
-    rc = _interrupt_when(proc, harness_cli, "start", lambda: _handles_sigint(proc.pid), "the harness's SIGINT handler")
+    rc = _interrupt_when(proc, harness_cli, "start", lambda: _handles(proc.pid, sig), f"the harness's {name} handler",
+                         sig)
     err = harness_cli.stderr("start")
-    assert rc == 130, err[-2000:]
+    assert rc == 128 + sig, err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "interrupted (Ctrl-C)" in lines[0], lines
+    assert len(lines) == 1 and f"interrupted ({name})" in lines[0], lines
     assert e2e.job_processes(proc.pid) == [] and e2e.survivors(str(out)) == []
 
 
