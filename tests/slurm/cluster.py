@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,27 +99,25 @@ class SlurmCluster:
         line = self.run("scontrol", "show", "job", "-o", job_id).stdout
         return dict(re.findall(r"(\w+)=(\S*)", line))
 
-    def wait_for(self, job_id: str, states: tuple[str, ...], timeout: float) -> dict[str, str]:
-        """The job's fields once its state is one of ``states`` (or fail with the daemons' logs)."""
+    def wait_job(self, job_id: str, ready: Callable[[dict[str, str]], bool], what: str,
+                 timeout: float) -> dict[str, str]:
+        """The job's fields once ``ready`` holds for them (or fail, naming ``what``, with the daemons' logs)."""
         deadline = time.monotonic() + timeout
-        while True:
-            fields = self.job(job_id)
-            if fields.get("JobState") in states:
-                return fields
+        while not ready(fields := self.job(job_id)):
             if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id} is {fields.get('JobState')} after {timeout:.0f} s, not one of "
-                                     f"{states}\n{self.logs()}")
-            time.sleep(1.0)
+                raise AssertionError(f"job {job_id}: not {what} after {timeout:.0f} s (JobState="
+                                     f"{fields.get('JobState')}, Restarts={fields.get('Restarts')})\n{self.logs()}")
+            time.sleep(0.5)
+        return fields
+
+    def wait_for(self, job_id: str, states: tuple[str, ...], timeout: float) -> dict[str, str]:
+        """The job's fields once its state is one of ``states``."""
+        return self.wait_job(job_id, lambda f: f.get("JobState") in states, f"in one of {states}", timeout)
 
     def wait_restarted(self, job_id: str, restarts: int, timeout: float) -> dict[str, str]:
         """The job's fields once Slurm counts ``restarts`` requeues of it (in whatever state it is then)."""
-        deadline = time.monotonic() + timeout
-        while (fields := self.job(job_id)).get("Restarts") != str(restarts):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id}: Restarts={fields.get('Restarts')} after {timeout:.0f} s, not "
-                                     f"{restarts}\n{self.logs()}")
-            time.sleep(0.5)
-        return fields
+        return self.wait_job(job_id, lambda f: f.get("Restarts") == str(restarts), f"requeued {restarts} times",
+                             timeout)
 
     def release(self, job_id: str) -> None:
         """Start a requeued job now, not after Slurm's hold of a requeued job (BeginTime, up to
