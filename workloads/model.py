@@ -17,7 +17,11 @@ The module tree is shaped for parallelism:
   layers keeps the original parameter names;
 * ``embed``, ``norm`` and ``head`` may be ``None`` on pipeline stages that do not own them;
 * RoPE's angles are computed in each attention from the positions of the tokens it sees, so a
-  pipeline stage, a checkpointed or compiled block needs no table passed in.
+  pipeline stage, a checkpointed or compiled block needs no table passed in;
+* ``seq_shard`` (on ``Embeddings`` and ``Attention``): None for a whole sequence; under context
+  parallel the harness attaches an object whose ``positions(local_len, device)`` gives the global
+  positions of the tokens this rank holds and whose ``attention(q, k, v)`` attends them causally over
+  the whole sequence's keys and values (``harness.parallel.cp``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ from torch import nn
 from workloads.sizes import ModelSize
 
 
+def positions_of(seq_shard, local_len: int, device) -> torch.Tensor:
+    """Global positions of the ``local_len`` tokens a module sees: ``0..T-1``, or its context-parallel shard's."""
+    if seq_shard is None:
+        return torch.arange(local_len, device=device)
+    return seq_shard.positions(local_len, device)
+
+
 class Embeddings(nn.Module):
+    seq_shard = None
+
     def __init__(self, vocab_size: int, seq_len: int | None, d_model: int) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
@@ -39,13 +52,16 @@ class Embeddings(nn.Module):
         h = self.tok(idx)  # (B, T, C)
         if self.pos is None:
             return h
-        return h + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return h + self.pos(positions_of(self.seq_shard, idx.shape[1], idx.device))
 
 
-def rope_angles(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of RoPE's angles (Su et al. 2021), ``(T, head_dim / 2)`` each, in fp32."""
+def rope_angles(positions: int | torch.Tensor, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's angles (Su et al. 2021), ``(T, head_dim / 2)`` each, in fp32, at ``positions``
+    (a tensor of positions, or T for ``0..T-1``)."""
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.to(device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -58,6 +74,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    seq_shard = None
+
     def __init__(self, size: ModelSize) -> None:
         super().__init__()
         d, bias = size.d_model, not size.llama
@@ -77,10 +95,13 @@ class Attention(nn.Module):
         k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.rope_theta is not None:
-            cos, sin = rope_angles(t, self.head_dim, self.rope_theta, x.device)
+            cos, sin = rope_angles(positions_of(self.seq_shard, t, x.device), self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = k.shape[1] != q.shape[1]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H_local, T, hd)
+        if self.seq_shard is not None:
+            y = self.seq_shard.attention(q, k, v)
+        else:
+            gqa = k.shape[1] != q.shape[1]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H_local, T, hd)
         return y.transpose(1, 2).reshape(b, t, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

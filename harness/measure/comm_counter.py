@@ -11,6 +11,9 @@ Bytes follow the nccl-tests convention, per call on one rank:
 * all_gather: the gathered (output) size; reduce_scatter: the unsharded (input) size;
 * all_to_all: the input size.
 
+Calls issued inside ``harness.comm_scope.comm_label(name)`` are also filed under that label
+(:meth:`CommCounter.per_step_labelled`): context parallel's K/V gathers, told apart from FSDP's.
+
 Bus-bandwidth factors (nccl-tests PERFORMANCE.md): all_reduce ``2(n-1)/n``; all_gather,
 reduce_scatter, all_to_all ``(n-1)/n``; broadcast, reduce, send/recv (and the ring send_recv) ``1``.
 """
@@ -21,6 +24,8 @@ from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.comm_scope import current_label
 
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -79,11 +84,13 @@ def _nbytes(obj) -> int:
 
 
 class CommCounter(TorchDispatchMode):
-    """Counts collective calls and bytes while active. ``counts[name] = [calls, bytes]``."""
+    """Counts collective calls and bytes while active. ``counts[name] = [calls, bytes]``, and
+    ``labelled[label][name]`` for the calls made under a :func:`harness.comm_scope.comm_label`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self.labelled: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         self.enabled = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,19 +103,26 @@ class CommCounter(TorchDispatchMode):
             if table is not None and name in table:
                 coll, which = table[name]
                 nbytes = _nbytes(out) if which == "out" else _nbytes(args[which]) if len(args) > which else 0
-                c = self.counts[coll]
-                c[0] += 1
-                c[1] += nbytes
+                label = current_label()
+                for c in (self.counts[coll],) + ((self.labelled[label][coll],) if label else ()):
+                    c[0] += 1
+                    c[1] += nbytes
         return out
 
     def reset(self) -> None:
         self.counts.clear()
+        self.labelled.clear()
 
     def per_step(self, steps: int) -> dict[str, dict[str, float]]:
         """``{collective: {calls_per_step, bytes_per_step}}`` averaged over ``steps``."""
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
-        return {
-            k: {"calls_per_step": v[0] / steps, "bytes_per_step": v[1] / steps}
-            for k, v in sorted(self.counts.items())
-        }
+        return _per_step(self.counts, steps)
+
+    def per_step_labelled(self, label: str, steps: int) -> dict[str, dict[str, float]]:
+        """:meth:`per_step` of the calls made under ``label`` only (empty when there were none)."""
+        return _per_step(self.labelled.get(label, {}), steps)
+
+
+def _per_step(counts: dict[str, list[int]], steps: int) -> dict[str, dict[str, float]]:
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return {k: {"calls_per_step": v[0] / steps, "bytes_per_step": v[1] / steps} for k, v in sorted(counts.items())}

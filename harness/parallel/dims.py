@@ -9,8 +9,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from harness.errors import UsageError
 
 # Mesh dimension order, outermost first: pipeline stages talk least often, tensor parallel most,
-# so tp is innermost (adjacent ranks, NVLink on a node) and pp outermost.
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+# so tp is innermost (adjacent ranks, NVLink on a node) and pp outermost. Context parallel gathers
+# keys and values every layer: inside the data-parallel dimensions, outside tp (torchtitan's order).
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FSDP_SHARD_DIM = "dp_shard_cp"
+"""The flattened (dp_shard, cp) mesh dimension FSDP shards over: CP ranks hold different tokens of the
+same sequences, so their gradients are summed like data-parallel ones (torchtitan's ``dp_shard_cp``)."""
 
 
 @dataclass(frozen=True)
@@ -23,21 +27,25 @@ class ParallelDims:
     """Tensor-parallel degree (DTensor column/row plans)."""
     pp: int = 1
     """Pipeline stages (one per rank; interleaved schedules hold several per rank)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over ``cp`` ranks (:mod:`harness.parallel.cp`)."""
     world_size: int = 1
     sequence_parallel: bool = False
     """Shard LayerNorm/residual activations along the sequence under tp (Korthikanti et al. 2022)."""
     _mesh: object = field(default=None, compare=False, repr=False)
+    _fsdp_mesh: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        for name in MESH_ORDER:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise UsageError(f"{name} must be a positive integer, got {v!r}")
-        prod = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        prod = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
         if prod != self.world_size:
+            cp = f" x cp ({self.cp})" if self.cp > 1 else ""
             raise UsageError(
                 f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) "
-                f"x pp ({self.pp}) = {prod} must equal the world size ({self.world_size}); "
+                f"x pp ({self.pp}){cp} = {prod} must equal the world size ({self.world_size}); "
                 f"change the degrees or --gpus"
             )
         if self.sequence_parallel and self.tp == 1:
@@ -68,18 +76,37 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks FSDP shards parameters over: dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def seq_shards(self) -> int:
+        """Ways one sequence's tokens are split per rank: cp, times tp under sequence parallel."""
+        return self.cp * (self.tp if self.sequence_parallel else 1)
+
     def degrees(self) -> dict[str, int]:
-        return {k: v for k, v in asdict(self).items() if k in MESH_ORDER}
+        """The degrees by name; ``cp`` only when it is used, so layouts without it keep their records."""
+        return {k: v for k, v in asdict(self).items() if k in MESH_ORDER and (k != "cp" or v > 1)}
 
     def build_mesh(self, device_type: str):
         """Build the device mesh over all dimensions (size-1 ones included, so names always resolve)."""
         shape = tuple(getattr(self, n) for n in MESH_ORDER)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
         object.__setattr__(self, "_mesh", mesh)
+        # kept, not sliced from the root again (torch deprecates slicing a flattened dimension)
+        object.__setattr__(self, "_fsdp_mesh", mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_DIM))
         return mesh
 
     def mesh(self, *names: str):
-        """A sub-mesh by name, e.g. ``mesh("tp")`` or ``mesh("dp_replicate", "dp_shard")``."""
+        """A sub-mesh by name, e.g. ``mesh("tp")``, ``mesh("dp_replicate", "dp_shard")`` or ``mesh("dp_shard_cp")``."""
         if self._mesh is None:
             raise RuntimeError("build_mesh() must be called before mesh()")
+        if names == (FSDP_SHARD_DIM,):
+            return self._fsdp_mesh
         return self._mesh[names if len(names) > 1 else names[0]]

@@ -5,12 +5,13 @@ Order, and why:
 1. **Pipeline split first**: every later step applies per stage module, and stage modules
    must exist before their parameters are sharded.
 2. **Tensor parallel** next: it replaces parameters by DTensors on the tp mesh; FSDP must see
-   those DTensors to shard the remaining dimension (2-D FSDP x TP).
+   those DTensors to shard the remaining dimension (2-D FSDP x TP). **Context parallel** attaches
+   each rank's sequence shard to the attentions and embeddings (no parameter changes).
 3. **Activation checkpointing, then ``torch.compile``** (:mod:`harness.parallel.levers`), per
    block, wrapping the TP'd blocks and before FSDP hooks are installed, so the per-block FSDP
    unshard stays outside the checkpointed, compiled region.
 4. **FSDP / HSDP / DDP last**: they wrap what the model has become, and their hooks must see
-   the final forward.
+   the final forward. FSDP shards over ``dp_shard x cp`` (the CP ranks' gradients are summed).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from harness.parallel.cp import apply_cp
 from harness.parallel.data_parallel import apply_ddp, apply_fsdp
+from harness.parallel.dims import FSDP_SHARD_DIM
 from harness.parallel.levers import apply_ac, apply_compile
 from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module, stage_ids
 from harness.parallel.presets import Layout, stages_per_rank
@@ -69,6 +72,9 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
     if dims.tp_enabled:
         for part in parts.values():
             apply_tp(part, dims.mesh("tp"), dims.sequence_parallel)
+    if dims.cp_enabled:
+        for part in parts.values():
+            apply_cp(part, dims.mesh("cp"))
     # 3. activation checkpointing, then compile
     for part in parts.values():
         apply_ac(part, ac)
@@ -78,7 +84,7 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
     dp = layout.data_parallel
     wrapped: nn.Module | None = None
     if layout.fsdp:
-        dp_mesh = dims.mesh("dp_replicate", "dp_shard") if dp == "hsdp" else dims.mesh("dp_shard")
+        dp_mesh = dims.mesh("dp_replicate", "dp_shard") if dp == "hsdp" else dims.mesh(FSDP_SHARD_DIM)
         for part in parts.values():
             apply_fsdp(part, dp_mesh, layout.reshard_after_forward, precision.fsdp_policy())
     elif dp == "ddp":

@@ -14,7 +14,9 @@ from harness.parallel.dims import ParallelDims
 from harness.precision import check_strategy
 from workloads.sizes import ModelSize
 
-STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp")
+STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp",
+              "fsdp+cp", "fsdp+tp+cp")
+DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
@@ -49,6 +51,8 @@ OPTIONS = {
     "fsdp+tp": StrategyOptions("fsdp"),
     "pp+fsdp": StrategyOptions("fsdp"),
     "pp+fsdp+tp": StrategyOptions("fsdp"),
+    "fsdp+cp": StrategyOptions("fsdp"),
+    "fsdp+tp+cp": StrategyOptions("fsdp"),
 }
 
 
@@ -87,6 +91,12 @@ def degrees_for(strategy: str, world: int) -> ParallelDims:
     if strategy == "pp+fsdp":
         _need(strategy, world, 4, 2, "pp 2 x >= 2 shards")
         return ParallelDims(pp=2, dp_shard=world // 2, world_size=world)
+    if strategy == "fsdp+cp":
+        _need(strategy, world, 2, 2, "cp 2 x the rest sharded")
+        return ParallelDims(dp_shard=world // 2, cp=2, world_size=world)
+    if strategy == "fsdp+tp+cp":
+        _need(strategy, world, 4, 4, "cp 2 x tp 2 x the rest sharded")
+        return ParallelDims(dp_shard=world // 4, cp=2, tp=2, world_size=world)
     _need(strategy, world, 8, 4, "pp 2 x >= 2 shards x tp 2")
     return ParallelDims(pp=2, dp_shard=world // 4, tp=2, world_size=world)
 
@@ -108,10 +118,10 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        """Whether ``fully_shard`` is applied: FSDP-family strategies with a data-parallel degree,
-        and the pure FSDP strategies always (on one rank it still wraps, so the cost is measured)."""
+        """Whether ``fully_shard`` is applied: FSDP-family strategies with a data-parallel or context-parallel
+        degree, and the pure FSDP strategies always (on one rank it still wraps, so the cost is measured)."""
         return self.data_parallel in ("fsdp", "hsdp") and (
-            self.dims.dp_enabled or self.strategy in ("fsdp", "zero2", "hsdp"))
+            self.dims.dp_enabled or self.dims.cp_enabled or self.strategy in ("fsdp", "zero2", "hsdp"))
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -127,9 +137,9 @@ def resolve(strategy: str, world: int, override: dict | None = None) -> Layout:
     dimensions the strategy synchronises (an unsynchronised replica would silently diverge)."""
     if not override:
         return Layout(strategy, degrees_for(strategy, world))
-    unknown = set(override) - {"dp_replicate", "dp_shard", "tp", "pp"}
+    unknown = set(override) - set(DEGREE_NAMES)
     if unknown:
-        raise UsageError(f"unknown degree names {sorted(unknown)}; use dp_replicate, dp_shard, tp, pp")
+        raise UsageError(f"unknown degree names {sorted(unknown)}; use {', '.join(DEGREE_NAMES)}")
     if strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     dims = ParallelDims(**override, world_size=world, sequence_parallel=strategy == "tp-sp")
@@ -139,7 +149,32 @@ def resolve(strategy: str, world: int, override: dict | None = None) -> Layout:
             raise UsageError(f"strategy {strategy} does not synchronise gradients over {name} "
                              f"({getattr(dims, name)}): its replicas would diverge; set {name}=1 or pick a strategy "
                              f"that uses it ({'ddp/hsdp' if name == 'dp_replicate' else 'fsdp/zero2/hsdp'})")
+    check_cp(strategy, dims)
     return Layout(strategy, dims)
+
+
+def check_cp(strategy: str, dims: ParallelDims) -> None:
+    """Context parallel needs FSDP to sum its ranks' gradients (over dp_shard x cp) and no pipeline."""
+    if not dims.cp_enabled:
+        return
+    if OPTIONS[strategy].data_parallel != "fsdp":
+        raise UsageError(f"cp ({dims.cp}) needs an FSDP strategy, which sums the context-parallel ranks' gradients "
+                         f"over dp_shard x cp; strategy {strategy} does not: use fsdp+cp, fsdp+tp+cp, fsdp or fsdp+tp")
+    if dims.pp_enabled:
+        raise UsageError(f"cp ({dims.cp}) with pp ({dims.pp}) is not supported: pipeline stages pass whole sequences; "
+                         f"set pp=1 or cp=1")
+
+
+def check_seq_split(dims: ParallelDims, seq_len: int) -> None:
+    """Head-tail context parallel cuts a sequence into 2 x cp equal chunks (times tp under sequence parallel)."""
+    if not dims.cp_enabled:
+        return
+    need = 2 * dims.seq_shards
+    if seq_len % need:
+        sp = f" x tp ({dims.tp}, sequence parallel)" if dims.sequence_parallel else ""
+        raise UsageError(f"seq_len ({seq_len}) must be divisible by 2 x cp ({dims.cp}){sp} = {need}: each context-"
+                         f"parallel rank holds 2 equal chunks (head and tail); use a --seq-len that is a multiple "
+                         f"of {need}")
 
 
 def default_microbatches(dims: ParallelDims, asked: int | None) -> int:
@@ -160,6 +195,7 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
     check_strategy(precision, strategy)
     mb = default_microbatches(layout.dims, microbatches)
     check_model_fit(layout.dims, size.n_heads, size.d_ff, size.n_layers, pp_schedule, mb, size.kv_heads)
+    check_seq_split(layout.dims, size.seq_len)
     check_batch_split(layout.dims, global_batch, mb, grad_accum)
     return layout, mb
 

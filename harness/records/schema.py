@@ -55,10 +55,13 @@ class MemoryMetrics(TypedDict, total=False):
     model_state_breakdown_rank0: dict[str, int]
 
 
-class CommMetrics(TypedDict):
+class CommMetrics(TypedDict, total=False):
     comm: dict[str, dict[str, int]]
     comm_by_rank: list[dict[str, dict[str, int]]]
     comm_bytes_per_step: int
+    comm_cp: dict[str, dict[str, int]]
+    """Context parallel only: its K/V all-gathers and gradient reduce-scatters (also in ``comm``)."""
+    cp_comm_bytes_per_step: int
 
 
 class LossMetrics(TypedDict):

@@ -104,8 +104,12 @@ def _memory(gathered: list[dict], threads: int | None) -> MemoryMetrics:
 
 def _comm(gathered: list[dict]) -> CommMetrics:
     comm = gathered[0]["comm"]
-    return {"comm": comm, "comm_by_rank": [g["comm"] for g in gathered],
-            "comm_bytes_per_step": sum(v["bytes_per_step"] for v in comm.values())}
+    out = {"comm": comm, "comm_by_rank": [g["comm"] for g in gathered],
+           "comm_bytes_per_step": sum(v["bytes_per_step"] for v in comm.values())}
+    cp = gathered[0].get("comm_cp")
+    if cp:  # context parallel's K/V all-gathers and gradient reduce-scatters, also counted in comm
+        out.update(comm_cp=cp, cp_comm_bytes_per_step=sum(v["bytes_per_step"] for v in cp.values()))
+    return out
 
 
 def _loss(cfg, losses: list[float], all_steps: list[float], entropy_floor: float) -> LossMetrics:

@@ -34,6 +34,7 @@ from harness.measure.step_composition import PHASE_PREFIX, composition_from_fram
 from harness.measure.tensor_bytes import holding_tracker
 from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_frames, load_trace
+from harness.parallel.cp import CP_LABEL, shard_sequence
 from harness.parallel.levers import build_optimizer
 from harness.parallel.parallelize import parallelize
 from harness.precision import PrecisionPlan
@@ -133,12 +134,16 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     data = MarkovData(size.vocab_size, cfg.seq_len, seed=cfg.seed)
     dp_rank = _dp_coordinate(dims)
     local_batch = cfg.global_batch // dims.dp
+    cp_rank = dims.mesh("cp").get_local_rank()
 
     def batch(step: int):
         with ranges.range("data"):
             x, y = data.batch(step, cfg.global_batch)
             sl = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
-            return x[sl].to(device, non_blocking=True), y[sl].to(device, non_blocking=True)
+            x, y = x[sl], y[sl]
+            if dims.cp_enabled:  # this rank's head and tail chunks of each sequence (harness.parallel.cp)
+                x, y = shard_sequence(x, cp_rank, dims.cp), shard_sequence(y, cp_rank, dims.cp)
+            return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     timer = StepTimer(cfg.device_kind)
     total = cfg.warmup + cfg.steps
@@ -186,6 +191,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     with counter:
         train.train_step(ctx, *batch(total), _lr(cfg, total))
     comm = counter.per_step(1)
+    comm_cp = counter.per_step_labelled(CP_LABEL, 1)
     state_bytes = model_state_bytes(par.parts, optimizer)
     mem = peak_memory(cfg.device_kind)
     if cfg.device_kind == "cpu":  # RSS cannot tell a shard from the whole: count tensor bytes on one more step
@@ -204,6 +210,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
         "mem": mem,
         "state_bytes": state_bytes,
         "comm": comm,
+        "comm_cp": comm_cp,
         "trace": trace_paths,
         "profiled_times": profiled_times,
         "probe": probe,

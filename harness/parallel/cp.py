@@ -1,0 +1,142 @@
+"""Context parallel on plain ``torch.distributed``: each sequence split over ``cp`` ranks, causal
+attention over the gathered keys and values. Runs on gloo CPU ranks as on NCCL.
+
+torch's own ``context_parallel()`` intercepts CUDA attention kernels only (and its math path fails
+for causal attention, pytorch issue #147793), so the harness shards and attends itself:
+
+* **Head-tail layout** (causal load balance, as torchtitan and Megatron): the sequence is cut into
+  ``2 cp`` equal chunks and rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``. Under a causal mask a
+  query at position ``p`` attends ``p + 1`` keys, so an early chunk is cheap and a late one dear;
+  pairing chunk ``r`` with its mirror gives every rank ``(2 cp + 1) c`` key rows per query row pair
+  (``c`` the chunk length): the same work (:func:`causal_work`).
+* **All-gather K/V** over the CP group in the forward (one call for k and v together), and in the
+  backward the matching **reduce-scatter** (sum) of their gradients: each rank's keys are used by every
+  rank's queries. Both are ``c10d`` calls the comm counter sees, labelled ``cp``.
+* Each local query chunk attends the gathered keys up to its own chunk's end, with the causal mask
+  inside that last chunk: a prefix, never the masked future, so the work is what the layout promises.
+* Positions: each rank's tokens keep their global positions (:meth:`SequenceShard.positions`), for
+  RoPE's angles (llama3) and the learned position table (gpt2).
+
+The model calls an attached :class:`SequenceShard` through two hooks (``workloads.model``:
+``Attention.seq_shard``, ``Embeddings.seq_shard``), so the workloads import nothing of the harness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from harness.comm_scope import comm_label
+
+# torch 2.13 renamed the tensor collectives (the old names warn); the GPU image's older torch has only those.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+CP_LABEL = "cp"
+"""The comm counter's label for context parallel's collectives (``metrics.comm_cp``)."""
+
+
+def head_tail_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of ``2 cp``) rank ``rank`` holds: ``r`` and its mirror ``2 cp - 1 - r``."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"cp rank {rank} outside 0..{cp - 1}")
+    return rank, 2 * cp - 1 - rank
+
+
+def causal_work(rank: int, cp: int, chunk: int) -> int:
+    """Query-key pairs rank ``rank``'s queries attend under the causal mask (``chunk`` tokens per chunk)."""
+    return sum(sum(range(j * chunk + 1, (j + 1) * chunk + 1)) for j in head_tail_chunks(rank, cp))
+
+
+def shard_indices(seq_len: int, rank: int, cp: int) -> torch.Tensor:
+    """Global positions of rank ``rank``'s tokens, in its local order (head chunk, then tail chunk)."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len ({seq_len}) must be divisible by 2 x cp ({2 * cp})")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(j * c, (j + 1) * c) for j in head_tail_chunks(rank, cp)])
+
+
+def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """This rank's tokens of ``t`` (B, T, ...) along dim 1."""
+    return t[:, shard_indices(t.shape[1], rank, cp).to(t.device)]
+
+
+def _natural_order(cp: int) -> list[int]:
+    """Where each global chunk sits in the gathered order (rank-major, head then tail per rank)."""
+    slot = {}
+    for r in range(cp):
+        head, tail = head_tail_chunks(r, cp)
+        slot[head], slot[tail] = 2 * r, 2 * r + 1
+    return [slot[j] for j in range(2 * cp)]
+
+
+class _GatherKV(torch.autograd.Function):
+    """All-gather along dim 0 in the forward; reduce-scatter (sum) of the gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        n = dist.get_world_size(group)
+        out = local.new_empty((n * local.shape[0], *local.shape[1:]))
+        with comm_label(CP_LABEL):
+            _ALL_GATHER(out, local.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // n, *grad.shape[1:]))
+        with comm_label(CP_LABEL):
+            _REDUCE_SCATTER(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """One rank's place in the context-parallel group: which tokens it holds and how it attends."""
+
+    rank: int
+    size: int
+    group: object = None
+    """The CP process group (None only in single-process tests of the layout)."""
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        """Global positions of the ``local_len`` tokens this rank holds."""
+        return shard_indices(local_len * self.size, self.rank, self.size).to(device)
+
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's k and v (B, H, 2c, hd), in natural sequence order (B, H, T, hd)."""
+        n, c = self.size, k.shape[2] // 2
+        both = _GatherKV.apply(torch.stack((k, v)), self.group)  # (n * 2, B, H, 2c, hd), rank-major
+        b, h, hd = k.shape[0], k.shape[1], k.shape[3]
+        chunks = both.view(n, 2, b, h, 2, c, hd).permute(1, 2, 3, 0, 4, 5, 6).reshape(2, b, h, 2 * n, c, hd)
+        order = torch.tensor(_natural_order(n), device=k.device)
+        full = chunks.index_select(3, order).reshape(2, b, h, 2 * n * c, hd)
+        return full[0], full[1]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries (B, Hq, 2c, hd) over the whole sequence's keys."""
+        kf, vf = self.gather(k, v)
+        c = q.shape[2] // 2
+        gqa = k.shape[1] != q.shape[1]
+        outs = []
+        for j, chunk in enumerate(head_tail_chunks(self.rank, self.size)):
+            end = (chunk + 1) * c  # keys up to this chunk's last position; the mask covers the chunk itself
+            q_pos = torch.arange(chunk * c, end, device=q.device)
+            mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]
+            outs.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], kf[:, :, :end], vf[:, :, :end],
+                                                       attn_mask=mask, enable_gqa=gqa))
+        return torch.cat(outs, dim=2)
+
+
+def apply_cp(model: nn.Module, mesh) -> SequenceShard:
+    """Attach this rank's :class:`SequenceShard` to every attention and embedding of ``model``."""
+    shard = SequenceShard(rank=mesh.get_local_rank(), size=mesh.size(), group=mesh.get_group())
+    for module in model.modules():
+        if hasattr(module, "seq_shard"):
+            module.seq_shard = shard
+    return shard
