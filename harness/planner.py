@@ -78,12 +78,14 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
     if added_reference:
         strategies.insert(0, "single")
     cells: dict[str, PlannedCell] = {}
-    for arch, size, prec, scaling, rule, levers, gpus, strat in product(
-            spec.archs, spec.sizes, spec.precisions, spec.scalings, spec.lr_rules, _levers(spec), spec.gpus, strategies):
-        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers, arch)
+    for arch, size, seq, prec, scaling, rule, levers, gpus, strat in product(
+            spec.archs, spec.sizes, spec.seq_lens, spec.precisions, spec.scalings, spec.lr_rules, _levers(spec),
+            spec.gpus, strategies):
+        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers, arch, seq_len=seq)
         cell.reference_only = added_reference and strat == "single"
         cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
-    ordered = sorted(cells.values(), key=lambda c: (ARCHS.index(c.raw["arch"]), c.raw["size"], c.raw["precision"], c.raw["scaling"],
+    ordered = sorted(cells.values(), key=lambda c: (ARCHS.index(c.raw["arch"]), c.raw["size"], c.raw["seq_len"],
+                                                    c.raw["precision"], c.raw["scaling"],
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
                                                     c.raw["world_size"], _order(c.raw["strategy"]),
                                                     c.raw["compile"], AC_MODES.index(c.raw["ac"]),
@@ -97,10 +99,11 @@ def _levers(spec: SweepSpec) -> list[dict]:
 
 
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
-              gpus: int, levers: dict, arch: str) -> PlannedCell:
+              gpus: int, levers: dict, arch: str, *, seq_len: int | None) -> PlannedCell:
+    """One cell at ``seq_len`` tokens per sequence (None: the size's own)."""
     size = get_size(size_name, arch)
     world = world_for(strategy, gpus * spec.nnodes) if strategy == "single" else gpus * spec.nnodes
-    seq = spec.seq_len or size.seq_len
+    seq = seq_len or size.seq_len
     gb = global_batch(scaling, spec.batch, world)
     if spec.batch_auto:  # a placeholder that divides: the sweep's trials find the batch (harness.run.batch_search)
         gb = world * spec.grad_accum * (spec.microbatches or 2 * world)
@@ -118,7 +121,7 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
         if seq_error := seq_len_error(size, seq):
             raise UsageError(seq_error)
         PrecisionPlan(precision).check_device(spec.device_kind)
-        layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], size, precision,
+        layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], replace(size, seq_len=seq), precision,
                                                    spec.pp_schedule, spec.microbatches, spec.grad_accum, gb)
         check_levers(spec.device_kind, layout.dims.tp_enabled, spec.warmup, **levers)
         cfg = CellConfig(**raw)

@@ -20,6 +20,15 @@ from harness.scaling import LR_RULES, SCALINGS
 from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, size_key, size_label
 
 
+def _default_seq_len(c: dict) -> int | None:
+    """The size's own sequence length (raw dicts from before the arch axis are gpt2); None for an
+    unknown size or family, whose id then carries no sequence part."""
+    try:
+        return get_size(c["size"], c.get("arch") or DEFAULT_ARCH).seq_len
+    except (KeyError, ValueError):
+        return None
+
+
 def cell_id_of(c: dict) -> str:
     """Readable and unique within a sweep: every field that varies in a matrix appears.
 
@@ -40,6 +49,10 @@ def cell_id_of(c: dict) -> str:
         parts.append(f"ac-{c['ac']}")
     if c.get("optimizer", "adamw") != "adamw":
         parts.append(c["optimizer"])
+    # a sequence length other than the size's own (a cell at the default keeps the id it always had)
+    default_seq = _default_seq_len(c)
+    if default_seq is not None and c.get("seq_len") not in (None, default_seq):
+        parts.append(f"s{c['seq_len']}")
     return "-".join(str(p) for p in parts)
 
 
@@ -163,7 +176,7 @@ class CellConfig:
 
 @dataclass(frozen=True)
 class SweepSpec:
-    """The matrix: sizes x strategies x precisions x scalings x LR rules x device counts x levers."""
+    """The matrix: sizes x sequence lengths x strategies x precisions x scalings x LR rules x device counts x levers."""
 
     sizes: tuple[str, ...]
     strategies: tuple[str, ...]
@@ -183,7 +196,8 @@ class SweepSpec:
     acs: tuple[str, ...] = ("none",)
     optimizers: tuple[str, ...] = ("adamw",)
     archs: tuple[str, ...] = (DEFAULT_ARCH,)
-    seq_len: int | None = None
+    seq_lens: tuple[int | None, ...] = (None,)
+    """Sequence lengths to sweep (``--seq-len 256,512``); None: each size's own."""
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
     pp_schedule: str = "1f1b"

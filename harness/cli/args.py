@@ -34,11 +34,11 @@ def csv_list(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
 
 
-def ints(name: str, s: str, minimum: int = 1) -> tuple[int, ...]:
+def ints(name: str, s: str, minimum: int = 1, example: str = "2 or 1,2,4") -> tuple[int, ...]:
     out = []
     for x in csv_list(str(s)):
         if not x.lstrip("-").isdigit() or int(x) < minimum:
-            raise UsageError(f"{name} {s!r}: each value must be an integer >= {minimum}, e.g. 2 or 1,2,4")
+            raise UsageError(f"{name} {s!r}: each value must be an integer >= {minimum}, e.g. {example}")
         out.append(int(x))
     if not out:
         raise UsageError(f"{name} is empty; give an integer >= {minimum}")
@@ -70,6 +70,11 @@ def workload_keys(archs: tuple[str, ...], sizes: tuple[str, ...]) -> list[str]:
         return [get_size(name, arch).key for arch in archs for name in sizes]
     except ValueError as e:
         raise UsageError(f"--sizes: {e}") from None
+
+
+def seq_lens_arg(name: str, v) -> tuple[int, ...]:
+    """``--seq-len 256,512``: each a sequence length >= 1 (a sweep file may give an int, a list or a comma string)."""
+    return ints(name, v, 1, example="512 or 256,512,1024")
 
 
 def degrees_arg(s: str | None) -> dict | None:
@@ -124,7 +129,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-rule", help="none,linear,sqrt: LR scaling relative to --base-batch")
     g.add_argument("--batch", help="sequences per step: global (strong) or per device (weak); auto (weak scaling): "
                                    "the largest per device that fits, found by trial runs per cell")
-    g.add_argument("--seq-len", help="tokens per sequence (default: the size's)")
+    g.add_argument("--seq-len", help="tokens per sequence (default: the size's); a list sweeps them: 256,512,1024")
     g.add_argument("--steps", help="measured steps")
     g.add_argument("--warmup", help="unmeasured steps first")
     g.add_argument("--microbatches", help="pipeline microbatches (default 2 x pp)")
@@ -269,7 +274,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         acs=choices(v.label("ac"), v.get("ac", "none"), AC_MODES),
         optimizers=choices(v.label("optimizer"), v.get("optimizer", "adamw"), OPTIMIZERS),
         archs=choices(v.label("arch"), v.get("arch", DEFAULT_ARCH), ARCHS),
-        seq_len=int_arg(v.label("seq_len"), v["seq_len"], 1) if "seq_len" in v else None,
+        seq_lens=seq_lens_arg(v.label("seq_len"), v["seq_len"]) if "seq_len" in v else (None,),
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedule=v.get("pp_schedule", "1f1b"),
         grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from itertools import product
 from pathlib import Path
 
 import psutil
 import torch
 
-from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints, workload_keys
+from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints, seq_lens_arg, workload_keys
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.fit_cells import RECORDS, fit_all
@@ -65,6 +66,15 @@ def _compute(value: str, device_kind: str, size: str) -> str:
     return value
 
 
+def _tables(records: list[dict]) -> str:
+    """The fit table; one per sequence length when several were fitted (the table has no seq column)."""
+    seqs = list(dict.fromkeys(r["config"]["seq_len"] for r in records))
+    if len(seqs) <= 1:
+        return fit_table(records)
+    return "\n\n".join(f"seq {seq}:\n\n" + fit_table([r for r in records if r["config"]["seq_len"] == seq])
+                       for seq in seqs)
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     device_kind = _device(args.device)
     d = DEFAULTS[device_kind]
@@ -76,20 +86,19 @@ def cmd_fit(args: argparse.Namespace) -> int:
     steps = int_arg("--steps", args.steps, 1)
     mem_gib, mem_from = device_mem_arg(args.device_mem, device_kind)
     degrees = degrees_arg(args.degrees)
-    seq = int_arg("--seq-len", args.seq_len, 1) if args.seq_len else None
+    seq_lens = seq_lens_arg("--seq-len", args.seq_len) if args.seq_len is not None else (None,)
     mbs = int_arg("--microbatches", args.microbatches, 1) if args.microbatches else None
     acs = choices("--ac", args.ac, AC_MODES)
     cells, compute = [], {}
     for size in sizes:  # every cell is validated before anything runs
-        if seq and (error := seq_len_error(get_size(size), seq)):
-            raise UsageError(f"--seq-len: {error}")
+        for seq in seq_lens:
+            if seq and (error := seq_len_error(get_size(size), seq)):
+                raise UsageError(f"--seq-len: {error}")
         compute[size] = _compute(args.compute, device_kind, size)
-        for prec in csv_list(args.precision or d["precision"]):
-            for g in gpus:
-                for strategy in csv_list(args.strategies):
-                    for ac in acs:
-                        cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq, mbs,
-                                                   args.pp_schedule, nnodes, degrees, ac))
+        for seq, prec, g, strategy, ac in product(seq_lens, csv_list(args.precision or d["precision"]), gpus,
+                                                  csv_list(args.strategies), acs):
+            cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq, mbs,
+                                       args.pp_schedule, nnodes, degrees, ac))
     out = args.out or Path("results") / f"fit-{new_run_id()}"
     if (out / RECORDS).exists():
         raise UsageError(f"--out {out}: already holds {RECORDS}; choose a new directory")
@@ -103,7 +112,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     for size in sizes:
         records += fit_all([c for c in cells if c.size == size], out, run_id, steps, compute[size], mem_gib, auto,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
-    table = fit_table(records)
+    table = _tables(records)
     print(table)
     print(legend(records))
     command = "harness fit " + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(args).items()
@@ -131,7 +140,7 @@ def register(sub) -> None:
                    help="real arithmetic, or fake (FakeTensorMode: allocations at real shapes, no arithmetic); "
                         "auto: fake for GPU-class sizes on a CPU, else real")
     p.add_argument("--steps", default="2", help="training steps per role (the first allocates the optimizer state)")
-    p.add_argument("--seq-len")
+    p.add_argument("--seq-len", help="tokens per sequence (default: the size's); a list fits each: 2048,4096")
     p.add_argument("--microbatches", help="pipeline microbatches (default 2 x pp)")
     p.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"))
     p.add_argument("--degrees", help="explicit degrees overriding the presets, e.g. pp=2,tp=2")

@@ -16,6 +16,7 @@ from harness.cli.args import (
     int_arg,
     ints,
     merged,
+    seq_lens_arg,
     spec_from_args,
     workload_keys,
 )
@@ -66,27 +67,29 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
     sizes = (workload_keys(archs, csv_list(v["sizes"])) if "sizes" in v
              else [get_size(WHATIF_DEFAULT_SIZE[a], a).key for a in archs])
     strategies = csv_list(v["strategies"]) if v.get("strategies") else None
+    seq_lens = seq_lens_arg(v.label("seq_len"), v["seq_len"]) if "seq_len" in v else (None,)
     opts = dict(global_batch=int_arg(v.label("batch"), v["batch"], 1) if "batch" in v else None,
-                seq_len=int_arg(v.label("seq_len"), v["seq_len"], 1) if "seq_len" in v else None,
                 recompute=v.get("recompute", "none"),
                 microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
                 efficiency=efficiency, pp_schedule=v.get("pp_schedule", "1f1b"),
                 grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")))
-    sections = [(size, prec, gpus) for size in sizes for prec in csv_list(v.get("precision", "bf16"))
-                for gpus in ints(v.label("gpus"), v["gpus"])]
-    for size, prec, gpus in sections:  # every value is checked before anything is printed
-        scenario(size, device, gpus, prec, **opts)
+    # one ranking per (size, sequence length, precision, device count): strategies compete at fixed work
+    sections = [(size, seq, prec, gpus) for size in sizes for seq in seq_lens
+                for prec in csv_list(v.get("precision", "bf16")) for gpus in ints(v.label("gpus"), v["gpus"])]
+    for size, seq, prec, gpus in sections:  # every value is checked before anything is printed
+        scenario(size, device, gpus, prec, seq_len=seq, **opts)
     run_dir = args.error_from or ERROR_FROM
     fit_records = load_fit_records(args.fit_from) if args.fit_from else None
     print(BANNER if fit_records is None else FIT_BANNER)
-    for size, prec, gpus in sections:
+    for size, seq, prec, gpus in sections:
+        s = scenario(size, device, gpus, prec, seq_len=seq, **opts)
         print()
-        print("\n".join(assumptions_lines(scenario(size, device, gpus, prec, **opts))))
+        print(f"## {size}, seq {s.size.seq_len}, {prec}, {gpus} GPUs")
+        print("\n".join(assumptions_lines(s)))
         print()
-        rows = plan_at_scale(size, device, gpus, strategies, prec, **opts)
+        rows = plan_at_scale(size, device, gpus, strategies, prec, seq_len=seq, **opts)
         if fit_records is not None:
-            rows = with_measured_peaks(rows, fit_records, size, prec, opts["seq_len"] or get_size(size).seq_len,
-                                       device.hbm_gib, args.fit_from)
+            rows = with_measured_peaks(rows, fit_records, size, prec, s.size.seq_len, device.hbm_gib, args.fit_from)
         print(whatif_table(rows))
     print()
     print(error_line(model_error(run_dir), run_dir))

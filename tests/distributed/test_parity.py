@@ -66,7 +66,7 @@ def _params() -> int:
 
 
 def _ref(reference, gb):
-    return reference[f"tiny-single-fp32-w1-gb{gb}-strong"]["metrics"]["loss"]
+    return reference[f"tiny-single-fp32-w1-gb{gb}-strong-s64"]["metrics"]["loss"]
 
 
 def _by_strategy(results, strategy):
@@ -79,7 +79,7 @@ def test_parity_world2(world2, reference, strategy):
     if strategy in picks:
         res = next(r for cid, r in world2.items() if picks[strategy] in cid)
     else:
-        res = next(r for cid, r in world2.items() if cid == f"tiny-{strategy}-fp32-w2-gb8-strong"
+        res = next(r for cid, r in world2.items() if cid == f"tiny-{strategy}-fp32-w2-gb8-strong-s64"
                    or cid.startswith(f"tiny-{strategy}-fp32-w2-gb8-strong-1f1b"))
     loss = res["metrics"]["loss"]
     assert len(loss) == 6
@@ -96,7 +96,7 @@ def test_parity_world4(world4, reference, strategy):
 
 
 def _ref_record(reference, gb):
-    cid = f"tiny-single-fp32-w1-gb{gb}-strong"
+    cid = f"tiny-single-fp32-w1-gb{gb}-strong-s64"
     return {**reference[cid], "cell_id": cid}
 
 
@@ -132,7 +132,7 @@ def doubled_grads(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy", DOUBLED)
 def test_doubled_gradient_fails_the_records_parity_naming_the_gradient_norm(doubled_grads, reference, strategy):
-    cid = "tiny-ddp-fp32-w2-gb8-strong-ga2" if strategy == "ddp-ga2" else f"tiny-{strategy}-fp32-w2-gb8-strong"
+    cid = "tiny-ddp-fp32-w2-gb8-strong-ga2-s64" if strategy == "ddp-ga2" else f"tiny-{strategy}-fp32-w2-gb8-strong-s64"
     res = doubled_grads[cid]
     metrics = cell_metrics(cid, res["config"], res["metrics"], res["samples"], RunFacts(wall_s=1.0, est_mem_gib=None),
                            calibrated_tflops=None, device_name="cpu", compute_dtype="float32",
@@ -152,7 +152,7 @@ def one_slow_rank(tmp_path_factory):
 
 
 def test_record_keeps_the_slowest_rank_per_step(one_slow_rank):
-    samples = one_slow_rank["tiny-ddp-fp32-w2-gb8-strong"]["samples"]
+    samples = one_slow_rank["tiny-ddp-fp32-w2-gb8-strong-s64"]["samples"]
     per_rank = samples["step_time_s_per_rank"]
     assert len(per_rank) == 2 and len(per_rank[0]) == 4
     assert samples["step_time_s"] == [max(a, b) for a, b in zip(*per_rank)]
@@ -168,7 +168,7 @@ def test_loss_is_learning(reference):
 
 def test_ddp_all_reduces_exactly_4_bytes_per_param(world2):
     params = _params()
-    comm = world2["tiny-ddp-fp32-w2-gb8-strong"]["metrics"]["comm"]
+    comm = world2["tiny-ddp-fp32-w2-gb8-strong-s64"]["metrics"]["comm"]
     assert set(comm) == {"all_reduce"}
     assert comm["all_reduce"]["bytes_per_step"] == 4 * params
 
@@ -176,8 +176,8 @@ def test_ddp_all_reduces_exactly_4_bytes_per_param(world2):
 @pytest.mark.slow
 def test_fsdp_gathers_params_twice_and_reduce_scatters_grads(world4):
     params = _params()
-    fsdp = world4["tiny-fsdp-fp32-w4-gb16-strong"]["metrics"]["comm"]
-    zero2 = world4["tiny-zero2-fp32-w4-gb16-strong"]["metrics"]["comm"]
+    fsdp = world4["tiny-fsdp-fp32-w4-gb16-strong-s64"]["metrics"]["comm"]
+    zero2 = world4["tiny-zero2-fp32-w4-gb16-strong-s64"]["metrics"]["comm"]
     # Gradients: one reduce-scatter of every (fp32) parameter's gradient per step.
     assert fsdp["reduce_scatter"]["bytes_per_step"] == 4 * params
     # ZeRO-3-like: parameters gathered in forward and again in backward (the root, which holds the
@@ -189,19 +189,19 @@ def test_fsdp_gathers_params_twice_and_reduce_scatters_grads(world4):
 
 @pytest.mark.slow
 def test_fsdp_model_state_at_most_03_of_ddp(world4):
-    ddp = world4["tiny-ddp-fp32-w4-gb16-strong"]["metrics"]["model_state_bytes_per_rank"]
-    fsdp = world4["tiny-fsdp-fp32-w4-gb16-strong"]["metrics"]["model_state_bytes_per_rank"]
+    ddp = world4["tiny-ddp-fp32-w4-gb16-strong-s64"]["metrics"]["model_state_bytes_per_rank"]
+    fsdp = world4["tiny-fsdp-fp32-w4-gb16-strong-s64"]["metrics"]["model_state_bytes_per_rank"]
     assert fsdp <= 0.3 * ddp, f"fsdp {fsdp} vs ddp {ddp}"
 
 
 def test_tp_moves_activations(world2):
     size = get_size("tiny")
-    comm = world2["tiny-tp-fp32-w2-gb8-strong"]["metrics"]["comm"]
+    comm = world2["tiny-tp-fp32-w2-gb8-strong-s64"]["metrics"]["comm"]
     # Forward: one all-reduce of the (B, S, d) activation after each row-parallel layer (2 per block).
     act_bytes = 8 * 64 * size.d_model * 4
     assert comm["all_reduce"]["calls_per_step"] >= 2 * size.n_layers
     assert comm["all_reduce"]["bytes_per_step"] >= 2 * size.n_layers * act_bytes
-    sp = world2["tiny-tp-sp-fp32-w2-gb8-strong"]["metrics"]["comm"]
+    sp = world2["tiny-tp-sp-fp32-w2-gb8-strong-s64"]["metrics"]["comm"]
     assert sp["all_reduce"]["calls_per_step"] < comm["all_reduce"]["calls_per_step"]
     # The LayerNorms' partial gradients (2 per block and the final one; weight and bias) are summed
     # once, in one call, before the optimizer: not by DTensor at each of AdamW's uses, uncounted.
@@ -212,7 +212,7 @@ def test_tp_moves_activations(world2):
 
 def test_pp_sends_activations_per_microbatch(world2):
     size = get_size("tiny")
-    res = world2["tiny-pp-fp32-w2-gb8-strong-1f1b-m4"]["metrics"]
+    res = world2["tiny-pp-fp32-w2-gb8-strong-1f1b-m4-s64"]["metrics"]
     comm = res["comm"]
     # Rank 0 (first stage) sends each microbatch's (2, 64, d) activation forward, receives its grad back.
     mb_bytes = 2 * 64 * size.d_model * 4
@@ -222,7 +222,7 @@ def test_pp_sends_activations_per_microbatch(world2):
 
 
 def test_gns_is_estimated_under_ddp(world2):
-    gns = world2["tiny-ddp-fp32-w2-gb8-strong"]["metrics"]["gns"]
+    gns = world2["tiny-ddp-fp32-w2-gb8-strong-s64"]["metrics"]["gns"]
     assert gns["b_small"] == 4 and gns["b_big"] == 8
     assert gns["b_simple"] is not None and gns["b_simple"] > 0
 
@@ -268,7 +268,7 @@ def test_model_predicts_counted_comm_and_states_world2(world2):
 def test_model_predicts_counted_comm_and_states_world1(reference):
     """DDP over one replica still all-reduces its buckets (a 1-rank group): the model counts them too."""
     ddp = {cid: r for cid, r in reference.items() if "-ddp-" in cid}
-    assert ddp["tiny-ddp-fp32-w1-gb8-strong"]["metrics"]["comm"]["all_reduce"]["bytes_per_step"] == 4 * _params()
+    assert ddp["tiny-ddp-fp32-w1-gb8-strong-s64"]["metrics"]["comm"]["all_reduce"]["bytes_per_step"] == 4 * _params()
     _check_model(reference)
 
 

@@ -53,7 +53,7 @@ def world4(tmp_path_factory):
 
 
 def _single(reference: dict, gb: int) -> dict:
-    return reference[f"llama3-tiny-single-fp32-w1-gb{gb}-strong"]
+    return reference[f"llama3-tiny-single-fp32-w1-gb{gb}-strong-s64"]
 
 
 def _assert_parity(results: dict, reference: dict, gb: int) -> None:

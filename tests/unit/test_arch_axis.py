@@ -42,9 +42,9 @@ def test_tp_that_does_not_divide_the_kv_heads_is_refused_at_plan_time():
 
 
 def test_llama3_runs_past_gpt2s_position_table():
-    cells = {c.cell_id: c for c in expand(_spec(archs=("gpt2", "llama3"), strategies=("ddp",), seq_len=512))}
-    assert cells["llama3-tiny-ddp-fp32-w2-gb8-strong"].valid
-    assert "exceeds tiny's position table (128)" in cells["tiny-ddp-fp32-w2-gb8-strong"].reason
+    cells = {c.cell_id: c for c in expand(_spec(archs=("gpt2", "llama3"), strategies=("ddp",), seq_lens=(512,)))}
+    assert cells["llama3-tiny-ddp-fp32-w2-gb8-strong-s512"].valid
+    assert "exceeds tiny's position table (128)" in cells["tiny-ddp-fp32-w2-gb8-strong-s512"].reason
 
 
 def test_plan_only_sizes_are_refused_before_a_bench():

@@ -89,7 +89,7 @@ def test_config_roundtrip_and_errors():
     c = CellConfig(size="tiny", strategy="pp", precision="fp32", world_size=2, global_batch=8, seq_len=64, steps=3,
                    warmup=1, device_kind="cpu", microbatches=4)
     assert CellConfig.from_dict(c.to_dict()) == c
-    assert c.cell_id == "tiny-pp-fp32-w2-gb8-strong-1f1b-m4"
+    assert c.cell_id == "tiny-pp-fp32-w2-gb8-strong-1f1b-m4-s64"  # 64 is not tiny's own 128
     with pytest.raises(UsageError, match="steps must be an integer >= 1, got 0"):
         CellConfig(**{**c.to_dict(), "steps": 0, "profile_ranks": (0,)})
     with pytest.raises(UsageError, match="unknown cell config keys"):
