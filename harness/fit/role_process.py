@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harness.measure.nvtx_ranges import Ranges
 from harness.measure.rank_memory import model_state_bytes
@@ -127,7 +128,7 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
                       stage_shapes=_stage_shapes(spec, size, layout, precision), ac=spec.ac,
                       ddp_comm_hook=_reduced_in_place if fake_group and layout.data_parallel == "ddp" else None)
     fake = FakeTensorMode(allow_non_fake_inputs=True) if spec.compute == "fake" else contextlib.nullcontext()
-    with fake:
+    with fake, _fused_attention(spec.compute):
         if on_meta:
             _materialize(par.parts, device, size.n_layers)
         params = [p for p in par.parameters() if p.requires_grad]
@@ -142,7 +143,8 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
             torch.cuda.reset_peak_memory_stats()
         with tracker:
             for _ in range(spec.steps):
-                x = torch.randint(0, size.vocab_size, (rows, spec.seq_len), device=device)
+                # a context-parallel rank holds 1 / cp of each sequence (harness.parallel.cp)
+                x = torch.randint(0, size.vocab_size, (rows, spec.seq_len // dims.cp), device=device)
                 train.train_step(ctx, x, x, 1e-4)
         state = model_state_bytes(par.parts, optimizer)
         tracker.hold(optimizer_tensors(optimizer))  # already counted unless the step skipped (no-op then)
@@ -153,6 +155,15 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
         out.update(peak_bytes=torch.cuda.max_memory_allocated(), peak_kind="cuda_allocated",
                    tensor_bytes=tracker.peak_bytes)
     return out
+
+
+def _fused_attention(compute: str):
+    """Under fake compute, SDPA as a fused kernel (its output and log-sum-exp, no score matrix): fake tensors
+    make SDPA pick its math path, which keeps the ``S x S`` scores no GPU kernel holds (flash attention;
+    the memory-efficient kernel for context parallel's masked chunks)."""
+    if compute != "fake":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
 def run_fake(spec: RoleSpec) -> dict:

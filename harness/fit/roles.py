@@ -59,7 +59,7 @@ def _stage_kind(pp_rank: int, pp: int, virtual: int) -> str:
 def rank_roles(c: CellShape) -> list[Role]:
     """The cell's roles, in rank order of their first rank."""
     dims = c.dims
-    shard = dims.dp_shard if c.fsdp else 1
+    shard = dims.fsdp_shards if c.fsdp else 1
     groups: dict[tuple, list] = {}
     for k in coords(dims):
         kind = _stage_kind(k.pp, dims.pp, c.virtual)

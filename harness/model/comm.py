@@ -25,6 +25,10 @@ what each strategy's code does, so the prediction can be held to equality in a t
   all-reduce becomes an all-gather / reduce-scatter pair around the sequence-sharded region.
 * **Pipeline** (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021): per microbatch and
   stage boundary, the activation (residual-stream dtype) forward and its gradient backward, by send/recv.
+* **Context parallel** (:mod:`harness.parallel.cp`): per layer and micro-step, one all-gather of the
+  rank's k and v together (output: ``2 x rows x seq x kv_dim / tp`` in the compute dtype), again when
+  the attention is recomputed (``ac`` selective or full), and one reduce-scatter of their gradients
+  (input the same size); FSDP then shards over ``dp_shard x cp``.
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _fsdp_calls(c: CellShape, specs: list[ParamSpec], coord: RankCoord) -> list[Call]:
-    dims, shard = c.dims, c.dims.dp_shard
+    dims, shard = c.dims, c.dims.fsdp_shards
     stages = n_stages(dims, c.virtual)
     groups: dict[tuple[int, str], list[ParamSpec]] = defaultdict(list)
     for p in specs:
@@ -178,9 +182,9 @@ def _fsdp_calls(c: CellShape, specs: list[ParamSpec], coord: RankCoord) -> list[
 def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Call]:
     """Tensor-parallel collectives for ``passes`` forward+backward passes of ``rows`` sequences each."""
     size, tp, sp = c.size, c.dims.tp, c.dims.sequence_parallel
-    act = rows * size.seq_len * size.d_model
+    act = rows * c.local_seq * size.d_model
     hi, lo = act * c.residual_bytes, act * c.compute_bytes
-    logits = rows * size.seq_len * size.vocab_size * c.compute_bytes
+    logits = rows * c.local_seq * size.vocab_size * c.compute_bytes
     stages = n_stages(c.dims, c.virtual)
     mine = stages_of_rank(coord.pp, c.dims.pp, c.virtual)
     layers = rank_layers(size.n_layers, c.dims.pp, c.virtual, coord.pp)
@@ -210,7 +214,7 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
 def _pp_calls(c: CellShape, coord: RankCoord) -> list[Call]:
     size, dims = c.size, c.dims
     stages = n_stages(dims, c.virtual)
-    act = c.microbatch_rows * size.seq_len * size.d_model * c.residual_bytes
+    act = c.microbatch_rows * c.local_seq * size.d_model * c.residual_bytes
     if dims.sequence_parallel:
         act //= dims.tp
     calls = []
@@ -221,6 +225,21 @@ def _pp_calls(c: CellShape, coord: RankCoord) -> list[Call]:
         if s < stages - 1:
             calls += [Call("send", act, 2, "pp", True)] * n + [Call("recv", act, 2, "pp", False)] * n
     return calls
+
+
+def kv_gather_bytes(c: CellShape, rows: int) -> int:
+    """Bytes of one layer's K/V all-gather output (and of its gradients' reduce-scatter input): the whole
+    sequence's k and v for ``rows`` sequences, on one tp rank, in the compute dtype."""
+    return 2 * rows * c.size.seq_len * c.size.kv_dim // c.dims.tp * c.compute_bytes
+
+
+def _cp_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
+    """Context parallel's collectives for ``passes`` forward+backward passes of ``rows`` sequences each."""
+    nbytes = kv_gather_bytes(c, rows)
+    again = 1 if c.recompute in ("selective", "full") else 0  # the recomputed attention gathers again
+    per_layer = [Call("all_gather", nbytes, c.dims.cp, "cp", False)] * (1 + again) + \
+        [Call("reduce_scatter", nbytes, c.dims.cp, "cp", False)]
+    return per_layer * c.size.n_layers * passes
 
 
 def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
@@ -238,6 +257,8 @@ def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
             calls += _tp_calls(c, coord, c.grad_accum, c.local_batch // c.grad_accum)
     if c.dims.pp_enabled:
         calls += _pp_calls(c, coord)
+    if c.dims.cp_enabled:  # refused with a pipeline (harness.parallel.presets.check_cp)
+        calls += _cp_calls(c, c.grad_accum, c.local_batch // c.grad_accum)
     return calls
 
 

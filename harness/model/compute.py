@@ -118,9 +118,11 @@ def stage_shares(c: CellShape) -> list[tuple[float, float]]:
     return out
 
 
-def pass_time_s(rates: ComputeRates, rows: float, flop_share: float, layer_share: float, tp: int) -> float:
-    """One forward+backward pass of ``rows`` sequences over a rank's share of the model."""
-    return (rates.alpha_s + rates.wrapper_overhead_s) * layer_share + rows * rates.beta_s_per_row * flop_share / tp
+def pass_time_s(rates: ComputeRates, rows: float, flop_share: float, layer_share: float, split: int) -> float:
+    """One forward+backward pass of ``rows`` sequences over a rank's share of the model, its FLOPs split
+    ``split`` ways (tp x cp: tensor parallel splits each matmul, context parallel each sequence, causal
+    attention included, evenly by the head-tail layout)."""
+    return (rates.alpha_s + rates.wrapper_overhead_s) * layer_share + rows * rates.beta_s_per_row * flop_share / split
 
 
 WRAPPERS = ("fsdp", "tp", "tp-sp", "fsdp+tp")

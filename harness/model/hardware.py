@@ -150,11 +150,13 @@ def placement(dims: ParallelDims, gpus_per_node: int) -> dict[str, GroupPlacemen
 
     ``pp_p2p`` is the pair of neighbouring stages a pipeline send/recv runs between (group 2).
     """
-    strides = {"tp": 1, "dp_shard": dims.tp, "dp_replicate": dims.tp * dims.dp_shard,
-               "pp": dims.tp * dims.dp_shard * dims.dp_replicate}
+    tp, cp = dims.tp, dims.cp
+    strides = {"tp": 1, "cp": tp, "dp_shard_cp": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * dims.dp_shard,
+               "pp": tp * cp * dims.dp_shard * dims.dp_replicate}
+    sizes = {**dims.degrees(), "cp": cp, "dp_shard_cp": dims.fsdp_shards}
     out = {}
     for dim, stride in strides.items():
-        n = getattr(dims, dim)
+        n = sizes[dim]
         fewest = n
         for first in range(dims.world_size):  # one group per first member: no earlier member below it
             if (first // stride) % n:
@@ -189,9 +191,10 @@ def collective_time_s(device: Device, collective: str, nbytes: float, where: Gro
 
 
 # Which mesh dimensions issue each collective (harness.model.comm): pp stage pairs send/receive, tp and
-# DDP/HSDP all-reduce, tp (sequence parallel, LM head) and FSDP all-gather / reduce-scatter.
+# DDP/HSDP all-reduce, tp (sequence parallel, LM head), FSDP (over dp_shard x cp) and cp's K/V
+# all-gather / reduce-scatter.
 _DIMS_OF = {"send_recv": ("pp_p2p",), "send": ("pp_p2p",), "recv": ("pp_p2p",), "all_reduce": ("tp", "dp_replicate"),
-            "all_gather": ("tp", "dp_shard"), "reduce_scatter": ("tp", "dp_shard")}
+            "all_gather": ("tp", "dp_shard_cp", "cp"), "reduce_scatter": ("tp", "dp_shard_cp", "cp")}
 
 
 def comm_time_fn(device: Device, dims: ParallelDims,
@@ -208,7 +211,7 @@ def comm_time_fn(device: Device, dims: ParallelDims,
     def comm_time(collective: str, nbytes: int, group: int, dim: str | None = None) -> float:
         names = _DIMS_OF.get(collective, tuple(dims_of))
         if dim == "dp":  # harness.model.comm.Call.dim says dp for both data-parallel dimensions
-            names = tuple(d for d in names if d.startswith("dp")) or ("dp_shard", "dp_replicate")
+            names = tuple(d for d in names if d.startswith("dp")) or ("dp_shard_cp", "dp_replicate")
         elif dim is not None:
             names = ("pp_p2p",) if dim == "pp" and collective in ("send_recv", "send", "recv") else (dim,)
         cands = [where[d] for d in names if where[d].size == group]

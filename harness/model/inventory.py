@@ -129,13 +129,16 @@ def group_of(spec: ParamSpec) -> str:
 
 @dataclass(frozen=True)
 class RankCoord:
-    """A global rank's coordinates on the (pp, dp_replicate, dp_shard, tp) mesh."""
+    """A global rank's coordinates on the (pp, dp_replicate, dp_shard, cp, tp) mesh."""
 
     rank: int
     pp: int
     dp_replicate: int
     dp_shard: int
+    """The rank's index among the ranks FSDP shards over: dp_shard x cp flattened, cp innermost
+    (the plain dp_shard index without context parallel)."""
     tp: int
+    cp: int = 0
 
 
 def coords(dims: ParallelDims) -> list[RankCoord]:
@@ -143,9 +146,10 @@ def coords(dims: ParallelDims) -> list[RankCoord]:
     out = []
     for r in range(dims.world_size):
         rest, t = divmod(r, dims.tp)
+        rest, c = divmod(rest, dims.cp)
         rest, s = divmod(rest, dims.dp_shard)
         p, rep = divmod(rest, dims.dp_replicate)
-        out.append(RankCoord(r, p, rep, s, t))
+        out.append(RankCoord(r, p, rep, s * dims.cp + c, t, c))
     return out
 
 

@@ -17,6 +17,11 @@ MLP input to GELU and its output (``8 d / tp``): ``4 d + 12 d / tp`` elements. R
 ``full`` keeps only each block's input (``d``) plus one block's activations during its
 backward; ``selective`` recomputes the attention core, the q/k/v projections and SDPA
 (:mod:`harness.parallel.levers`; drops q, k, v and the output: ``- 4 d / tp``).
+
+**Context parallel** (:mod:`harness.parallel.cp`): a rank holds ``1 / cp`` of each sequence's tokens,
+so every per-token term above falls by ``cp``, but each layer's attention saves the *gathered* keys
+and values of the whole sequence (SDPA keeps its inputs): per local token ``2 kv_dim cp / tp`` in place
+of the local ``2 kv_dim / tp``. Those K/V buffers are what stops activations falling as ``1 / cp``.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ class StateBytes:
 
 def state_bytes_by_rank(c: CellShape) -> list[StateBytes]:
     """Model-state bytes every global rank holds (fp32 params and grads, AdamW moments and steps)."""
-    shard = c.dims.dp_shard if c.fsdp else 1
+    shard = c.dims.fsdp_shards if c.fsdp else 1
     priced: dict[tuple[int, int], StateBytes] = {}  # ranks that differ only in dp_replicate / tp hold alike
     out = []
     for k in coords(c.dims):
@@ -95,8 +100,9 @@ def composite_rms_norm(c: CellShape) -> bool:
 
 
 def _attention_token_elements(c: CellShape) -> float:
-    """q, k, v (grouped-query: ``kv_dim`` wide) and the attention output, per token, on one tp rank."""
-    return (2 * c.size.d_model + 2 * c.size.kv_dim) / c.dims.tp
+    """q, k, v (grouped-query: ``kv_dim`` wide) and the attention output, per token, on one tp rank; under
+    context parallel k and v are the whole sequence's, gathered: ``cp`` times the local tokens'."""
+    return (2 * c.size.d_model + 2 * c.size.kv_dim * c.dims.cp) / c.dims.tp
 
 
 def _block_token_bytes(c: CellShape) -> float:
@@ -122,7 +128,7 @@ def _block_token_bytes(c: CellShape) -> float:
 def rope_table_bytes(c: CellShape) -> int:
     """RoPE's cos and sin (fp32, ``seq x head_dim / 2`` each), computed and saved by each llama3 block's
     attention, once per microbatch: not per row."""
-    return 4 * c.size.seq_len * c.size.head_dim if c.size.llama and c.recompute == "none" else 0
+    return 4 * c.local_seq * c.size.head_dim if c.size.llama and c.recompute == "none" else 0
 
 
 def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
@@ -131,7 +137,7 @@ def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
     only; in a pipeline, also each in-flight microbatch's stage output, which the schedule keeps
     for its backward (but on the last stage, whose output is the loss)."""
     layers = rank_layers(c.size.n_layers, c.dims.pp, c.virtual, pp_rank)
-    tokens = c.microbatch_rows * c.size.seq_len * inflight_microbatches(c, pp_rank)
+    tokens = c.microbatch_rows * c.local_seq * inflight_microbatches(c, pp_rank)
     sp = c.dims.tp if c.dims.sequence_parallel else 1
     block_input = c.size.d_model * c.residual_bytes / sp
     per_layer = block_input if c.recompute == "full" else _block_token_bytes(c)
@@ -144,13 +150,13 @@ def _mlp_grad_bytes(c: CellShape) -> int:
     """The MLP gradients one block's backward allocates, one microbatch: GELU's (``d_ff / tp`` per
     token), or SwiGLU's two at once (the gradients of silu(gate) and of up: ``2 d_ff / tp``)."""
     width = (c.size.mlp_matrices - 1) * c.size.d_ff
-    return int(c.microbatch_rows * c.size.seq_len * width * c.compute_bytes / c.dims.tp)
+    return int(c.microbatch_rows * c.local_seq * width * c.compute_bytes / c.dims.tp)
 
 
 def block_backward_bytes(c: CellShape) -> int:
     """Activations live in one block's backward, one microbatch: the block's (saved, or recomputed
     under ``full``) and its MLP gradients."""
-    return int(c.microbatch_rows * c.size.seq_len * _block_token_bytes(c)) + _mlp_grad_bytes(c)
+    return int(c.microbatch_rows * c.local_seq * _block_token_bytes(c)) + _mlp_grad_bytes(c)
 
 
 def grads_live_in_forward(c: CellShape) -> bool:
@@ -168,7 +174,7 @@ def logits_bytes(c: CellShape) -> int:
     rows = c.microbatch_rows
     v = c.size.vocab_size
     shard = c.compute_bytes / c.dims.tp if c.dims.tp > 1 else 0
-    return int(rows * c.size.seq_len * v * (c.compute_bytes + 2 * 4 + shard))
+    return int(rows * c.local_seq * v * (c.compute_bytes + 2 * 4 + shard))
 
 
 def transient_param_bytes(c: CellShape) -> int:
@@ -181,7 +187,7 @@ def transient_param_bytes(c: CellShape) -> int:
     per_block = {}
     root = 0
     for p in specs:
-        n = fsdp_padded_numel(tp_local_shape(p, c.dims.tp), c.dims.dp_shard) * c.param_bytes
+        n = fsdp_padded_numel(tp_local_shape(p, c.dims.tp), c.dims.fsdp_shards) * c.param_bytes
         if p.layer is None:
             root += n
         else:

@@ -64,6 +64,11 @@ class CellShape:
         return self.global_batch // self.dims.dp
 
     @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence a rank holds: the whole sequence, or ``1 / cp`` of it under context parallel."""
+        return self.size.seq_len // self.dims.cp
+
+    @property
     def microbatch_rows(self) -> int:
         """Sequences per pipeline microbatch (or per accumulation micro-step without a pipeline)."""
         return self.local_batch // (self.microbatches if self.dims.pp_enabled else self.grad_accum)

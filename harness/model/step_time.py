@@ -70,7 +70,7 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing
         if k.dp_replicate or k.dp_shard or k.tp:  # ranks of one pipeline rank are alike; price one each
             continue
         flop_share, layer_share = shares[k.pp]
-        one_pass = pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp)
+        one_pass = pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp * dims.cp)
         compute = passes * one_pass * all_busy
         optimizer = (rates.optimizer_s_per_param * states[k.rank].params / 4
                      + rates.wrapper_optimizer_s * layer_share) * all_busy

@@ -29,7 +29,7 @@ from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn
 from harness.model.memory import RECOMPUTE, peak_bytes, state_bytes_by_rank
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import predict_step
-from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, resolve_cell, world_for
+from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, resolve, resolve_cell, world_for
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
 SEQUENCES_PER_DEVICE = 8
@@ -59,7 +59,7 @@ class Scenario:
     efficiency: float
     """Fraction of the datasheet peak the compute runs at."""
     global_batch: int | None
-    """Sequences per optimizer step; None: ``SEQUENCES_PER_DEVICE`` x the strategy's devices."""
+    """Sequences per optimizer step; None: :func:`default_global_batch`."""
     recompute: str = "none"
     microbatches: int | None = None
     """Pipeline microbatches; None: 2 x pp (the sweep planner's default)."""
@@ -107,10 +107,18 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
                     degrees=degrees)
 
 
+def default_global_batch(seq_len: int, world: int, cp: int) -> int:
+    """The default batch (:func:`sequences_per_device` per device) held by the data-parallel ranks: without
+    context parallel one per device; with it, one per ``cp`` devices, which split each sequence (torchtitan's
+    published CP rows: local batch 1, FSDP degree ``8 / cp``)."""
+    return max(1, sequences_per_device(seq_len) * world // cp)
+
+
 def shape_for(s: Scenario, strategy: str) -> CellShape:
     """The cell a strategy runs at this scale; UsageError (the row's reason) when it cannot run."""
     world = world_for(strategy, s.gpus)
-    gb = s.global_batch or sequences_per_device(s.size.seq_len) * world
+    degrees = s.degrees if strategy != "single" else None
+    gb = s.global_batch or default_global_batch(s.size.seq_len, world, resolve(strategy, world, degrees).dims.cp)
     layout, mb = resolve_cell(strategy, world, s.degrees if strategy != "single" else None, s.size, s.precision,
                               s.pp_schedule, s.microbatches, s.grad_accum, gb)
     return CellShape(size=s.size, dims=layout.dims, strategy=strategy, precision=s.precision, global_batch=gb,
@@ -126,7 +134,8 @@ def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
 
 def predict_row(s: Scenario, strategy: str) -> dict:
     """One strategy's predicted step, throughput, MFU and memory (or its reason when invalid)."""
-    row: dict = {"strategy": strategy, "valid": False, "reason": None, "rank": None, "fits": None, "notes": []}
+    row: dict = {"strategy": strategy, "seq_len": s.size.seq_len, "valid": False, "reason": None, "rank": None,
+                 "fits": None, "notes": []}
     try:
         c = shape_for(s, strategy)
     except UsageError as e:
@@ -193,4 +202,15 @@ def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: t
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         raise UsageError(f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STRATEGIES)}")
-    return rank_rows([predict_row(s, n) for n in names])
+    return rank_rows([predict_row(v, n) for n in names for v in cp_variants(s, n)])
+
+
+def cp_variants(s: Scenario, strategy: str) -> list[Scenario]:
+    """The scenario once, or for a context-parallel preset without ``--degrees`` once per cp degree that
+    divides the devices (tp 2 under fsdp+tp+cp), so one what-if ranks CP 2, 4, ... against each other."""
+    if s.degrees or strategy not in ("fsdp+cp", "fsdp+tp+cp"):
+        return [s]
+    tp = 2 if strategy == "fsdp+tp+cp" else 1
+    rest = s.gpus // tp if s.gpus % tp == 0 else 0
+    cps = [cp for cp in range(2, rest + 1) if rest % cp == 0]
+    return [replace(s, degrees={"dp_shard": rest // cp, "cp": cp, "tp": tp}) for cp in cps] or [s]

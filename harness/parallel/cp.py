@@ -74,6 +74,19 @@ def _natural_order(cp: int) -> list[int]:
     return [slot[j] for j in range(2 * cp)]
 
 
+def causal_bias(c: int, end: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask (0 or -inf) of ``c`` queries at the last ``c`` of ``end`` key positions, with its rows in
+    reverse order, as a ``(c, end)`` view of one ``c + end - 1`` vector: row ``i`` (query ``end - 1 - i``)
+    sees keys ``k <= end - 1 - i``, i.e. ``t[i + k] = 0`` iff ``i + k <= end - 1``.
+
+    A boolean ``(c, end)`` mask would be materialised by SDPA as a float one and kept for backward, per chunk
+    and layer (``c x end x 4`` bytes): at long sequences more than the K/V it masks. This view costs a vector.
+    """
+    t = torch.zeros(c + end - 1, dtype=dtype, device=device)
+    t[end:] = float("-inf")
+    return t.as_strided((c, end), (1, 1))
+
+
 class _GatherKV(torch.autograd.Function):
     """All-gather along dim 0 in the forward; reduce-scatter (sum) of the gradient in the backward."""
 
@@ -125,11 +138,12 @@ class SequenceShard:
         gqa = k.shape[1] != q.shape[1]
         outs = []
         for j, chunk in enumerate(head_tail_chunks(self.rank, self.size)):
-            end = (chunk + 1) * c  # keys up to this chunk's last position; the mask covers the chunk itself
-            q_pos = torch.arange(chunk * c, end, device=q.device)
-            mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]
-            outs.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], kf[:, :, :end], vf[:, :, :end],
-                                                       attn_mask=mask, enable_gqa=gqa))
+            end = (chunk + 1) * c  # keys up to this chunk's last position; the bias masks the chunk's own future
+            bias = causal_bias(c, end, q.dtype, q.device)
+            # the bias is row-reversed (a zero-copy view needs a positive row stride): so are the queries
+            y = F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c].flip(2), kf[:, :, :end], vf[:, :, :end],
+                                               attn_mask=bias, enable_gqa=gqa)
+            outs.append(y.flip(2))
         return torch.cat(outs, dim=2)
 
 

@@ -30,7 +30,7 @@ def assumptions_lines(s: Scenario) -> list[str]:
         f"{s.gpus} GPUs on one node of {d.gpus_per_node}"
     batch = f"global batch {s.global_batch} sequences" if s.global_batch else \
         f"global batch {per_device * s.gpus} sequences ({per_device} per device, at most {TOKENS_PER_DEVICE:,} tokens; " \
-        f"--batch sets it)"
+        f"context-parallel rows {per_device} per cp devices, which split each sequence; --batch sets it)"
     lines = []
     if s.precision != "bf16" and s.efficiency == DEFAULT_EFFICIENCY:
         lines.append(f"warning: the default efficiency was measured in bf16; {s.precision} kernels reach another "

@@ -31,7 +31,7 @@ from harness.spec import cell_id_of
 from workloads.model import Decoder, lm_loss
 from workloads.sizes import get_size
 
-TP_FAMILY = {"tp", "tp-sp", "fsdp+tp", "pp+fsdp+tp"}
+TP_FAMILY = {"tp", "tp-sp", "fsdp+tp", "pp+fsdp+tp", "fsdp+tp+cp"}
 
 
 def _plan(*args: str):
@@ -291,7 +291,7 @@ def test_compiled_cells_are_priced_from_compiled_passes_when_calibrated(tmp_path
     assert store.key("workload", eager_fp) != store.key("workload", compiled_fp)
 
     spec = SweepSpec(sizes=("tiny",), strategies=("ddp",), precisions=("fp32",), gpus=(2,), device_kind="cpu",
-                     batch=8, seq_len=64, steps=3, warmup=1, reference=False, compiles=(False, True))
+                     batch=8, seq_lens=(64,), steps=3, warmup=1, reference=False, compiles=(False, True))
     cells = [c for c in expand(spec) if c.valid]
     assert {w[5] for w in auto.needs(spec, cells)[1]} == {False, True}
     asked = []

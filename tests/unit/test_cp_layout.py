@@ -1,0 +1,60 @@
+"""Head-tail context parallel: the layout gives every rank equal causal work, covers the sequence once,
+and bad shapes are refused at plan time (:mod:`harness.parallel.cp`, :mod:`harness.parallel.presets`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.errors import UsageError
+from harness.parallel.cp import _natural_order, causal_work, head_tail_chunks, shard_indices, shard_sequence
+from harness.parallel.presets import check_seq_split, resolve
+from harness.spec import CellConfig
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_every_rank_gets_equal_causal_work(cp):
+    chunk = 16
+    work = [causal_work(r, cp, chunk) for r in range(cp)]
+    assert len(set(work)) == 1, work
+    total = sum(range(1, 2 * cp * chunk + 1))  # query p attends p + 1 keys
+    assert sum(work) == total
+    # the naive split (rank r holds chunks 2r, 2r+1) would not be balanced
+    naive = [sum(range(2 * r * chunk + 1, 2 * (r + 1) * chunk + 1)) for r in range(cp)]
+    assert len(set(naive)) == cp
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_shards_cover_the_sequence_once_and_reassemble(cp):
+    seq = 8 * cp
+    idx = [shard_indices(seq, r, cp) for r in range(cp)]
+    assert sorted(torch.cat(idx).tolist()) == list(range(seq))
+    assert [head_tail_chunks(r, cp) for r in range(cp)][0] == (0, 2 * cp - 1)
+    x = torch.arange(seq).view(1, seq)
+    gathered = torch.cat([shard_sequence(x, r, cp) for r in range(cp)], dim=1)  # rank-major, as all_gather
+    chunks = gathered.view(2 * cp, seq // (2 * cp))
+    assert chunks[_natural_order(cp)].flatten().tolist() == list(range(seq))
+
+
+def test_a_sequence_that_does_not_split_is_refused_with_the_fix():
+    dims = resolve("fsdp+cp", 4, {"dp_shard": 1, "cp": 4}).dims
+    check_seq_split(dims, 64)
+    with pytest.raises(UsageError, match=r"seq_len \(60\) must be divisible by 2 x cp \(4\) = 8.*multiple of 8"):
+        check_seq_split(dims, 60)
+
+
+@pytest.mark.parametrize("strategy,degrees,match", [
+    ("ddp", {"dp_replicate": 2, "cp": 2}, r"cp \(2\) needs an FSDP strategy.*strategy ddp"),
+    ("pp+fsdp", {"pp": 2, "cp": 2}, r"cp \(2\) with pp \(2\) is not supported"),
+    ("fsdp", {"dp_shard": 2, "cp": 3}, r"x cp \(3\) = 6 must equal the world size \(4\)"),
+])
+def test_cp_where_it_cannot_run_is_refused_with_the_reason(strategy, degrees, match):
+    with pytest.raises(UsageError, match=match):
+        resolve(strategy, 4, degrees)
+
+
+def test_tokens_per_step_count_each_token_once_under_cp():
+    cfg = CellConfig(size="mini", arch="llama3", strategy="fsdp+cp", precision="fp32", world_size=4, global_batch=4,
+                     seq_len=1024, steps=2, warmup=1, device_kind="cpu", degrees={"dp_shard": 1, "cp": 4})
+    assert cfg.layout.dims.cp == 4 and cfg.layout.dims.dp == 1
+    assert cfg.tokens_per_step == 4 * 1024
