@@ -16,6 +16,7 @@ LR_RULE ?=
 STEPS ?=
 WARMUP ?=
 BATCH ?=
+SEQ_LEN ?=
 OUT ?=
 PROFILE ?=
 CELL ?=
@@ -29,7 +30,7 @@ bench_args = --gpus $(GPUS) $(if $(ARCH),--arch $(ARCH)) \
 	$(if $(SIZES),--sizes $(SIZES)) $(if $(STRATEGIES),--strategies $(STRATEGIES)) \
 	$(if $(PRECISION),--precision $(PRECISION)) $(if $(SCALING),--scaling $(SCALING)) \
 	$(if $(LR_RULE),--lr-rule $(LR_RULE)) $(if $(STEPS),--steps $(STEPS)) \
-	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) \
+	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
 	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
 
 .PHONY: setup setup-nsys setup-slurm lint test test-slow test-nsys test-slurm test-all bench plan trace compare gate report bench-ci workloads mutate clean

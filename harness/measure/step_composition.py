@@ -51,7 +51,10 @@ _GEMM_CPU_RE = re.compile(
 )
 _GEMM_GPU_RE = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|wgmma|matmul")
 _OPTIMIZER_GPU_RE = re.compile(r"multi_tensor_apply|adam", re.IGNORECASE)
+CP_COLLECTIVE = "cp_kv"
+"""Context parallel's K/V gathers and gradient reduce-scatters (``harness.parallel.cp`` annotates them so)."""
 _COLLECTIVES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    (CP_COLLECTIVE, re.compile(CP_COLLECTIVE)),
     ("all_reduce", re.compile(r"all_?reduce")),
     ("all_gather", re.compile(r"all_?gather")),
     ("reduce_scatter", re.compile(r"reduce_?scatter")),
@@ -137,7 +140,8 @@ def split_window(window: tuple[float, float], sets: dict[str, list[tuple[float, 
     take("idle", np.ones(len(mids), dtype=bool))
     by_coll: dict[str, float] = {}
     left = exposed.copy()
-    for name, arr in per_coll.items():
+    # context parallel's annotation wraps its c10d calls: it claims their time before their collective name does
+    for name, arr in sorted(per_coll.items(), key=lambda kv: kv[0] != CP_COLLECTIVE):
         mine = left & _covers(arr, mids)
         if mine.any():
             by_coll[name] = float(lengths[mine].sum())

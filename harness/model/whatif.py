@@ -29,6 +29,7 @@ from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn
 from harness.model.memory import RECOMPUTE, peak_bytes, state_bytes_by_rank
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import predict_step
+from harness.parallel import presets
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, resolve, resolve_cell, world_for
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
@@ -206,11 +207,8 @@ def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: t
 
 
 def cp_variants(s: Scenario, strategy: str) -> list[Scenario]:
-    """The scenario once, or for a context-parallel preset without ``--degrees`` once per cp degree that
-    divides the devices (tp 2 under fsdp+tp+cp), so one what-if ranks CP 2, 4, ... against each other."""
-    if s.degrees or strategy not in ("fsdp+cp", "fsdp+tp+cp"):
+    """The scenario once, or for a context-parallel preset without ``--degrees`` once per cp degree
+    (:func:`harness.parallel.presets.cp_variants`)."""
+    if s.degrees:
         return [s]
-    tp = 2 if strategy == "fsdp+tp+cp" else 1
-    rest = s.gpus // tp if s.gpus % tp == 0 else 0
-    cps = [cp for cp in range(2, rest + 1) if rest % cp == 0]
-    return [replace(s, degrees={"dp_shard": rest // cp, "cp": cp, "tp": tp}) for cp in cps] or [s]
+    return [replace(s, degrees=d) for d in presets.cp_variants(strategy, s.gpus)] or [s]

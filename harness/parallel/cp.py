@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from harness.comm_scope import comm_label
 
@@ -38,6 +39,8 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 CP_LABEL = "cp"
 """The comm counter's label for context parallel's collectives (``metrics.comm_cp``)."""
+CP_TRACE_NAME = "cp_kv"
+"""Profiler annotation around them: the step composition gives their exposed time its own share."""
 
 
 def head_tail_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -95,7 +98,7 @@ class _GatherKV(torch.autograd.Function):
         ctx.group = group
         n = dist.get_world_size(group)
         out = local.new_empty((n * local.shape[0], *local.shape[1:]))
-        with comm_label(CP_LABEL):
+        with comm_label(CP_LABEL), record_function(f"{CP_TRACE_NAME}_all_gather"):
             _ALL_GATHER(out, local.contiguous(), group=group)
         return out
 
@@ -103,7 +106,7 @@ class _GatherKV(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         n = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // n, *grad.shape[1:]))
-        with comm_label(CP_LABEL):
+        with comm_label(CP_LABEL), record_function(f"{CP_TRACE_NAME}_reduce_scatter"):
             _REDUCE_SCATTER(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 

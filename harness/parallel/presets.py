@@ -153,6 +153,20 @@ def resolve(strategy: str, world: int, override: dict | None = None) -> Layout:
     return Layout(strategy, dims)
 
 
+CP_PRESETS = {"fsdp+cp": 1, "fsdp+tp+cp": 2}
+"""The context-parallel presets and the tp degree each holds fixed."""
+
+
+def cp_variants(strategy: str, world: int) -> list[dict[str, int]]:
+    """Degrees of every cp that divides what a context-parallel preset leaves after tp (FSDP over the rest),
+    so ``plan`` and ``fit`` rank cp 2, 4, ... of one preset against each other; [] for other strategies."""
+    tp = CP_PRESETS.get(strategy)
+    if tp is None or world % tp:
+        return []
+    rest = world // tp
+    return [{"dp_shard": rest // cp, "cp": cp, "tp": tp} for cp in range(2, rest + 1) if rest % cp == 0]
+
+
 def check_cp(strategy: str, dims: ParallelDims) -> None:
     """Context parallel needs FSDP to sum its ranks' gradients (over dp_shard x cp) and no pipeline."""
     if not dims.cp_enabled:

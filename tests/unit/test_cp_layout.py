@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from harness.errors import UsageError
+from harness.fit.cell import plan_fit_cell
+from harness.model.whatif import plan_at_scale
 from harness.parallel.cp import _natural_order, causal_work, head_tail_chunks, shard_indices, shard_sequence
-from harness.parallel.presets import check_seq_split, resolve
+from harness.parallel.presets import check_seq_split, cp_variants, resolve
 from harness.spec import CellConfig
 
 
@@ -58,3 +60,28 @@ def test_tokens_per_step_count_each_token_once_under_cp():
                      seq_len=1024, steps=2, warmup=1, device_kind="cpu", degrees={"dp_shard": 1, "cp": 4})
     assert cfg.layout.dims.cp == 4 and cfg.layout.dims.dp == 1
     assert cfg.tokens_per_step == 4 * 1024
+
+
+def test_plan_and_fit_expand_a_cp_preset_into_every_cp_degree():
+    assert cp_variants("fsdp+cp", 8) == [{"dp_shard": 4, "cp": 2, "tp": 1}, {"dp_shard": 2, "cp": 4, "tp": 1},
+                                         {"dp_shard": 1, "cp": 8, "tp": 1}]
+    assert cp_variants("fsdp+tp+cp", 8) == [{"dp_shard": 2, "cp": 2, "tp": 2}, {"dp_shard": 1, "cp": 4, "tp": 2}]
+    assert cp_variants("fsdp", 8) == [] and cp_variants("fsdp+tp+cp", 3) == []
+
+
+def test_the_long_sequence_whatif_ranks_cp_where_fsdp_alone_does_not_fit():
+    rows = plan_at_scale("llama3-8b", "h100", 8, strategies=["fsdp", "fsdp+cp"], seq_len=131072, recompute="full")
+    by_cp = {r["degrees"].get("cp", 1): r for r in rows}
+    assert set(by_cp) == {1, 2, 4, 8}
+    assert not by_cp[1]["fits"] and not by_cp[2]["fits"] and by_cp[4]["fits"] and by_cp[8]["fits"]
+    assert rows[0]["rank"] == 1 and rows[0]["degrees"]["cp"] in (4, 8)
+    for cp, row in by_cp.items():  # one sequence per data-parallel rank: each CP group splits one
+        assert row["global_batch"] == 8 // cp
+    # a rank holds 32k tokens of its sequence at cp 4, 16k at cp 8
+    assert by_cp[4]["peak_mem_gib_per_rank"] > by_cp[8]["peak_mem_gib_per_rank"]
+
+
+def test_fit_cells_of_a_cp_preset_carry_their_cp_degree_in_the_id():
+    cells = [plan_fit_cell("llama3-8b", "fsdp+cp", "bf16", 8, 1, "cpu", 131072, degrees=d)
+             for d in cp_variants("fsdp+cp", 8)]
+    assert [c.cell_id for c in cells] == [f"llama3-8b-fsdp+cp-bf16-w8-mb1-cp{cp}-s131072" for cp in (2, 4, 8)]

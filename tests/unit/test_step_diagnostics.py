@@ -64,6 +64,14 @@ def test_split_window_gives_each_instant_one_part_by_priority() -> None:
     assert sum(split[p] for p in PARTS) == 100
 
 
+def test_context_parallel_comm_is_its_own_share_of_the_exposed_time() -> None:
+    # the cp_kv annotation (harness.parallel.cp) wraps a c10d all-gather: its exposed time is cp's, not FSDP's
+    sets = {"compute": [(0, 20)], "comm": [(20, 40), (60, 70)]}
+    split = split_window((0, 100), sets, {"all_gather": [(22, 38), (60, 70)], "cp_kv": [(20, 40)]})
+    assert split["comm_exposed_by_collective"] == {"cp_kv": 20, "all_gather": 10}
+    assert collective_of("cp_kv_all_gather") == collective_of("cp_kv_reduce_scatter") == "cp_kv"
+
+
 def test_collective_names_map_to_one_vocabulary() -> None:
     assert collective_of("c10d::allreduce_") == "all_reduce"
     assert collective_of("gloo:all_gather") == "all_gather"
