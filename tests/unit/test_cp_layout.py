@@ -11,6 +11,8 @@ from harness.fit.cell import plan_fit_cell
 from harness.model.whatif import plan_at_scale
 from harness.parallel.cp import _natural_order, causal_work, head_tail_chunks, shard_indices, shard_sequence
 from harness.parallel.presets import check_seq_split, cp_variants, resolve
+from harness.measure.step_stats import Stats
+from harness.run.formulas import throughput
 from harness.spec import CellConfig
 
 
@@ -55,11 +57,14 @@ def test_cp_where_it_cannot_run_is_refused_with_the_reason(strategy, degrees, ma
         resolve(strategy, 4, degrees)
 
 
-def test_tokens_per_step_count_each_token_once_under_cp():
+def test_tokens_per_s_count_each_token_once_under_cp():
+    """4 sequences of 1,024 tokens per step, split over 4 CP ranks, at a known 0.5 s step: 8,192 tokens/s, not 4x."""
     cfg = CellConfig(size="mini", arch="llama3", strategy="fsdp+cp", precision="fp32", world_size=4, global_batch=4,
-                     seq_len=1024, steps=2, warmup=1, device_kind="cpu", degrees={"dp_shard": 1, "cp": 4})
+                     seq_len=1024, steps=3, warmup=1, device_kind="cpu", degrees={"dp_shard": 1, "cp": 4})
     assert cfg.layout.dims.cp == 4 and cfg.layout.dims.dp == 1
     assert cfg.tokens_per_step == 4 * 1024
+    tput = throughput(Stats.of([0.5, 0.5, 0.5]), cfg.tokens_per_step, cfg.world_size, cfg.model_size.flops_per_token())
+    assert tput["tokens_per_s"] == 8192 and tput["tokens_per_s_per_device"] == 2048
 
 
 def test_plan_and_fit_expand_a_cp_preset_into_every_cp_degree():
