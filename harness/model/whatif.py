@@ -120,7 +120,7 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
     world = world_for(strategy, s.gpus)
     degrees = s.degrees if strategy != "single" else None
     gb = s.global_batch or default_global_batch(s.size.seq_len, world, resolve(strategy, world, degrees).dims.cp)
-    layout, mb = resolve_cell(strategy, world, s.degrees if strategy != "single" else None, s.size, s.precision,
+    layout, mb = resolve_cell(strategy, world, degrees, s.size, s.precision,
                               s.pp_schedule, s.microbatches, s.grad_accum, gb)
     return CellShape(size=s.size, dims=layout.dims, strategy=strategy, precision=s.precision, global_batch=gb,
                      grad_accum=s.grad_accum, microbatches=mb, pp_schedule=s.pp_schedule, device_kind="cuda",
