@@ -8,10 +8,10 @@ import torch
 
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
+from harness.measure.step_stats import Stats
 from harness.model.whatif import plan_at_scale
 from harness.parallel.cp import _natural_order, causal_work, head_tail_chunks, shard_indices, shard_sequence
 from harness.parallel.presets import check_seq_split, cp_variants, resolve
-from harness.measure.step_stats import Stats
 from harness.run.formulas import throughput
 from harness.spec import CellConfig
 
