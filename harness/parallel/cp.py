@@ -55,26 +55,26 @@ def causal_work(rank: int, cp: int, chunk: int) -> int:
     return sum(sum(range(j * chunk + 1, (j + 1) * chunk + 1)) for j in head_tail_chunks(rank, cp))
 
 
-def shard_indices(seq_len: int, rank: int, cp: int) -> torch.Tensor:
-    """Global positions of rank ``rank``'s tokens, in its local order (head chunk, then tail chunk)."""
+def shard_indices(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
+    """Global positions of rank ``rank``'s tokens, in its local order (head chunk, then tail chunk), made on
+    ``device`` (no host-to-device copy in the step)."""
     if seq_len % (2 * cp):
         raise ValueError(f"seq_len ({seq_len}) must be divisible by 2 x cp ({2 * cp})")
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(j * c, (j + 1) * c) for j in head_tail_chunks(rank, cp)])
+    return torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in head_tail_chunks(rank, cp)])
 
 
 def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     """This rank's tokens of ``t`` (B, T, ...) along dim 1."""
-    return t[:, shard_indices(t.shape[1], rank, cp).to(t.device)]
+    return t[:, shard_indices(t.shape[1], rank, cp, t.device)]
 
 
-def _natural_order(cp: int) -> list[int]:
-    """Where each global chunk sits in the gathered order (rank-major, head then tail per rank)."""
-    slot = {}
-    for r in range(cp):
-        head, tail = head_tail_chunks(r, cp)
-        slot[head], slot[tail] = 2 * r, 2 * r + 1
-    return [slot[j] for j in range(2 * cp)]
+def natural_order(gathered: torch.Tensor, dim: int) -> torch.Tensor:
+    """The ``2 cp`` chunks along ``dim`` of a rank-major gather (rank r's head chunk ``r``, then its tail chunk
+    ``2 cp - 1 - r``) in sequence order: the heads in gathered order, then the tails reversed. Slices and one
+    flip, no index tensor (which would be a host-to-device copy in every layer)."""
+    pairs = gathered.unflatten(dim, (-1, 2))  # (..., rank, head|tail, ...)
+    return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1).flip(dim)), dim)
 
 
 def causal_bias(c: int, end: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -122,7 +122,7 @@ class SequenceShard:
 
     def positions(self, local_len: int, device) -> torch.Tensor:
         """Global positions of the ``local_len`` tokens this rank holds."""
-        return shard_indices(local_len * self.size, self.rank, self.size).to(device)
+        return shard_indices(local_len * self.size, self.rank, self.size, device)
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's k and v (B, H, 2c, hd), in natural sequence order (B, H, T, hd)."""
@@ -130,8 +130,7 @@ class SequenceShard:
         both = _GatherKV.apply(torch.stack((k, v)), self.group)  # (n * 2, B, H, 2c, hd), rank-major
         b, h, hd = k.shape[0], k.shape[1], k.shape[3]
         chunks = both.view(n, 2, b, h, 2, c, hd).permute(1, 2, 3, 0, 4, 5, 6).reshape(2, b, h, 2 * n, c, hd)
-        order = torch.tensor(_natural_order(n), device=k.device)
-        full = chunks.index_select(3, order).reshape(2, b, h, 2 * n * c, hd)
+        full = natural_order(chunks, 3).reshape(2, b, h, 2 * n * c, hd)
         return full[0], full[1]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.measure.step_stats import Stats
 from harness.model.whatif import plan_at_scale
-from harness.parallel.cp import _natural_order, causal_work, head_tail_chunks, shard_indices, shard_sequence
+from harness.parallel.cp import causal_work, head_tail_chunks, natural_order, shard_indices, shard_sequence
 from harness.parallel.presets import check_seq_split, cp_variants, resolve
 from harness.run.formulas import throughput
 from harness.spec import CellConfig
@@ -37,7 +37,7 @@ def test_the_shards_cover_the_sequence_once_and_reassemble(cp):
     x = torch.arange(seq).view(1, seq)
     gathered = torch.cat([shard_sequence(x, r, cp) for r in range(cp)], dim=1)  # rank-major, as all_gather
     chunks = gathered.view(2 * cp, seq // (2 * cp))
-    assert chunks[_natural_order(cp)].flatten().tolist() == list(range(seq))
+    assert natural_order(chunks, 0).flatten().tolist() == list(range(seq))
 
 
 def test_a_sequence_that_does_not_split_is_refused_with_the_fix():
