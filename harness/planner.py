@@ -73,18 +73,24 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
         if size.device_kind == "plan":
             raise UsageError(f"--sizes {name}: {arch} {name} ({size.params / 1e9:.1f}B parameters) is for harness plan "
                              f"and harness fit only; bench a smaller size (harness workloads lists them)")
+    if set(spec.moe_routings) != {"learned"} and "moe" not in spec.archs:
+        raise UsageError(f"--moe-routing {','.join(spec.moe_routings)}: only the moe family routes tokens, and --arch "
+                         f"is {','.join(spec.archs)}; add --arch moe, or drop --moe-routing")
     strategies = list(spec.strategies)
     added_reference = spec.reference and "single" not in strategies
     if added_reference:
         strategies.insert(0, "single")
     cells: dict[str, PlannedCell] = {}
-    for arch, size, seq, prec, scaling, rule, levers, gpus, strat in product(
-            spec.archs, spec.sizes, spec.seq_lens, spec.precisions, spec.scalings, spec.lr_rules, _levers(spec),
-            spec.gpus, strategies):
-        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers, arch, seq_len=seq)
+    for arch, size, seq, routing, prec, scaling, rule, levers, gpus, strat in product(
+            spec.archs, spec.sizes, spec.seq_lens, spec.moe_routings, spec.precisions, spec.scalings, spec.lr_rules,
+            _levers(spec), spec.gpus, strategies):
+        if arch != "moe" and routing != "learned":  # a dense family has no routing to vary
+            continue
+        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers, arch, seq_len=seq, routing=routing)
         cell.reference_only = added_reference and strat == "single"
         cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
     ordered = sorted(cells.values(), key=lambda c: (ARCHS.index(c.raw["arch"]), c.raw["size"], c.raw["seq_len"],
+                                                    c.raw["moe_routing"],
                                                     c.raw["precision"], c.raw["scaling"],
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
                                                     c.raw["world_size"], _order(c.raw["strategy"]),
@@ -99,8 +105,8 @@ def _levers(spec: SweepSpec) -> list[dict]:
 
 
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
-              gpus: int, levers: dict, arch: str, *, seq_len: int | None) -> PlannedCell:
-    """One cell at ``seq_len`` tokens per sequence (None: the size's own)."""
+              gpus: int, levers: dict, arch: str, *, seq_len: int | None, routing: str = "learned") -> PlannedCell:
+    """One cell at ``seq_len`` tokens per sequence (None: the size's own), its MoE tokens routed by ``routing``."""
     size = get_size(size_name, arch)
     world = world_for(strategy, gpus * spec.nnodes) if strategy == "single" else gpus * spec.nnodes
     seq = seq_len or size.seq_len
@@ -116,7 +122,7 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                lr_warmup_steps=spec.lr_warmup_steps, seed=spec.seed, target_loss=spec.target_loss,
                nvtx=spec.nvtx, monitor_hz=spec.monitor_hz, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
                degrees=spec.degrees if strategy != "single" else None, batch_auto=spec.batch_auto, arch=arch,
-               **levers, **spec.extra)
+               moe_routing=routing, **levers, **spec.extra)
     try:
         if seq_error := seq_len_error(size, seq):
             raise UsageError(seq_error)

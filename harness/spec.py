@@ -17,6 +17,7 @@ from harness.parallel.levers import AC_MODES, OPTIMIZERS
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, Layout, resolve
 from harness.precision import PRECISIONS
 from harness.scaling import LR_RULES, SCALINGS
+from workloads.moe import ROUTINGS
 from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, size_key, size_label
 
 
@@ -53,6 +54,8 @@ def cell_id_of(c: dict) -> str:
     default_seq = _default_seq_len(c)
     if default_seq is not None and c.get("seq_len") not in (None, default_seq):
         parts.append(f"s{c['seq_len']}")
+    if c.get("moe_routing", "learned") != "learned":
+        parts.append(f"route-{c['moe_routing']}")
     return "-".join(str(p) for p in parts)
 
 
@@ -110,7 +113,10 @@ class CellConfig:
     """``--batch auto``: the sweep searches the largest batch per rank that fits (:mod:`harness.run.batch_search`)
     and runs the cell at it; ``global_batch`` is then the batch found."""
     arch: str = DEFAULT_ARCH
-    """Architecture family (:mod:`workloads.sizes`): ``gpt2`` or ``llama3``."""
+    """Architecture family (:mod:`workloads.sizes`): ``gpt2``, ``llama3`` or ``moe``."""
+    moe_routing: str = "learned"
+    """An MoE's routing (:mod:`workloads.moe`): ``learned`` (top-k of the router's scores) or ``balanced``
+    (a round robin: every expert gets the same load, the best case)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -123,6 +129,7 @@ class CellConfig:
             (self.ac, AC_MODES, "activation checkpointing"),
             (self.optimizer, OPTIMIZERS, "optimizer"),
             (self.arch, ARCHS, "architecture"),
+            (self.moe_routing, ROUTINGS, "MoE routing"),
         )
         for value, valid, what in checks:
             if value not in valid:
@@ -133,6 +140,9 @@ class CellConfig:
                 raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
         if self.warmup < 0:
             raise UsageError(f"warmup must be >= 0, got {self.warmup}")
+        if self.moe_routing != "learned" and self.arch != "moe":
+            raise UsageError(f"moe_routing {self.moe_routing!r} routes an MoE's tokens, and arch {self.arch} has no "
+                             f"experts: use --arch moe, or drop --moe-routing")
 
     @property
     def cell_id(self) -> str:
@@ -198,6 +208,8 @@ class SweepSpec:
     archs: tuple[str, ...] = (DEFAULT_ARCH,)
     seq_lens: tuple[int | None, ...] = (None,)
     """Sequence lengths to sweep (``--seq-len 256,512``); None: each size's own."""
+    moe_routings: tuple[str, ...] = ("learned",)
+    """MoE routings to sweep (``--moe-routing learned,balanced``); dense families take ``learned`` only."""
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
     pp_schedule: str = "1f1b"

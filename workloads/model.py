@@ -30,14 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workloads.layers import SwiGLU, positions_of
+from workloads.moe import MoE
 from workloads.sizes import ModelSize
-
-
-def positions_of(seq_shard, local_len: int, device) -> torch.Tensor:
-    """Global positions of the ``local_len`` tokens a module sees: ``0..T-1``, or its context-parallel shard's."""
-    if seq_shard is None:
-        return torch.arange(local_len, device=device)
-    return seq_shard.positions(local_len, device)
 
 
 class Embeddings(nn.Module):
@@ -81,10 +76,13 @@ class Attention(nn.Module):
         d, bias = size.d_model, not size.llama
         self.head_dim = size.head_dim
         self.rope_theta = size.rope_theta if size.llama else None
-        self.q = nn.Linear(d, d, bias=bias)
+        self.q = nn.Linear(d, size.q_dim, bias=bias)
         self.k = nn.Linear(d, size.kv_dim, bias=bias)
         self.v = nn.Linear(d, size.kv_dim, bias=bias)
-        self.out = nn.Linear(d, d, bias=bias)
+        self.out = nn.Linear(size.q_dim, d, bias=bias)
+        qk_norm = size.qk_norm
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=size.norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=size.norm_eps) if qk_norm else None
 
     def core(self, x: torch.Tensor) -> torch.Tensor:
         """Projections and attention, before the output projection: what selective activation
@@ -94,6 +92,8 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             cos, sin = rope_angles(positions_of(self.seq_shard, t, x.device), self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -120,19 +120,6 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-class SwiGLU(nn.Module):
-    """llama3's MLP: ``proj(silu(gate(x)) * up(x))`` (Shazeer 2020), no biases."""
-
-    def __init__(self, d_model: int, d_ff: int) -> None:
-        super().__init__()
-        self.gate = nn.Linear(d_model, d_ff, bias=False)
-        self.up = nn.Linear(d_model, d_ff, bias=False)
-        self.proj = nn.Linear(d_ff, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.silu(self.gate(x)) * self.up(x))
-
-
 def _norm(size: ModelSize) -> nn.Module:
     return nn.RMSNorm(size.d_model, eps=size.norm_eps) if size.llama else nn.LayerNorm(size.d_model)
 
@@ -143,7 +130,10 @@ class Block(nn.Module):
         self.ln1 = _norm(size)
         self.attn = Attention(size)
         self.ln2 = _norm(size)
-        self.mlp = SwiGLU(size.d_model, size.d_ff) if size.llama else MLP(size.d_model, size.d_ff)
+        if size.moe is not None:
+            self.mlp: nn.Module = MoE(size.d_model, size.moe)
+        else:
+            self.mlp = SwiGLU(size.d_model, size.d_ff) if size.llama else MLP(size.d_model, size.d_ff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -173,7 +163,7 @@ class Decoder(nn.Module):
                     nn.init.ones_(p)
                 else:
                     nn.init.zeros_(p)
-            elif name.endswith(("attn.out.weight", "mlp.proj.weight")):
+            elif name.endswith(("attn.out.weight", "mlp.proj.weight", "experts.proj", "shared.proj.weight")):
                 nn.init.normal_(p, std=std / (2 * self.size.n_layers) ** 0.5)
             else:
                 nn.init.normal_(p, std=std)

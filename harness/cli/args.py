@@ -19,6 +19,7 @@ from harness.model.hardware import DEVICES
 from harness.parallel.levers import AC_MODES, COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
 from harness.spec import SweepSpec, default_device_kind
+from workloads.moe import ROUTINGS
 from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
 
 EXIT_USAGE = 2
@@ -122,7 +123,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep", type=Path, help="TOML sweep file; flags given on the command line override it")
     g.add_argument("--gpus", help="devices per node (CPU ranks without a GPU); a list sweeps device counts: 1,2,4")
     g.add_argument("--sizes", help="workload sizes (harness workloads lists them)")
-    g.add_argument("--arch", help="architecture families: gpt2,llama3 (default gpt2); each size is looked up in each")
+    g.add_argument("--arch", help="architecture families: gpt2,llama3,moe (default gpt2); each size is looked up in each")
+    g.add_argument("--moe-routing", help="an MoE's routing: learned (the router's top-k, default) or balanced (round "
+                                         "robin: equal expert load, the best case); a list sweeps both")
     g.add_argument("--strategies", help="single,ddp,fsdp,zero2,hsdp,tp,tp-sp,pp,fsdp+tp,pp+fsdp,pp+fsdp+tp")
     g.add_argument("--precision", help="fp32,tf32,bf16,fp16")
     g.add_argument("--scaling", help="strong (fixed global batch) or weak (fixed per-device batch)")
@@ -275,6 +278,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         optimizers=choices(v.label("optimizer"), v.get("optimizer", "adamw"), OPTIMIZERS),
         archs=choices(v.label("arch"), v.get("arch", DEFAULT_ARCH), ARCHS),
         seq_lens=seq_lens_arg(v.label("seq_len"), v["seq_len"]) if "seq_len" in v else (None,),
+        moe_routings=choices(v.label("moe_routing"), v.get("moe_routing", "learned"), ROUTINGS),
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedule=v.get("pp_schedule", "1f1b"),
         grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),

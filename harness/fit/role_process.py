@@ -33,8 +33,9 @@ from harness.measure.nvtx_ranges import Ranges
 from harness.measure.rank_memory import model_state_bytes
 from harness.measure.tensor_bytes import holding_tracker, optimizer_tensors
 from harness.parallel.levers import build_optimizer
+from harness.parallel.expert_load import moe_layers
 from harness.parallel.parallelize import parallelize
-from harness.parallel.pipeline import StageShapes
+from harness.parallel.pipeline import StageShapes, static_shapes
 from harness.parallel.presets import resolve
 from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
@@ -76,12 +77,8 @@ class RoleSpec:
 
 
 def _stage_shapes(spec: RoleSpec, size, layout, precision: PrecisionPlan) -> StageShapes | None:
-    if not layout.dims.pp_enabled:
-        return None
-    low = precision.autocast_dtype
-    return StageShapes(rows=spec.micro_batch, seq_len=spec.seq_len, d_model=size.d_model, vocab_size=size.vocab_size,
-                       hidden_dtype=low if (low is not None and layout.fsdp) else torch.float32,
-                       logits_dtype=low or torch.float32)
+    return static_shapes(layout.dims.pp_enabled, spec.micro_batch, spec.seq_len, size.d_model, size.vocab_size,
+                         precision.autocast_dtype, layout.fsdp)
 
 
 @torch.no_grad()
@@ -127,6 +124,8 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
     par = parallelize(model, layout, device, precision, spec.pp_schedule, spec.microbatches, loss_fn=lm_loss,
                       stage_shapes=_stage_shapes(spec, size, layout, precision), ac=spec.ac,
                       ddp_comm_hook=_reduced_in_place if fake_group and layout.data_parallel == "ddp" else None)
+    for _, layer in moe_layers(par.parts):  # fake tensors have no counts to read: an even (balanced) split
+        layer.even_split = spec.compute == "fake"
     fake = FakeTensorMode(allow_non_fake_inputs=True) if spec.compute == "fake" else contextlib.nullcontext()
     with fake, _fused_attention(spec.compute):
         if on_meta:

@@ -66,7 +66,7 @@ class Call:
     group: int
     """Ranks taking part (the size the bus-bandwidth factor and calibration are looked up for)."""
     dim: str
-    """Mesh dimension it runs over: ``dp``, ``tp`` or ``pp``."""
+    """Mesh dimension it runs over: ``dp``, ``tp``, ``pp``, ``cp``, or ``world`` (every rank: the MoE load)."""
     overlappable: bool
     """Whether the strategy can hide it behind compute (DDP buckets, FSDP prefetch, async p2p)."""
 
@@ -259,6 +259,9 @@ def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
         calls += _pp_calls(c, coord)
     if c.dims.cp_enabled:  # refused with a pipeline (harness.parallel.presets.check_cp)
         calls += _cp_calls(c, c.grad_accum, c.local_batch // c.grad_accum)
+    if c.size.moe is not None and c.dims.world_size > 1:
+        # the experts' load, summed over every rank once per step (harness.parallel.expert_load): L x E fp32
+        calls.append(Call("all_reduce", 4 * c.size.n_layers * c.size.moe.n_experts, c.dims.world_size, "world", False))
     return calls
 
 

@@ -148,12 +148,13 @@ class GroupPlacement:
 def placement(dims: ParallelDims, gpus_per_node: int) -> dict[str, GroupPlacement]:
     """Per mesh dimension, the groups' size and members per node (ranks fill nodes in order).
 
-    ``pp_p2p`` is the pair of neighbouring stages a pipeline send/recv runs between (group 2).
+    ``pp_p2p`` is the pair of neighbouring stages a pipeline send/recv runs between (group 2);
+    ``world`` every rank (an MoE's load all-reduce, :mod:`harness.parallel.expert_load`).
     """
     tp, cp = dims.tp, dims.cp
     strides = {"tp": 1, "cp": tp, "dp_shard_cp": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * dims.dp_shard,
-               "pp": tp * cp * dims.dp_shard * dims.dp_replicate}
-    sizes = {**dims.degrees(), "cp": cp, "dp_shard_cp": dims.fsdp_shards}
+               "pp": tp * cp * dims.dp_shard * dims.dp_replicate, "world": 1}
+    sizes = {**dims.degrees(), "cp": cp, "dp_shard_cp": dims.fsdp_shards, "world": dims.world_size}
     out = {}
     for dim, stride in strides.items():
         n = sizes[dim]
@@ -206,7 +207,7 @@ def comm_time_fn(device: Device, dims: ParallelDims,
     dp_replicate 2 both all-reduce) the slower placement is priced, a pessimistic choice.
     """
     where = placement(dims, gpus_per_node or device.gpus_per_node)
-    dims_of = {k: v for k, v in where.items() if k != "pp_p2p"}  # collectives other than p2p run over these
+    dims_of = {k: v for k, v in where.items() if k not in ("pp_p2p", "world")}  # what a call with no dim may run over
 
     def comm_time(collective: str, nbytes: int, group: int, dim: str | None = None) -> float:
         names = _DIMS_OF.get(collective, tuple(dims_of))

@@ -59,18 +59,39 @@ def param_specs(size: ModelSize) -> tuple[ParamSpec, ...]:
         return [ParamSpec(name + ".weight", shape, layer, tp)] + \
             ([ParamSpec(name + ".bias", (shape[0],), layer, COL if tp == COL else REPLICATE)] if bias else [])
 
-    mlp_in = (("gate", "up") if size.llama else ("fc",))
+    def swiglu(name: str, width: int, layer: int) -> list[ParamSpec]:
+        ins = ("gate", "up") if size.llama else ("fc",)
+        return [q for n in ins for q in linear(f"{name}.{n}", (width, d), layer, COL)] + \
+            linear(f"{name}.proj", (d, width), layer, ROW)
+
+    qd, hd = size.q_dim, size.head_dim
     for i in range(size.n_layers):
         p = f"blocks.{i}."
         out += norm(p + "ln1", i)
-        out += linear(p + "attn.q", (d, d), i, COL) + linear(p + "attn.k", (kv, d), i, COL) + \
-            linear(p + "attn.v", (kv, d), i, COL) + linear(p + "attn.out", (d, d), i, ROW)
+        out += linear(p + "attn.q", (qd, d), i, COL) + linear(p + "attn.k", (kv, d), i, COL) + \
+            linear(p + "attn.v", (kv, d), i, COL) + linear(p + "attn.out", (d, qd), i, ROW)
+        if size.qk_norm:
+            out += [ParamSpec(p + f"attn.{n}_norm.weight", (hd,), i, REPLICATE) for n in ("q", "k")]
         out += norm(p + "ln2", i)
-        for name in mlp_in:
-            out += linear(p + f"mlp.{name}", (f, d), i, COL)
-        out += linear(p + "mlp.proj", (d, f), i, ROW)
+        out += swiglu(p + "mlp", f, i) if size.moe is None else moe_specs(size, p + "mlp", i)
     out += norm("norm", None) + [ParamSpec("head.weight", (v, d), None, COL)]
     return tuple(out)
+
+
+def moe_specs(size: ModelSize, name: str, layer: int) -> list[ParamSpec]:
+    """An MoE layer's tensors (:class:`workloads.moe.MoE`): the router, the E stacked experts (dim 0 the
+    expert, which FSDP shards), the shared expert. Under tensor parallel the router is replicated."""
+    m, d = size.moe, size.d_model
+    out = [ParamSpec(f"{name}.router.score.weight", (m.n_experts, d), layer, REPLICATE),
+           ParamSpec(f"{name}.experts.gate", (m.n_experts, m.d_ff, d), layer, REPLICATE),
+           ParamSpec(f"{name}.experts.up", (m.n_experts, m.d_ff, d), layer, REPLICATE),
+           ParamSpec(f"{name}.experts.proj", (m.n_experts, d, m.d_ff), layer, REPLICATE)]
+    if m.n_shared:
+        w = m.n_shared * m.d_ff
+        out += [ParamSpec(f"{name}.shared.gate.weight", (w, d), layer, COL),
+                ParamSpec(f"{name}.shared.up.weight", (w, d), layer, COL),
+                ParamSpec(f"{name}.shared.proj.weight", (d, w), layer, ROW)]
+    return out
 
 
 def tp_local_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:

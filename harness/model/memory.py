@@ -102,7 +102,7 @@ def composite_rms_norm(c: CellShape) -> bool:
 def _attention_token_elements(c: CellShape) -> float:
     """q, k, v (grouped-query: ``kv_dim`` wide) and the attention output, per token, on one tp rank; under
     context parallel k and v are the whole sequence's, gathered: ``cp`` times the local tokens'."""
-    return (2 * c.size.d_model + 2 * c.size.kv_dim * c.dims.cp) / c.dims.tp
+    return (2 * c.size.q_dim + 2 * c.size.kv_dim * c.dims.cp) / c.dims.tp
 
 
 def _block_token_bytes(c: CellShape) -> float:
@@ -120,9 +120,21 @@ def _block_token_bytes(c: CellShape) -> float:
     ln = 2 * norm_saved / sp + 2 * d * hi
     mlp = 2 * size.mlp_matrices - 2  # 2 (GELU) or 4 (SwiGLU) tensors of width d_ff
     per_layer = ln + (_attention_token_elements(c) + mlp * f / tp) * lo
+    if size.moe is not None:  # k expert slots per token instead of one MLP
+        per_layer += moe_token_bytes(c) - mlp * f / tp * lo
+    if size.qk_norm:  # q and k normalised per head: saved as the layer norms are
+        per_layer += (size.q_dim + size.kv_dim) / tp * (2 * 4 if composite_rms_norm(c) else lo)
     if c.recompute == "selective":
         per_layer -= _attention_token_elements(c) * lo
     return per_layer
+
+
+def moe_token_bytes(c: CellShape) -> float:
+    """What an MoE layer saves per token: the router's fp32 logits and scores (E each); per each of the k
+    slots the token's grouped copy and its expert's output (d each) and the expert's SwiGLU tensors
+    (4 f); the shared expert's SwiGLU tensors (4 x n_shared f)."""
+    m, d = c.size.moe, c.size.d_model
+    return 8 * m.n_experts + (m.top_k * (2 * d + 4 * m.d_ff) + 4 * m.n_shared * m.d_ff) * c.compute_bytes
 
 
 def rope_table_bytes(c: CellShape) -> int:

@@ -78,6 +78,17 @@ class StageShapes:
         return (tokens if stage == 0 else hidden), (logits if stage == n_stages - 1 else hidden)
 
 
+def static_shapes(pp_enabled: bool, rows: int, seq_len: int, d_model: int, vocab_size: int,
+                  autocast_dtype: torch.dtype | None, fsdp: bool) -> StageShapes | None:
+    """The stage shapes of a cell with ``rows`` sequences per microbatch (None without a pipeline)."""
+    if not pp_enabled:
+        return None
+    low = autocast_dtype
+    return StageShapes(rows=rows, seq_len=seq_len, d_model=d_model, vocab_size=vocab_size,
+                       hidden_dtype=low if (low is not None and fsdp) else torch.float32,
+                       logits_dtype=low or torch.float32)
+
+
 class _StaticStage(PipelineStage):
     """A stage whose shapes were given: it skips the warm-up vote, whose answer it knows (STATIC).
 

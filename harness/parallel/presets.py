@@ -211,7 +211,15 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
     check_model_fit(layout.dims, size.n_heads, size.d_ff, size.n_layers, pp_schedule, mb, size.kv_heads)
     check_seq_split(layout.dims, size.seq_len)
     check_batch_split(layout.dims, global_batch, mb, grad_accum)
+    check_moe(layout.dims, size)
     return layout, mb
+
+
+def check_moe(dims: ParallelDims, size: ModelSize) -> None:
+    """An MoE's stacked experts have no tensor-parallel plan yet: tp is refused for the moe family."""
+    if size.moe is not None and dims.tp_enabled:
+        raise UsageError(f"tp ({dims.tp}) with --arch moe is not supported yet: the stacked experts have no "
+                         f"tensor-parallel plan; use single, ddp, fsdp, zero2, hsdp, pp or fsdp+cp")
 
 
 def check_batch_split(dims: ParallelDims, global_batch: int, microbatches: int, grad_accum: int) -> None:

@@ -109,8 +109,17 @@ class ProbeMetrics(TypedDict, total=False):
     """Global L2 norm of the parameters after step 1's update."""
 
 
+class MoeMetrics(TypedDict, total=False):
+    moe: dict[str, Any]
+    """MoE only (:meth:`harness.parallel.expert_load.ExpertLoad.summary`): ``routing``, ``tokens_per_expert``
+    (per step, layers x experts, over the global batch), ``imbalance_max_over_mean`` (busiest expert
+    over the mean; mean and ``_worst`` over layers and steps), and ``tflops_per_device_total_params`` /
+    ``mfu_total_params_pct``: the same step counted on every parameter as if active, which overstates
+    an MoE's FLOPs (``tflops_per_device`` and ``mfu_pct`` count the active ones)."""
+
+
 class WorkerMetrics(TimingMetrics, ThroughputMetrics, MfuMetrics, MemoryMetrics, CommMetrics, LossMetrics,
-                    ProbeMetrics, PrecisionMetrics, InstrumentMetrics, total=False):
+                    ProbeMetrics, PrecisionMetrics, InstrumentMetrics, MoeMetrics, total=False):
     """What rank 0 measures and writes to ``result.json``."""
 
     worker_wall_s: float

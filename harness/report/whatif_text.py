@@ -31,6 +31,11 @@ def assumptions_lines(s: Scenario) -> list[str]:
     batch = f"global batch {s.global_batch} sequences" if s.global_batch else \
         f"global batch {per_device * s.gpus} sequences ({per_device} per device, at most {TOKENS_PER_DEVICE:,} tokens; " \
         f"context-parallel rows {per_device} per cp devices, which split each sequence; --batch sets it)"
+    moe = s.size.moe is not None
+    active = f", {_params(s.size.params_active)} active" if moe else ""
+    on_active = " on active parameters" if moe else ""
+    total = (f"; counted on every parameter as if active it would be {s.size.flops_per_token_total() / 1e9:,.2f} "
+             f"GFLOP, which overstates an MoE's MFU") if moe else ""
     lines = []
     if s.precision != "bf16" and s.efficiency == DEFAULT_EFFICIENCY:
         lines.append(f"warning: the default efficiency was measured in bf16; {s.precision} kernels reach another "
@@ -43,12 +48,12 @@ def assumptions_lines(s: Scenario) -> list[str]:
         f"interconnect: {d.intra.name} {d.intra.gbps:g} GB/s/direction ({d.intra.latency_s * 1e6:g} us) in a node; "
         f"{d.inter.name} {d.inter.gbps:g} GB/s per GPU NIC ({d.inter.latency_s * 1e6:g} us) across nodes; "
         f"tp innermost on NVLink, a group spanning nodes at min(NVLink, its GPUs per node x NIC)",
-        f"workload: {s.size.arch} {s.size.name} ({_params(s.size.params)} params), seq {s.size.seq_len}, {batch}, "
-        f"pp schedule {s.pp_schedule}, recompute {s.recompute}; peaks exclude the CUDA context and NCCL buffers",
-        f"MFU: model FLOPs per token by {FLOP_CONVENTION_LABEL['palm']} = {s.size.flops_per_token() / 1e9:,.2f} GFLOP "
-        f"(torchtitan counts {s.size.flops_per_token_torchtitan() / 1e9:,.2f}), and by "
-        f"{FLOP_CONVENTION_LABEL['megatron']} = {s.size.flops_per_token_megatron() / 1e9:,.2f} GFLOP "
-        f"(Megatron-Bridge's count); recompute not counted",
+        f"workload: {s.size.arch} {s.size.name} ({_params(s.size.params)} params{active}), seq {s.size.seq_len}, "
+        f"{batch}, pp schedule {s.pp_schedule}, recompute {s.recompute}; peaks exclude the CUDA context and NCCL buffers",
+        f"MFU: model FLOPs per token{on_active} by {FLOP_CONVENTION_LABEL['palm']} = "
+        f"{s.size.flops_per_token() / 1e9:,.2f} GFLOP (torchtitan counts {s.size.flops_per_token_torchtitan() / 1e9:,.2f}), "
+        f"and by {FLOP_CONVENTION_LABEL['megatron']} = {s.size.flops_per_token_megatron() / 1e9:,.2f} GFLOP "
+        f"(Megatron-Bridge's count); recompute not counted{total}",
     ]
 
 

@@ -159,8 +159,10 @@ def _compile(gathered: list[dict], warmup_s: list[float], median_s: float) -> di
 def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: list[dict], g_big: list[float],
                    skipped: int, scaler, entropy_floor: float, local_batch: int, threads: int, device_name: str,
                    monitor_result, trace: dict | None, worker_wall_s: float,
-                   phase_marks: dict[str, float], nvtx: dict | None = None) -> tuple[WorkerMetrics, dict[str, Any]]:
-    """Rank 0's metrics and raw samples from every rank's measurements (``gathered``)."""
+                   phase_marks: dict[str, float], nvtx: dict | None = None,
+                   moe: dict | None = None) -> tuple[WorkerMetrics, dict[str, Any]]:
+    """Rank 0's metrics and raw samples from every rank's measurements (``gathered``); ``moe``: the
+    expert load's summary (:class:`harness.parallel.expert_load.ExpertLoad`)."""
     per_rank_times = [g["times"] for g in gathered]
     all_steps = slowest_per_step(per_rank_times)
     measured = all_steps[cfg.warmup:]
@@ -181,6 +183,11 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
     }
     if nvtx is not None and nvtx["enabled"]:
         m["nvtx"] = nvtx
+    if size.moe is not None:
+        total = tput["tflops_per_device"] * size.flops_per_token_total() / size.flops_per_token()
+        m["moe"] = {"routing": cfg.moe_routing, **(moe or {}), "tflops_per_device_total_params": total,
+                    "mfu_total_params_pct": mfu_fields(total, cfg.device_kind, device_name,
+                                                       precision.compute_dtype)["mfu_pct"]}
     if cfg.compile:
         m["compile"] = _compile(gathered, all_steps[: cfg.warmup], stats.median)
     step1 = merge([g["probe"] for g in gathered])

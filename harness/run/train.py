@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.parallel.expert_load import ExpertLoad
 from harness.parallel.parallelize import Parallelized
 from harness.parallel.tp import reduce_partial_grads
 from harness.precision import PrecisionPlan
@@ -23,6 +24,8 @@ class StepContext:
     grad_accum: int
     ranges: object
     """``harness.measure.nvtx_ranges.Ranges`` (no-op when disabled)."""
+    moe: ExpertLoad | None = None
+    """An MoE's balancing step, run after each optimizer step."""
 
 
 def _sync_context(par: Parallelized, sync: bool):
@@ -76,12 +79,16 @@ def train_step(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) ->
     loss = _forward_backward(ctx, x, y)
     if ctx.par.sequence_parallel:  # the LayerNorms' partial gradients, summed once (not at every AdamW use)
         reduce_partial_grads(ctx.par.parameters())
+    skipped = False
     with ctx.ranges.range("optimizer"):
         if ctx.scaler is None:
             ctx.optimizer.step()
-            return loss, False
-        before = ctx.scaler.get_scale()
-        ctx.scaler.step(ctx.optimizer)
-        ctx.scaler.update()
-        # GradScaler lowers the scale exactly when it skipped the step for inf/NaN gradients.
-        return loss, ctx.scaler.get_scale() < before
+        else:
+            before = ctx.scaler.get_scale()
+            ctx.scaler.step(ctx.optimizer)
+            ctx.scaler.update()
+            # GradScaler lowers the scale exactly when it skipped the step for inf/NaN gradients.
+            skipped = ctx.scaler.get_scale() < before
+        if ctx.moe is not None:
+            ctx.moe.step()
+    return loss, skipped

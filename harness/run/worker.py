@@ -36,7 +36,9 @@ from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_frames, load_trace
 from harness.parallel.cp import CP_LABEL, shard_sequence
 from harness.parallel.levers import build_optimizer
+from harness.parallel.expert_load import ExpertLoad
 from harness.parallel.parallelize import parallelize
+from harness.parallel.pipeline import static_shapes
 from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
 from harness.records.env import capture
@@ -120,15 +122,20 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     gns_state = None
     if layout.data_parallel == "ddp":
         gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group())
+    # An MoE's stages are static: runtime shape inference would route an uninitialised tensor on later
+    # stages and count its load towards the balancing step.
+    shapes = static_shapes(dims.pp_enabled, cfg.global_batch // dims.dp // cfg.microbatches, cfg.seq_len,
+                           size.d_model, size.vocab_size, precision.autocast_dtype, layout.fsdp) if size.moe else None
     par = parallelize(model, layout, device, precision, cfg.pp_schedule, cfg.microbatches,
                       loss_fn=lm_loss, ddp_comm_hook=gns.local_norm_allreduce_hook if gns_state else None,
-                      ddp_comm_state=gns_state, ac=cfg.ac, compiled=cfg.compile)
+                      ddp_comm_state=gns_state, ac=cfg.ac, compiled=cfg.compile, stage_shapes=shapes)
     params = [p for p in par.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optimizer, cfg.lr)
     ranges = Ranges(enabled=cfg.nvtx)
+    moe = ExpertLoad(par.parts, size, cfg.moe_routing, cfg.ac, device) if size.moe else None
     ctx = train.StepContext(par=par, optimizer=optimizer, precision=precision,
                             scaler=precision.grad_scaler(cfg.device_kind), device_kind=cfg.device_kind,
-                            grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges)
+                            grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges, moe=moe)
     marks.mark("build")
 
     data = MarkovData(size.vocab_size, cfg.seq_len, seed=cfg.seed)
@@ -161,6 +168,8 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
             monitor = _start_monitor(cfg, local_rank, device)
             beat.open_window()
             ranges.window_start(rank)  # the payload says which process of a shared nsys report is which rank
+            if moe is not None:
+                moe.restart()
         x, y = batch(step)
         lr = _lr(cfg, step)
         scale = ctx.scaler.get_scale() if ctx.scaler is not None else 1.0
@@ -179,6 +188,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
             gns_state.take(scale=scale)
             g_big.append(gns.grad_sq_norm(params) if not was_skipped else float("nan"))
     ranges.window_stop()
+    moe_load = moe.summary() if moe is not None else None
     marks.mark("measured")
     beat.close_window()
     monitor_result = monitor.stop() if monitor is not None else None
@@ -227,7 +237,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     metrics, samples = worker_metrics(cfg, size, dims, precision, layout.data_parallel, gathered, g_big, skipped,
                                       ctx.scaler, data.entropy_floor, local_batch, threads, env["device_name"],
                                       monitor_result, trace, worker_wall_s=time.perf_counter() - t0,
-                                      phase_marks=marks.marks, nvtx=ranges.describe())
+                                      phase_marks=marks.marks, nvtx=ranges.describe(), moe=moe_load)
     return {"metrics": metrics, "samples": samples, "env": env, "degrees": dims.degrees(),
             "workload": {**size.as_dict(), "params": size.params}}
 

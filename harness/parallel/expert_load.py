@@ -1,0 +1,76 @@
+"""The harness's side of the MoE layers (:mod:`workloads.moe`): their routing, their balancing step, their load.
+
+After each optimizer step :meth:`ExpertLoad.step` takes every router's count of the tokens it sent
+to each expert, sums them over all ranks in one all-reduce (``L x E`` fp32, labelled ``moe_load``
+for the comm counter), and gives each router the sum for DeepSeek-V3's bias step, so that every
+replica of a router moves its bias alike. Each layer is counted by every rank that holds it:
+data- and context-parallel ranks see different tokens (their counts add up to the batch's), a
+pipeline stage's ranks hold only their layers (the others add zeros). Under full activation
+checkpointing each block's forward runs twice per micro-batch (the recompute routes the same tokens
+alike), so the counts are halved. The sum is kept per step for the record: tokens per expert, and
+how far the busiest expert is above the mean.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.comm_scope import comm_label
+from workloads.moe import MoE
+from workloads.sizes import ModelSize
+
+MOE_LOAD_LABEL = "moe_load"
+_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+
+
+def moe_layers(parts: list[nn.Module]) -> list[tuple[int, MoE]]:
+    """The MoE layers of the parts this rank holds, with their block index."""
+    out = []
+    for part in parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoE):
+                out.append((int(_BLOCK.search(name + ".").group(1)), module))
+    return out
+
+
+class ExpertLoad:
+    """Routing, the balancing step and the load record of one rank's MoE layers."""
+
+    def __init__(self, parts: list[nn.Module], size: ModelSize, routing: str, ac: str, device: torch.device) -> None:
+        self.layers = moe_layers(parts)
+        self.shape = (size.n_layers, size.moe.n_experts)
+        self.device = device
+        self.passes = 2 if ac == "full" else 1
+        self.steps: list[torch.Tensor] = []
+        for _, layer in self.layers:
+            layer.router.routing = routing
+
+    def step(self) -> None:
+        load = torch.zeros(self.shape, device=self.device)
+        for i, layer in self.layers:
+            load[i] = layer.router.take_load() / self.passes
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with comm_label(MOE_LOAD_LABEL):
+                dist.all_reduce(load)
+        for i, layer in self.layers:
+            layer.router.update_bias(load[i])
+        self.steps.append(load)
+
+    def restart(self) -> None:
+        """Forget the steps so far (the warmup's): the record covers the measured window."""
+        self.steps.clear()
+
+    def summary(self) -> dict:
+        """Tokens per expert per step (layers x experts, the mean over the steps kept) and the imbalance:
+        busiest expert over the mean, the mean over layers and steps and the worst layer-step."""
+        if not self.steps:
+            return {}
+        loads = torch.stack(self.steps).cpu()  # (steps, L, E)
+        ratio = loads.amax(-1) / loads.mean(-1)
+        return {"tokens_per_expert": loads.mean(0).tolist(),
+                "imbalance_max_over_mean": ratio.mean().item(),
+                "imbalance_max_over_mean_worst": ratio.max().item()}

@@ -1,0 +1,105 @@
+"""The moe family under every strategy that places its layers as any other: the same training as one
+device, the same routing decisions, and the communication and model states the model predicts.
+
+Tolerances as for every strategy (:mod:`tests.distributed.test_parity`). Routing is discrete: a
+strategy that changed one token's top-k choice would move its load table, which must equal the one
+device's to the token. Learned (top-k with the DeepSeek-V3 bias step, whose load is summed over every
+rank) and balanced (round robin) routing, over 3 steps (2 bias steps); world 2 in the fast tier
+(balanced routing under fsdp and pp), world 4 in the slow one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.run.formulas import max_rel_diff
+from harness.run.record_metrics import parity_diffs
+from harness.spec import CellConfig
+from tests.distributed._spawn import cell, run_cells
+from tests.distributed.test_parity import GRAD_NORM_TOL, PARAMS_TOL, TOL, _check_model
+from workloads.sizes import get_size
+
+pytestmark = pytest.mark.distributed
+ROUTINGS = ("learned", "balanced")
+MOE = get_size("tiny", "moe")
+
+
+def _moe(strategy: str, world: int, routing: str, **kw) -> dict:
+    return cell(strategy, world, arch="moe", global_batch=4 * world, moe_routing=routing, steps=3, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_cells([_moe("single", 2, r, world_size=1) for r in ROUTINGS], 1, tmp_path_factory.mktemp("moe-w1"))
+
+
+@pytest.fixture(scope="module")
+def reference16(tmp_path_factory):
+    return run_cells([_moe("single", 4, r, world_size=1) for r in ROUTINGS], 1, tmp_path_factory.mktemp("moe-w1-16"))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    cells = [_moe(s, 2, "learned", **kw) for s, kw in (("ddp", {}), ("fsdp", {}), ("pp", {"microbatches": 4}),
+                                                       ("fsdp+cp", {}))]
+    cells += [_moe("fsdp", 2, "balanced"), _moe("pp", 2, "balanced", microbatches=4)]
+    return run_cells(cells, 2, tmp_path_factory.mktemp("moe-w2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    strategies = {"zero2": {}, "hsdp": {}, "pp+fsdp": {"microbatches": 4}, "fsdp+cp": {"degrees": {"cp": 4}}}
+    return run_cells([_moe(s, 4, r, **kw) for s, kw in strategies.items() for r in ROUTINGS], 4,
+                     tmp_path_factory.mktemp("moe-w4"))
+
+
+def _reference_of(reference: dict, res: dict) -> dict:
+    cfg = res["config"]
+    return next(r for r in reference.values()
+                if (r["config"]["global_batch"], r["config"]["moe_routing"]) == (cfg["global_batch"], cfg["moe_routing"]))
+
+
+def _assert_matches_one_device(results: dict, reference: dict, n: int) -> None:
+    assert len(results) == n, sorted(results)
+    for cid, res in results.items():
+        ref = _reference_of(reference, res)
+        m = res["metrics"]
+        loss = max_rel_diff(m["loss"], ref["metrics"]["loss"])
+        assert loss <= TOL, f"{cid}: loss differs by {loss:.1e}"
+        diffs = parity_diffs(m, res.get("samples") or {}, ref)
+        assert diffs["grad_norm"] is not None and diffs["grad_norm"] <= GRAD_NORM_TOL, f"{cid}: {diffs}"
+        assert diffs["params"] is not None and diffs["params"] <= PARAMS_TOL, f"{cid}: {diffs}"
+        # the same router decisions: every expert of every layer got the tokens it got on one device
+        assert m["moe"]["tokens_per_expert"] == ref["metrics"]["moe"]["tokens_per_expert"], cid
+
+
+def _assert_load_counted(results: dict) -> None:
+    for cid, res in results.items():
+        cfg = CellConfig.from_dict(res["config"])
+        moe = res["metrics"]["moe"]
+        assert moe["routing"] == cfg.moe_routing
+        slots = cfg.global_batch * cfg.seq_len * MOE.moe.top_k  # each token at k experts, counted once
+        assert [sum(layer) for layer in moe["tokens_per_expert"]] == pytest.approx([slots] * MOE.n_layers), cid
+        if cfg.moe_routing == "balanced":
+            assert moe["imbalance_max_over_mean"] == moe["imbalance_max_over_mean_worst"] == 1.0, cid
+        else:
+            assert moe["imbalance_max_over_mean_worst"] >= moe["imbalance_max_over_mean"] > 1.0, cid
+        # the same step counted on total parameters: E / k more expert FLOPs, labelled apart
+        ratio = moe["tflops_per_device_total_params"] / res["metrics"]["tflops_per_device"]
+        assert ratio == pytest.approx(MOE.flops_per_token_total(cfg.seq_len) / MOE.flops_per_token(cfg.seq_len))
+
+
+def test_moe_world2_matches_one_device(world2, reference):
+    _assert_matches_one_device(world2, reference, 6)
+
+
+def test_moe_world2_load_and_model(world2, reference):
+    _assert_load_counted({**world2, **reference})
+    _check_model(world2)  # the load all-reduce (L x E fp32) beside each strategy's own collectives
+
+
+@pytest.mark.slow
+def test_moe_world4_matches_one_device(world4, reference16):
+    _assert_matches_one_device(world4, reference16, 4 * len(ROUTINGS))
+    _assert_load_counted({**world4, **reference16})
+    _check_model(world4)

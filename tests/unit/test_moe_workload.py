@@ -1,0 +1,180 @@
+"""The moe family: exact total and active counts, active FLOPs against FlopCounterMode, and the layer's routing."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from harness.cli import main
+from harness.model.inventory import param_specs
+from workloads.model import Decoder, lm_loss
+from workloads.moe import MoE
+from workloads.sizes import MoESpec, get_size
+
+# The released checkpoints' parameter counts (every tensor of Mixtral-8x7B-v0.1 and Qwen3-30B-A3B,
+# untied heads both) and their "active" counts: 12.9B and 3.3B as the model cards round them.
+PUBLISHED = {"mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624}
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_param_count_formula_matches_model(name):
+    size = get_size(name, "moe")
+    with torch.device("meta"):
+        model = Decoder(size)
+    assert sum(p.numel() for p in model.parameters()) == size.params
+    if name in PUBLISHED:
+        assert size.params == PUBLISHED[name]
+
+
+def test_active_counts_by_hand():
+    """Active: attention, norms, the router over all E experts, k routed experts (3 d f each), embeddings and head."""
+    mix = get_size("mixtral-8x7b", "moe")
+    attn = 2 * 4096 * 4096 + 2 * 4096 * 1024
+    per_layer = attn + 2 * 4096 + 4096 * 8 + 2 * 3 * 4096 * 14_336
+    assert mix.params_active == 32 * per_layer + 2 * 32_000 * 4096 + 4096 == 12_879_925_248
+    qwen = get_size("qwen3-30b-a3b", "moe")
+    assert qwen.q_dim == 4096 and qwen.head_dim == 128
+    assert round(qwen.params_active / 1e9, 1) == 3.4 and round(qwen.params_active_nonembedding / 1e9, 2) == 3.04
+    assert round(mix.params_active / 1e9, 1) == 12.9
+
+
+@pytest.mark.parametrize("name,seq", [("tiny", 128), ("mini", 256)])
+def test_active_flops_match_flop_counter(name, seq):
+    """6 N_active + 12 L q S within 2% of the counted fwd+bwd FLOPs; total-parameter FLOPs are off by
+    the idle experts' 6 L (E - k) 3 d f, 2.2-2.6x at these sizes."""
+    size = replace(get_size(name, "moe"), seq_len=seq)
+    torch.manual_seed(0)
+    model = Decoder(size)
+    x = torch.randint(0, size.vocab_size, (2, seq))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        lm_loss(model(x), x).backward()
+    counted = counter.get_total_flops() / x.numel()
+    assert counted == pytest.approx(size.flops_per_token(), rel=0.02)
+    idle = 6 * size.n_layers * (size.moe.n_experts - size.moe.top_k) * 3 * size.d_model * size.moe.d_ff
+    assert size.flops_per_token_total() - size.flops_per_token() == idle
+    assert size.flops_per_token_total() / counted > 2
+
+
+def _layer(spec: MoESpec, d: int = 16, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    layer = MoE(d, spec)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def _by_hand(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Every token through its k experts one by one, weighted by its renormalised top-k scores."""
+    flat = x.reshape(-1, x.shape[-1])
+    probs = (flat @ layer.router.score.weight.T).softmax(-1)
+    top = (probs + layer.router.expert_bias).topk(layer.spec.top_k, dim=-1).indices
+    ex = layer.experts
+    out = torch.zeros_like(flat)
+    for i, row in enumerate(flat):
+        w = probs[i, top[i]] / probs[i, top[i]].sum()
+        for j, e in enumerate(top[i].tolist()):
+            out[i] += w[j] * ((F.silu(row @ ex.gate[e].T) * (row @ ex.up[e].T)) @ ex.proj[e].T)
+    if layer.shared is not None:
+        out = out + layer.shared(flat)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_layer_is_every_token_through_its_top_k_experts(shared):
+    """Dropless: the grouped dispatch equals the token-by-token sum, whatever the load."""
+    layer = _layer(MoESpec(4, 2, 8, n_shared=shared))
+    x = torch.randn(2, 6, 16)
+    assert torch.allclose(layer(x), _by_hand(layer, x), atol=1e-5)
+    assert layer.router.load.sum().item() == 2 * 6 * 2  # each token counted at k experts
+
+
+def test_balanced_routing_is_a_round_robin_over_positions():
+    """Token at position s, slot j -> expert (s k + j) mod E: equal load when S k is a multiple of E,
+    the same for every sequence of the batch, whatever the scores."""
+    layer = _layer(MoESpec(8, 2, 8))
+    layer.router.routing = "balanced"
+    layer(torch.randn(3, 12, 16))
+    assert layer.router.take_load().tolist() == [9.0] * 8  # 3 x 12 x 2 / 8
+    assert layer.router.load.sum().item() == 0  # take_load restarts the count
+
+
+def test_bias_steers_the_choice_and_moves_towards_the_mean_load():
+    layer = _layer(MoESpec(4, 1, 8))
+    layer.router.expert_bias[2] = 10.0  # far above any softmax score: every token picks expert 2
+    x = torch.randn(1, 10, 16)
+    assert torch.allclose(layer(x), _by_hand(layer, x), atol=1e-5)
+    load = layer.router.take_load()
+    assert load.tolist() == [0.0, 0.0, 10.0, 0.0]
+    layer.router.update_bias(load)
+    rate = MoESpec(4, 1, 8).bias_rate
+    assert layer.router.expert_bias.tolist() == pytest.approx([rate, rate, 10.0 - rate, rate])
+
+
+def test_aux_loss_trains_the_router_without_changing_the_output():
+    """Under ``aux`` the output (so the reported loss) is the same, and the router's gradient is that of
+    loss + coef E sum f_e P_e; under ``bias`` (and ``aux`` at eval) there is no such term."""
+    spec = MoESpec(4, 2, 8, balancing="aux", aux_coef=0.5)
+    x = torch.randn(2, 5, 16)
+    with_aux, plain = _layer(spec), _layer(replace(spec, balancing="bias"))
+    out = with_aux(x)
+    assert torch.equal(out, plain(x))
+    out.square().sum().backward()
+    plain(x).square().sum().backward()
+    ref = _layer(replace(spec, balancing="bias"))
+    flat = x.reshape(-1, 16)
+    probs = (flat @ ref.router.score.weight.T).softmax(-1)
+    share = torch.bincount(probs.topk(2, dim=-1).indices.flatten(), minlength=4).float() / (10 * 2)
+    aux = 0.5 * 4 * (share * probs.mean(0)).sum()
+    (ref(x).square().sum() + aux).backward()
+    assert torch.allclose(with_aux.router.score.weight.grad, ref.router.score.weight.grad, atol=1e-6)
+    assert not torch.allclose(plain.router.score.weight.grad, ref.router.score.weight.grad, atol=1e-6)
+
+
+def test_moe_spec_refuses_what_cannot_route():
+    with pytest.raises(ValueError, match=r"top_k \(3\) must be in 1..n_experts \(2\)"):
+        MoESpec(2, 3, 8)
+    with pytest.raises(ValueError, match="balancing 'none': choose from bias, aux"):
+        MoESpec(8, 2, 8, balancing="none")
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "qwen3-30b-a3b"])
+def test_inventory_is_the_models_tensors_in_order(name):
+    """The performance model's inventory (what memory and comm count) names every tensor the model
+    registers, with its shape: the router, the stacked experts, the shared expert, Qwen3's q/k norms."""
+    size = get_size(name, "moe")
+    with torch.device("meta"):
+        model = Decoder(size)
+    assert [(q.name, q.shape) for q in param_specs(size)] == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def test_workloads_lists_total_and_active_counts(capsys):
+    """``harness workloads --arch moe``: total and active parameters side by side, FLOPs on the active ones."""
+    assert main(["workloads", "--arch", "moe"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| mixtral-8x7b"))
+    assert "46,702,792,704" in row and "12,879,925,248" in row
+    assert "| params active " in out and "MFLOP/token palm (active)" in out and "wrong for MFU" in out
+
+
+def test_routing_axis_ids_and_refusals(tmp_path, capsys):
+    """``--moe-routing learned,balanced`` crosses the moe cells only (a dense family has nothing to route);
+    a balanced cell says so in its id; asked of a dense family alone, it is refused before anything runs."""
+    from harness.planner import expand
+    from harness.spec import SweepSpec
+
+    spec = SweepSpec(sizes=("tiny",), strategies=("fsdp",), precisions=("fp32",), gpus=(2,), device_kind="cpu",
+                     batch=4, steps=2, warmup=1, archs=("llama3", "moe"), moe_routings=("learned", "balanced"))
+    ids = [c.cell_id for c in expand(spec)]
+    assert "moe-tiny-fsdp-fp32-w2-gb4-strong-route-balanced" in ids and "moe-tiny-fsdp-fp32-w2-gb4-strong" in ids
+    assert not any(i.startswith("llama3-") and "route" in i for i in ids)
+    assert main(["plan", "--arch", "gpt2", "--moe-routing", "balanced", "--sizes", "tiny", "--gpus", "2"]) == 2
+    assert "--moe-routing balanced: only the moe family routes tokens" in capsys.readouterr().err
+    assert main(["plan", "--arch", "moe", "--sizes", "tiny", "--gpus", "2", "--strategies", "tp"]) == 0
+    tp_row = next(line for line in capsys.readouterr().out.splitlines() if "moe-tiny-tp-" in line)
+    assert "invalid" in tp_row and "tp (2) with --arch moe is not supported yet" in tp_row
