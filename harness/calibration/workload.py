@@ -106,7 +106,8 @@ def probe_order(entry: dict) -> list[tuple[str, str]]:
     rows than another, a wrapped pass or AdamW step than the plain one (the wrappers only add)."""
     rows = entry.get("rows") or list(PROBE_ROWS)
     pairs = [(pass_probe(a), pass_probe(b)) for a, b in zip(rows, rows[1:])]
-    for w in WRAPPERS:
+    measured = entry.get("repeats") or {}
+    for w in (w for w in WRAPPERS if pass_probe(rows[0], w) in measured or not measured):
         pairs += [(pass_probe(rows[0]), pass_probe(rows[0], w)), (optimizer_probe(), optimizer_probe(w))]
     return pairs
 
@@ -175,7 +176,7 @@ def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str,
     plan.configure_backends(device_kind)
     # one model at a time (each helper frees its own): K concurrent copies of `small` must fit in host memory
     repeats = _plain_passes(size, plan, device_kind, dev, reps, compiled)
-    for w in WRAPPERS:
+    for w in wrappers_of(size):
         repeats.update(_wrapped_repeats(size, plan, device_kind, dev, w, reps, compiled))
     return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "params": size.params,
             "base_gib": base_gib, **from_repeats(repeats, size.params)}
@@ -190,8 +191,15 @@ def from_repeats(repeats: dict[str, list[float]], params: int) -> dict:
     alpha, beta = fit_line(list(PROBE_ROWS), times)
     return {"pass_s": times, "alpha_s": alpha, "beta_s_per_row": beta, "optimizer_s": opt_s,
             "optimizer_s_per_param": opt_s / params, "repeats": repeats,
-            "wrapper_overhead_s": {w: max(0.0, med[pass_probe(PROBE_ROWS[0], w)] - times[0]) for w in WRAPPERS},
-            "wrapper_optimizer_s": {w: max(0.0, med[optimizer_probe(w)] - opt_s) for w in WRAPPERS}}
+            "wrapper_overhead_s": {w: max(0.0, med[pass_probe(PROBE_ROWS[0], w)] - times[0]) for w in WRAPPERS
+                                   if pass_probe(PROBE_ROWS[0], w) in med},
+            "wrapper_optimizer_s": {w: max(0.0, med[optimizer_probe(w)] - opt_s) for w in WRAPPERS
+                                    if optimizer_probe(w) in med}}
+
+
+def wrappers_of(size) -> tuple[str, ...]:
+    """The wrappers a size's cells can run under: an MoE has no tensor-parallel plan (planner refuses tp)."""
+    return tuple(w for w in WRAPPERS if size.moe is None or "tp" not in w)
 
 
 def _init_one_rank_group(device_kind: str) -> None:

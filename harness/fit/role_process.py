@@ -32,8 +32,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from harness.measure.nvtx_ranges import Ranges
 from harness.measure.rank_memory import model_state_bytes
 from harness.measure.tensor_bytes import holding_tracker, optimizer_tensors
-from harness.parallel.levers import build_optimizer
 from harness.parallel.expert_load import moe_layers
+from harness.parallel.levers import build_optimizer
 from harness.parallel.parallelize import parallelize
 from harness.parallel.pipeline import StageShapes, static_shapes
 from harness.parallel.presets import resolve

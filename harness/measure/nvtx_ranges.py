@@ -52,7 +52,10 @@ from harness.measure.step_composition import PHASE_PREFIX
 
 DOMAIN_NAME = "harness"
 STEP_RANGE_PREFIX = "train_step_"
-PHASES: tuple[str, ...] = ("step", "data", "forward", "backward", "optimizer", "microbatch", "window")
+PHASES: tuple[str, ...] = ("step", "data", "forward", "backward", "optimizer", "microbatch", "window",
+                           "dispatch", "experts", "combine")
+"""The last three: inside each MoE layer's forward (:class:`workloads.moe.MoE`, attached by
+:class:`harness.parallel.expert_load.ExpertLoad`)."""
 PHASE_COLORS: dict[str, int] = {
     # ARGB; distinct hues so phases read apart on the nsys timeline.
     "step": 0xFF4C72B0,
@@ -62,6 +65,9 @@ PHASE_COLORS: dict[str, int] = {
     "optimizer": 0xFF8172B2,
     "microbatch": 0xFFCCB974,
     "window": 0xFF64B5CD,
+    "dispatch": 0xFFDD8452,
+    "experts": 0xFF937860,
+    "combine": 0xFFDA8BC3,
 }
 
 

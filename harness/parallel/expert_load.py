@@ -40,7 +40,10 @@ def moe_layers(parts: list[nn.Module]) -> list[tuple[int, MoE]]:
 class ExpertLoad:
     """Routing, the balancing step and the load record of one rank's MoE layers."""
 
-    def __init__(self, parts: list[nn.Module], size: ModelSize, routing: str, ac: str, device: torch.device) -> None:
+    def __init__(self, parts: list[nn.Module], size: ModelSize, routing: str, ac: str, device: torch.device,
+                 ranges=None) -> None:
+        """``ranges``: the run's NVTX ranges (:class:`harness.measure.nvtx_ranges.Ranges`), entered around
+        each layer's ``dispatch``, ``experts`` and ``combine``."""
         self.layers = moe_layers(parts)
         self.shape = (size.n_layers, size.moe.n_experts)
         self.device = device
@@ -48,6 +51,8 @@ class ExpertLoad:
         self.steps: list[torch.Tensor] = []
         for _, layer in self.layers:
             layer.router.routing = routing
+            if ranges is not None:
+                layer.ranges = ranges.range
 
     def step(self) -> None:
         load = torch.zeros(self.shape, device=self.device)

@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from harness.report.composition import composition_frame, top_ops_frame
+from harness.report.expert_load import expert_load_frame
 from harness.report.frame import cells_frame, memory_rank_frame
 from harness.report.lever_gains import lever_frame
 from harness.report.model_attribution import memory_attribution, step_attribution
@@ -33,10 +34,12 @@ class RunFrames:
     top_ops: pd.DataFrame
     memory_ranks: pd.DataFrame
     levers: pd.DataFrame
+    expert_load: pd.DataFrame
 
     @classmethod
     def of(cls, records: Sequence[dict[str, Any]]) -> RunFrames:
         return cls(records=records, cells=cells_frame(records), model=model_frame(records),
                    step_attribution=step_attribution(records), memory_attribution=memory_attribution(records),
                    composition=composition_frame(records), top_ops=top_ops_frame(records),
-                   memory_ranks=memory_rank_frame(records), levers=lever_frame(records))
+                   memory_ranks=memory_rank_frame(records), levers=lever_frame(records),
+                   expert_load=expert_load_frame(records))

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
+from harness.report.expert_load import expert_load_section
 from harness.report.frame import TIME_USE, device_title, text
 from harness.report.lever_gains import levers_section
 from harness.report.model_attribution import attribution_section
@@ -272,6 +273,9 @@ def summary_markdown(frames: RunFrames) -> str:
     levers = levers_section(frames.levers)
     if levers:
         lines += [levers, ""]
+    load = expert_load_section(frames.expert_load)
+    if load:
+        lines += [load, ""]
     lines += [FORMULAS, ""]
     flags = _flags(df)
     if flags:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harness.cli import main
 from harness.model.inventory import param_specs
+from harness.parallel.expert_load import ExpertLoad
+from harness.planner import expand
+from harness.spec import SweepSpec
 from workloads.model import Decoder, lm_loss
 from workloads.moe import MoE
 from workloads.sizes import MoESpec, get_size
@@ -165,9 +169,6 @@ def test_workloads_lists_total_and_active_counts(capsys):
 def test_routing_axis_ids_and_refusals(tmp_path, capsys):
     """``--moe-routing learned,balanced`` crosses the moe cells only (a dense family has nothing to route);
     a balanced cell says so in its id; asked of a dense family alone, it is refused before anything runs."""
-    from harness.planner import expand
-    from harness.spec import SweepSpec
-
     spec = SweepSpec(sizes=("tiny",), strategies=("fsdp",), precisions=("fp32",), gpus=(2,), device_kind="cpu",
                      batch=4, steps=2, warmup=1, archs=("llama3", "moe"), moe_routings=("learned", "balanced"))
     ids = [c.cell_id for c in expand(spec)]
@@ -178,3 +179,40 @@ def test_routing_axis_ids_and_refusals(tmp_path, capsys):
     assert main(["plan", "--arch", "moe", "--sizes", "tiny", "--gpus", "2", "--strategies", "tp"]) == 0
     tp_row = next(line for line in capsys.readouterr().out.splitlines() if "moe-tiny-tp-" in line)
     assert "invalid" in tp_row and "tp (2) with --arch moe is not supported yet" in tp_row
+
+
+class _Recorder:
+    """Stands in for harness.measure.nvtx_ranges.Ranges: records the ranges entered."""
+
+    def __init__(self) -> None:
+        self.entered: list[str] = []
+
+    def range(self, name: str):
+        self.entered.append(name)
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("ac,passes", [("none", 1), ("full", 2)])
+def test_expert_load_steps_the_bias_records_the_load_and_opens_the_ranges(ac, passes):
+    """One process: each step takes every router's count (halved when full recompute routes each micro-batch
+    twice), moves the biases against it, and keeps it; every layer's forward opens dispatch, experts,
+    combine in turn."""
+    size = replace(get_size("tiny", "moe"), seq_len=16)
+    torch.manual_seed(0)
+    model = Decoder(size)
+    rec = _Recorder()
+    load = ExpertLoad([model], size, "learned", ac, torch.device("cpu"), rec)
+    x = torch.randint(0, size.vocab_size, (2, 16))
+    for _ in range(passes):
+        model(x)
+    assert rec.entered == ["dispatch", "experts", "combine"] * size.n_layers * passes
+    load.step()
+    summary = load.summary()
+    assert [sum(layer) for layer in summary["tokens_per_expert"]] == [2 * 16 * 2] * size.n_layers
+    router = model.blocks["0"].mlp.router
+    taken = torch.tensor(summary["tokens_per_expert"][0])
+    assert torch.equal(router.expert_bias, 1e-3 * torch.sign(taken.mean() - taken))
+    assert summary["imbalance_max_over_mean"] == pytest.approx(
+        sum(max(row) / (sum(row) / len(row)) for row in summary["tokens_per_expert"]) / size.n_layers)
+    load.restart()
+    assert load.summary() == {}
