@@ -49,6 +49,9 @@ class ExpertLoad:
         self.device = device
         self.passes = 2 if ac == "full" else 1
         self.steps: list[torch.Tensor] = []
+        """Every step's load, warmup included (the loss curve's steps, which parity compares)."""
+        self.first = 0
+        """The first measured step: the summary covers the measured window."""
         for _, layer in self.layers:
             layer.router.routing = routing
             if ranges is not None:
@@ -65,16 +68,20 @@ class ExpertLoad:
             layer.router.update_bias(load[i])
         self.steps.append(load)
 
-    def restart(self) -> None:
-        """Forget the steps so far (the warmup's): the record covers the measured window."""
-        self.steps.clear()
+    def window_start(self) -> None:
+        """The measured window starts at the next step: the summary covers it."""
+        self.first = len(self.steps)
+
+    def per_step(self) -> list[list[list[float]]]:
+        """Every step's load so far (steps x layers x experts), for the record's samples."""
+        return torch.stack(self.steps).cpu().tolist() if self.steps else []
 
     def summary(self) -> dict:
-        """Tokens per expert per step (layers x experts, the mean over the steps kept) and the imbalance:
+        """Tokens per expert per step (layers x experts, the mean over the measured steps) and the imbalance:
         busiest expert over the mean, the mean over layers and steps and the worst layer-step."""
-        if not self.steps:
+        if len(self.steps) <= self.first:
             return {}
-        loads = torch.stack(self.steps).cpu()  # (steps, L, E)
+        loads = torch.stack(self.steps[self.first:]).cpu()  # (steps, L, E)
         ratio = loads.amax(-1) / loads.mean(-1)
         return {"tokens_per_expert": loads.mean(0).tolist(),
                 "imbalance_max_over_mean": ratio.mean().item(),

@@ -183,9 +183,11 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
     }
     if nvtx is not None and nvtx["enabled"]:
         m["nvtx"] = nvtx
+    moe = dict(moe or {})
+    per_step = moe.pop("per_step", None)
     if size.moe is not None:
         total = tput["tflops_per_device"] * size.flops_per_token_total() / size.flops_per_token()
-        m["moe"] = {"routing": cfg.moe_routing, **(moe or {}), "tflops_per_device_total_params": total,
+        m["moe"] = {"routing": cfg.moe_routing, **moe, "tflops_per_device_total_params": total,
                     "mfu_total_params_pct": mfu_fields(total, cfg.device_kind, device_name,
                                                        precision.compute_dtype)["mfu_pct"]}
     if cfg.compile:
@@ -200,6 +202,8 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
                "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times],
                "param_norms_step1": step1["param_norms"], "grad_norms_step1": step1["grad_norms"],
                "phase_marks": phase_marks}
+    if per_step is not None:
+        samples["moe_load_per_step"] = per_step
     return m, samples
 
 
@@ -228,12 +232,36 @@ def _live_tensors(grad_norms: dict[str, float | None], total: float | None) -> s
     return {k for k, g in grad_norms.items() if g is not None and g >= DEAD_GRAD_FRACTION * total}
 
 
+ROUTING_FLIP_SLOTS = 2
+"""Expert slots (token x choice) an MoE step may route otherwise than the reference for the difference
+to be a near-tie of the top-k flipped by rounding: a token that moved between two experts moves one
+slot. More is a routing that differs: parity is then judged on the whole curve."""
+
+
+def routing_divergence(samples: dict, ref_samples: dict) -> dict | None:
+    """The first step whose expert load differs from the reference's (``samples.moe_load_per_step``), and the
+    slots it moved; None when every step routed alike or either side has no loads."""
+    mine, theirs = samples.get("moe_load_per_step"), ref_samples.get("moe_load_per_step")
+    if not mine or not theirs:
+        return None
+    for step, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            moved = sum(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / 2
+            return {"step": step, "slots_moved": moved}
+    return None
+
+
 def parity_diffs(worker: dict, samples: dict, ref: dict) -> dict[str, float | None]:
     """Relative differences from the reference record: loss curve, step-1 gradient norm, and the
     largest over parameter tensors (those with a gradient) of the step-1 norm difference (None:
-    not comparable)."""
+    not comparable). An MoE whose routing diverged from the reference's by a rounding flip
+    (:func:`routing_divergence`) has its loss curve compared over the steps before the flip."""
     rm, rs = ref["metrics"], ref.get("samples") or {}
-    loss = max_rel_diff(worker["loss"], rm["loss"]) if worker.get("loss") and rm.get("loss") else None
+    curve, ref_curve = worker.get("loss"), rm.get("loss")
+    flip = routing_divergence(samples, rs)
+    if curve and ref_curve and flip and flip["slots_moved"] <= ROUTING_FLIP_SLOTS:
+        curve, ref_curve = curve[:flip["step"]], ref_curve[:flip["step"]]
+    loss = max_rel_diff(curve, ref_curve) if curve and ref_curve else None
     mine, theirs = samples.get("param_norms_step1"), rs.get("param_norms_step1")
     params = None
     if mine and theirs and set(mine) == set(theirs):
@@ -261,6 +289,10 @@ def _parity(cell_id: str, cfg: dict, worker: dict, samples: dict, ref: dict | No
     missing = [_WHAT[k] for k, d in diffs.items() if d is None]
     parity = {"reference": ref["cell_id"], "tolerance": asdict(tol), "rel_diff": diffs,
               "ok": not off if diffs["loss"] is not None else None}
+    flip = routing_divergence(samples, ref.get("samples") or {})
+    if flip is not None:
+        parity["routing_diverged"] = {**flip, "loss_compared_steps": flip["step"]
+                                      if flip["slots_moved"] <= ROUTING_FLIP_SLOTS else len(worker.get("loss") or [])}
     if off:
         parity["reason"] = f"vs {ref['cell_id']}: " + "; ".join(off)
     elif missing:

@@ -169,7 +169,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
             beat.open_window()
             ranges.window_start(rank)  # the payload says which process of a shared nsys report is which rank
             if moe is not None:
-                moe.restart()
+                moe.window_start()
         x, y = batch(step)
         lr = _lr(cfg, step)
         scale = ctx.scaler.get_scale() if ctx.scaler is not None else 1.0
@@ -188,7 +188,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
             gns_state.take(scale=scale)
             g_big.append(gns.grad_sq_norm(params) if not was_skipped else float("nan"))
     ranges.window_stop()
-    moe_load = moe.summary() if moe is not None else None
+    moe_load = {**moe.summary(), "per_step": moe.per_step()} if moe is not None else None
     marks.mark("measured")
     beat.close_window()
     monitor_result = monitor.stop() if monitor is not None else None

@@ -31,20 +31,24 @@ def test_sizes_span_tiny_to_13b():
         get_size("huge")
 
 
+def counted_flops_per_token(size) -> float:
+    """FlopCounterMode's fwd+bwd FLOPs per token of one seeded step of ``size`` (math SDPA: attention counted)."""
+    torch.manual_seed(0)
+    model = Decoder(size)
+    x = torch.randint(0, size.vocab_size, (2, size.seq_len))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        lm_loss(model(x), x).backward()
+    return counter.get_total_flops() / x.numel()
+
+
 @pytest.mark.parametrize("arch,name,seq", [("gpt2", "tiny", 128), ("gpt2", "mini", 128), ("gpt2", "small", 64),
                                            ("llama3", "tiny", 128), ("llama3", "mini", 256)])
 def test_flops_per_token_matches_flop_counter(arch, name, seq):
     """PaLM 6N + 12LdS within 2% of the counted fwd+bwd FLOPs (math SDPA so attention is counted), for
     gpt2 and for llama3 (GQA's narrower k/v, SwiGLU's three matrices)."""
     size = replace(get_size(name, arch), seq_len=seq)
-    torch.manual_seed(0)
-    model = Decoder(size)
-    x = torch.randint(0, size.vocab_size, (2, seq))
-    counter = FlopCounterMode(display=False)
-    with sdpa_kernel(SDPBackend.MATH), counter:
-        lm_loss(model(x), x).backward()
-    counted = counter.get_total_flops() / x.numel()
-    assert counted == pytest.approx(size.flops_per_token(), rel=0.02)
+    assert counted_flops_per_token(size) == pytest.approx(size.flops_per_token(), rel=0.02)
     # Megatron's causal-halved count is strictly lower by 6*L*d*S.
     assert size.flops_per_token() - size.flops_per_token_megatron() == 6 * size.n_layers * size.d_model * seq
 
