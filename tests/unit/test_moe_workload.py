@@ -222,8 +222,9 @@ def test_a_rounding_flip_of_the_router_limits_the_loss_compared_and_a_real_diver
            "samples": {"moe_load_per_step": ref_loads}}
     flipped = [[[4.0, 4.0]], [[4.0, 4.0]], [[6.0, 2.0]]]  # step 1: one slot moved
     worker = {"loss": [3.0, 2.0001, 1.5], "grad_norm_step1": 1.0}
-    assert routing_divergence({"moe_load_per_step": flipped}, ref["samples"]) == {"step": 1, "slots_moved": 1.0}
+    assert routing_divergence({"moe_load_per_step": flipped}, ref["samples"]) == \
+        {"step": 1, "slots_moved": 1.0, "max_slots_moved_per_layer": 1.0}
     assert parity_diffs(worker, {"moe_load_per_step": flipped}, ref)["loss"] == 0.0  # step 0 only
-    moved = [[[4.0, 4.0]], [[1.0, 7.0]], [[6.0, 2.0]]]  # step 1: four slots moved
+    moved = [[[4.0, 4.0]], [[1.0, 7.0]], [[6.0, 2.0]]]  # step 1: four slots moved in one layer
     assert parity_diffs(worker, {"moe_load_per_step": moved}, ref)["loss"] == pytest.approx(0.5)
     assert routing_divergence({"moe_load_per_step": ref_loads}, ref["samples"]) is None
