@@ -13,9 +13,9 @@ from typing import Any
 import pandas as pd
 
 from harness.report.composition import composition_frame, top_ops_frame
-from harness.report.expert_load import expert_load_frame
 from harness.report.frame import cells_frame, memory_rank_frame
 from harness.report.lever_gains import lever_frame
+from harness.report.load_table import expert_load_frame
 from harness.report.model_attribution import memory_attribution, step_attribution
 from harness.report.model_error import model_frame
 

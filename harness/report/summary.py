@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from harness.report.expert_load import expert_load_section
 from harness.report.frame import TIME_USE, device_title, text
 from harness.report.lever_gains import levers_section
+from harness.report.load_table import expert_load_section
 from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
 from harness.report.run_frames import RunFrames

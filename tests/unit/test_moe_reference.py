@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.records.reader import latest_per_cell, load_records
-from harness.report.expert_load import expert_load_frame, expert_load_section
+from harness.report.load_table import expert_load_frame, expert_load_section
 from workloads.sizes import get_size
 
 REF = Path(__file__).resolve().parents[2] / "results" / "reference" / "moe-cpu-tiny-mini-w2-w4"
