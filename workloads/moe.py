@@ -45,8 +45,8 @@ class Router(nn.Module):
         self.routing = "learned"
         self.bias_rate = spec.bias_rate if spec.balancing == "bias" else 0.0
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x`` (N, d), ``positions`` (N,): the chosen experts (N, k), their weights (N, k) in x's dtype,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """``x`` (N, d), ``positions`` (N,; balanced routing only): the chosen experts (N, k), their weights (N, k) in x's dtype,
         every expert's scores (N, E) in fp32 and the tokens each expert got (E,)."""
         probs = self.score(x).float().softmax(dim=-1)
         if self.routing == "balanced":
@@ -136,7 +136,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         flat = x.reshape(-1, d)
-        positions = positions_of(self.seq_shard, t, x.device).repeat(b)
+        balanced = self.router.routing == "balanced"  # only a round robin needs the positions
+        positions = positions_of(self.seq_shard, t, x.device).repeat(b) if balanced else None
         choice, weights, probs, counts = self.router(flat, positions)
         k, n_experts = self.spec.top_k, self.spec.n_experts
         with self.ranges("dispatch"):
