@@ -13,9 +13,8 @@
   ``(E, d, f)``, each expert laid out as an ``nn.Linear`` weight), so FSDP and expert parallel
   shard them along experts (dim 0). Dropless: every token reaches its k experts at any load.
 * **Dispatch**: tokens are grouped by expert (a stable sort of their choices), each expert runs
-  on its group, the outputs are scaled by the weights and summed back per token. ``dispatcher``
-  (None: every expert here) is where the harness attaches expert parallel's all-to-all; it turns
-  the groups for all E experts into the groups for this rank's experts and back.
+  on its group, the outputs are scaled by the weights and summed back per token. Every expert is
+  on this rank (expert parallel, which would exchange the groups by all-to-all, is not built).
 * Each phase runs inside ``ranges(name)`` (``dispatch``, ``experts``, ``combine``): a no-op here;
   the harness attaches its NVTX ranges, so the workloads import nothing of the harness.
 """
@@ -119,7 +118,6 @@ class MoE(nn.Module):
     """Router, experts and the optional shared expert: a drop-in for a block's MLP, ``(B, T, d) -> (B, T, d)``."""
 
     seq_shard = None
-    dispatcher = None
     even_split = False
     """Split the grouped tokens evenly over the experts instead of by the routed counts: for tensors
     without values (FakeTensorMode, ``harness fit``), whose counts cannot be read on the host. The
@@ -144,17 +142,13 @@ class MoE(nn.Module):
             order = choice.flatten().argsort(stable=True)  # the N k slots, grouped by expert
             token = order // k
             grouped = flat[token]
-            if self.dispatcher is not None:
-                grouped, local_counts = self.dispatcher.dispatch(grouped, counts)
-            elif self.even_split:
+            if self.even_split:
                 local_counts = even_split(grouped.shape[0], n_experts)
             else:
                 local_counts = counts.tolist()
         with self.ranges("experts"):
             y = self.experts(grouped, local_counts)
         with self.ranges("combine"):
-            if self.dispatcher is not None:
-                y = self.dispatcher.combine(y)
             y = y * weights.flatten()[order].unsqueeze(-1)
             out = torch.zeros_like(flat).index_add(0, token, y)
         if self.shared is not None:
