@@ -13,8 +13,10 @@
   ``(E, d, f)``, each expert laid out as an ``nn.Linear`` weight), so FSDP and expert parallel
   shard them along experts (dim 0). Dropless: every token reaches its k experts at any load.
 * **Dispatch**: tokens are grouped by expert (a stable sort of their choices), each expert runs
-  on its group, the outputs are scaled by the weights and summed back per token. Every expert is
-  on this rank (expert parallel, which would exchange the groups by all-to-all, is not built).
+  on its group, the outputs are scaled by the weights and summed back per token. The layer's
+  ``dispatcher`` moves the groups to where their experts are: :class:`LocalDispatch` when every
+  expert is on this rank; expert parallel sets one that exchanges them by all-to-all
+  (:mod:`harness.parallel.ep`), with the experts' weights sharded along dim 0.
 * Each phase runs inside ``ranges(name)`` (``dispatch``, ``experts``, ``combine``): a no-op here;
   the harness attaches its NVTX ranges, so the workloads import nothing of the harness.
 """
@@ -103,7 +105,9 @@ class Experts(nn.Module):
         self.proj = nn.Parameter(torch.empty(n, d_model, d_ff))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs = [F.linear(F.silu(F.linear(xe, self.gate[e])) * F.linear(xe, self.up[e]), self.proj[e])
+        # sharded weights (expert parallel: a DTensor over the experts) compute on this rank's experts
+        gate, up, proj = (w.to_local() if hasattr(w, "to_local") else w for w in (self.gate, self.up, self.proj))
+        outs = [F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), proj[e])
                 for e, xe in enumerate(x.split(counts))]
         return torch.cat(outs) if outs else x[:0]
 
@@ -112,6 +116,19 @@ def even_split(rows: int, parts: int) -> list[int]:
     """``rows`` in ``parts`` sizes differing by at most one, the larger first."""
     q, r = divmod(rows, parts)
     return [q + 1] * r + [q] * (parts - r)
+
+
+class LocalDispatch:
+    """Every expert on this rank: the grouped rows stay where they are."""
+
+    def dispatch(self, grouped: torch.Tensor, counts: torch.Tensor, even: bool) -> tuple[torch.Tensor, list[int], None]:
+        """``grouped`` rows by expert, ``counts`` (E,) per expert: the rows for this rank's experts, how
+        many each expert gets, and what :meth:`combine` needs to send the outputs back."""
+        return grouped, even_split(grouped.shape[0], counts.shape[0]) if even else counts.tolist(), None
+
+    def combine(self, y: torch.Tensor, state: None) -> torch.Tensor:
+        """The experts' outputs back in ``grouped``'s order."""
+        return y
 
 
 class MoE(nn.Module):
@@ -130,6 +147,7 @@ class MoE(nn.Module):
         self.experts = Experts(spec.n_experts, d_model, spec.d_ff)
         self.shared = SwiGLU(d_model, spec.n_shared * spec.d_ff) if spec.n_shared else None
         self.ranges = lambda name: contextlib.nullcontext()
+        self.dispatcher = LocalDispatch()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -141,15 +159,11 @@ class MoE(nn.Module):
         with self.ranges("dispatch"):
             order = choice.flatten().argsort(stable=True)  # the N k slots, grouped by expert
             token = order // k
-            grouped = flat[token]
-            if self.even_split:
-                local_counts = even_split(grouped.shape[0], n_experts)
-            else:
-                local_counts = counts.tolist()
+            rows, local_counts, state = self.dispatcher.dispatch(flat[token], counts, self.even_split)
         with self.ranges("experts"):
-            y = self.experts(grouped, local_counts)
+            y = self.experts(rows, local_counts)
         with self.ranges("combine"):
-            y = y * weights.flatten()[order].unsqueeze(-1)
+            y = self.dispatcher.combine(y, state) * weights.flatten()[order].unsqueeze(-1)
             out = torch.zeros_like(flat).index_add(0, token, y)
         if self.shared is not None:
             out = out + self.shared(flat)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.model.inventory import coords, fsdp_local_numel, rank_params, stages_of_rank, tp_local_shape
+from harness.model.inventory import coords, held_numel, rank_params, stages_of_rank
 from harness.model.shape import CellShape
 
 
@@ -64,8 +64,7 @@ def rank_roles(c: CellShape) -> list[Role]:
     for k in coords(dims):
         kind = _stage_kind(k.pp, dims.pp, c.virtual)
         specs = rank_params(c.size, dims, c.virtual, k.pp)
-        held = tuple(fsdp_local_numel(tp_local_shape(p, dims.tp), shard, k.dp_shard if shard > 1 else 0)
-                     for p in specs)
+        held = tuple(held_numel(p, dims, shard > 1, k) for p in specs)
         groups.setdefault((kind, held), []).append(k)
     roles = []
     for (kind, _), ks in groups.items():

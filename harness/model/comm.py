@@ -29,6 +29,13 @@ what each strategy's code does, so the prediction can be held to equality in a t
   rank's k and v together (output: ``2 x rows x seq x kv_dim / tp`` in the compute dtype), again when
   the attention is recomputed (``ac`` selective or full), and one reduce-scatter of their gradients
   (input the same size); FSDP then shards over ``dp_shard x cp``.
+* **Expert parallel** (:mod:`harness.parallel.ep`): per MoE layer and micro-step, forward exchanges
+  the per-expert counts (``E`` int64s), sends the ``N k`` routed rows out and receives as many
+  back after the experts (``d`` wide, in the residual stream's dtype); backward the same two the
+  other way; full AC recomputes the forward's three. The rows a rank receives depend on the routing:
+  :func:`ep_bytes` counts them for a given routing, the prediction assumes every rank receives as
+  many as it sends (exact under balanced routing). The experts' FSDP group is sharded over
+  ``efsdp``, and its collectives run over it alone.
 """
 
 from __future__ import annotations
@@ -41,7 +48,9 @@ from harness.model.inventory import (
     RankCoord,
     coords,
     fsdp_padded_numel,
+    fsdp_ways,
     group_of,
+    held_shape,
     n_stages,
     rank_layers,
     rank_params,
@@ -66,7 +75,8 @@ class Call:
     group: int
     """Ranks taking part (the size the bus-bandwidth factor and calibration are looked up for)."""
     dim: str
-    """Mesh dimension it runs over: ``dp``, ``tp``, ``pp``, ``cp``, or ``world`` (every rank: the MoE load)."""
+    """Mesh dimension it runs over: ``dp``, ``tp``, ``pp``, ``cp``, ``ep`` (the all-to-alls of expert parallel),
+    ``efsdp`` (FSDP of the experts under expert parallel) or ``world`` (every rank: the MoE load)."""
     overlappable: bool
     """Whether the strategy can hide it behind compute (DDP buckets, FSDP prefetch, async p2p)."""
 
@@ -155,25 +165,29 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _fsdp_calls(c: CellShape, specs: list[ParamSpec], coord: RankCoord) -> list[Call]:
-    dims, shard = c.dims, c.dims.fsdp_shards
+    dims = c.dims
     stages = n_stages(dims, c.virtual)
     groups: dict[tuple[int, str], list[ParamSpec]] = defaultdict(list)
     for p in specs:
-        groups[(stage_of(p, stages, c.size.n_layers), group_of(p))].append(p)
+        groups[(stage_of(p, stages, c.size.n_layers), group_of(p, dims))].append(p)
     if dims.pp_enabled:
         actions = stage_actions(c.pp_schedule, dims.pp, c.virtual, c.microbatches, coord.pp)
     else:
         actions = {0: ["F", "B"] * c.grad_accum}
     calls = []
     for (stage, name), members in groups.items():
-        padded = sum(fsdp_padded_numel(tp_local_shape(p, dims.tp), shard) for p in members)
+        shard = fsdp_ways(members[0], dims)
+        if shard == 1 and dims.ep_enabled:  # experts on a 1-rank FSDP mesh: FSDP2 skips the collectives
+            continue
+        padded = sum(fsdp_padded_numel(held_shape(p, dims), shard) for p in members)
         reshard = c.reshard_after_forward and name != "root"
         if dims.pp_enabled:
             n_gather = _gathers(actions[stage], reshard)
         else:  # each micro-step gathers for forward, again for backward if resharded; reshards after backward
             n_gather = c.grad_accum * (2 if reshard else 1)
-        calls += [Call("all_gather", padded * c.param_bytes, shard, "dp", True)] * n_gather
-        calls.append(Call("reduce_scatter", padded * FP32, shard, "dp", True))
+        dim = "efsdp" if name.endswith(".experts") else "dp"
+        calls += [Call("all_gather", padded * c.param_bytes, shard, dim, True)] * n_gather
+        calls.append(Call("reduce_scatter", padded * FP32, shard, dim, True))
         if dims.dp_replicate > 1:
             calls.append(Call("all_reduce", padded // shard * FP32, dims.dp_replicate, "dp", True))
     return calls
@@ -242,6 +256,27 @@ def _cp_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
     return per_layer * c.size.n_layers * passes
 
 
+def ep_bytes(c: CellShape, sent_rows: int, received_rows: int, passes: int = 1) -> int:
+    """All-to-all bytes of one rank's MoE layers over ``passes`` micro-steps that sent ``sent_rows`` and
+    received ``received_rows`` routed rows in all (every layer, every micro-step, forward only)."""
+    forwards = 2 if c.recompute == "full" else 1
+    counts = forwards * 8 * c.size.moe.n_experts * c.size.n_layers * passes
+    return counts + (forwards + 1) * (sent_rows + received_rows) * c.size.d_model * c.residual_bytes
+
+
+def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
+    """Expert parallel's all-to-alls for ``passes`` forward+backward passes of ``rows`` sequences each,
+    each rank receiving as many rows as it sends (see the module docstring)."""
+    moe = c.size.moe
+    routed = rows * c.local_seq * moe.top_k
+    rows_bytes = routed * c.size.d_model * c.residual_bytes
+    forward = [Call("all_to_all", 8 * moe.n_experts, c.dims.ep, "ep", False)] + \
+        [Call("all_to_all", rows_bytes, c.dims.ep, "ep", False)] * 2
+    backward = [Call("all_to_all", rows_bytes, c.dims.ep, "ep", False)] * 2
+    per_layer = forward * (2 if c.recompute == "full" else 1) + backward
+    return per_layer * c.size.n_layers * passes
+
+
 def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
     """Every collective ``coord``'s rank issues in one optimizer step."""
     specs = rank_params(c.size, c.dims, c.virtual, coord.pp)
@@ -259,6 +294,8 @@ def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
         calls += _pp_calls(c, coord)
     if c.dims.cp_enabled:  # refused with a pipeline (harness.parallel.presets.check_cp)
         calls += _cp_calls(c, c.grad_accum, c.local_batch // c.grad_accum)
+    if c.dims.ep_enabled:  # refused with a pipeline (harness.parallel.presets.check_ep)
+        calls += _ep_calls(c, c.grad_accum, c.local_batch // c.grad_accum)
     if c.size.moe is not None and c.dims.world_size > 1:
         # the experts' load, summed over every rank once per step (harness.parallel.expert_load): L x E fp32
         calls.append(Call("all_reduce", 4 * c.size.n_layers * c.size.moe.n_experts, c.dims.world_size, "world", False))

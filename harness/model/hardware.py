@@ -149,12 +149,15 @@ def placement(dims: ParallelDims, gpus_per_node: int) -> dict[str, GroupPlacemen
     """Per mesh dimension, the groups' size and members per node (ranks fill nodes in order).
 
     ``pp_p2p`` is the pair of neighbouring stages a pipeline send/recv runs between (group 2);
-    ``world`` every rank (an MoE's load all-reduce, :mod:`harness.parallel.expert_load`).
+    ``world`` every rank (an MoE's load all-reduce, :mod:`harness.parallel.expert_load`); ``ep`` and
+    ``efsdp`` split dp_shard, ep inner (:data:`harness.parallel.dims.EP_MESH_ORDER`).
     """
     tp, cp = dims.tp, dims.cp
     strides = {"tp": 1, "cp": tp, "dp_shard_cp": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * dims.dp_shard,
-               "pp": tp * cp * dims.dp_shard * dims.dp_replicate, "world": 1}
-    sizes = {**dims.degrees(), "cp": cp, "dp_shard_cp": dims.fsdp_shards, "world": dims.world_size}
+               "pp": tp * cp * dims.dp_shard * dims.dp_replicate, "world": 1, "ep": tp * cp,
+               "efsdp": tp * cp * dims.ep}
+    sizes = {**dims.degrees(), "cp": cp, "dp_shard_cp": dims.fsdp_shards, "world": dims.world_size, "ep": dims.ep,
+             "efsdp": dims.efsdp}
     out = {}
     for dim, stride in strides.items():
         n = sizes[dim]

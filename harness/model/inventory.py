@@ -12,6 +12,9 @@ at 1,024 ranks as fast as for ``tiny``. What a rank holds follows the code that 
 * FSDP2 ``fully_shard`` (dim 0 of the tp-local tensor, ``torch.chunk`` over ``dp_shard``): rank
   ``i`` holds chunk ``i``; collectives move the padded size (``ceil(dim0 / n)`` rows per rank).
   Each block is one FSDP group, everything else on a stage (embeddings, norm, head) the root group.
+* expert parallel (:mod:`harness.parallel.ep`): each MoE layer's stacked experts split along dim 0
+  over ``ep``, then FSDP-sharded over ``efsdp`` only, in an FSDP group of their own (an ``efsdp`` of 1
+  issues no collective: FSDP2 skips them on a 1-rank mesh).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class ParamSpec:
     """Block index, or None for the embeddings (stage 0) and final norm / head (last stage)."""
     tp: str
     """``col`` (dim 0 sharded), ``row`` (dim 1 sharded) or ``replicate`` under tensor parallel."""
+    expert: bool = False
+    """An MoE layer's stacked experts (dim 0 the expert): split over ep under expert parallel."""
 
     @property
     def first_stage(self) -> bool:
@@ -83,9 +88,9 @@ def moe_specs(size: ModelSize, name: str, layer: int) -> list[ParamSpec]:
     expert, which FSDP shards), the shared expert. Under tensor parallel the router is replicated."""
     m, d = size.moe, size.d_model
     out = [ParamSpec(f"{name}.router.score.weight", (m.n_experts, d), layer, REPLICATE),
-           ParamSpec(f"{name}.experts.gate", (m.n_experts, m.d_ff, d), layer, REPLICATE),
-           ParamSpec(f"{name}.experts.up", (m.n_experts, m.d_ff, d), layer, REPLICATE),
-           ParamSpec(f"{name}.experts.proj", (m.n_experts, d, m.d_ff), layer, REPLICATE)]
+           ParamSpec(f"{name}.experts.gate", (m.n_experts, m.d_ff, d), layer, REPLICATE, expert=True),
+           ParamSpec(f"{name}.experts.up", (m.n_experts, m.d_ff, d), layer, REPLICATE, expert=True),
+           ParamSpec(f"{name}.experts.proj", (m.n_experts, d, m.d_ff), layer, REPLICATE, expert=True)]
     if m.n_shared:
         w = m.n_shared * m.d_ff
         out += [ParamSpec(f"{name}.shared.gate.weight", (w, d), layer, COL),
@@ -101,6 +106,30 @@ def tp_local_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:
     if spec.tp == COL:
         return (math.ceil(spec.shape[0] / tp),) + spec.shape[1:]
     return (spec.shape[0], math.ceil(spec.shape[1] / tp))
+
+
+def _ep_split(spec: ParamSpec, dims: ParallelDims) -> bool:
+    return spec.expert and dims.ep_enabled
+
+
+def held_shape(spec: ParamSpec, dims: ParallelDims) -> tuple[int, ...]:
+    """What one rank holds before FSDP: the tp-local shape, an expert tensor's ``E / ep`` experts under ep."""
+    if _ep_split(spec, dims):
+        return (spec.shape[0] // dims.ep,) + spec.shape[1:]
+    return tp_local_shape(spec, dims.tp)
+
+
+def fsdp_ways(spec: ParamSpec, dims: ParallelDims) -> int:
+    """Ranks FSDP shards ``spec`` over: dp_shard x cp, or efsdp for experts under expert parallel."""
+    return dims.efsdp if _ep_split(spec, dims) else dims.fsdp_shards
+
+
+def held_numel(spec: ParamSpec, dims: ParallelDims, fsdp: bool, coord: RankCoord) -> int:
+    """Elements of ``spec`` the rank at ``coord`` holds (FSDP chunk included when ``fsdp``)."""
+    if not fsdp:
+        return math.prod(held_shape(spec, dims))
+    index = coord.dp_shard // dims.ep if _ep_split(spec, dims) else coord.dp_shard
+    return fsdp_local_numel(held_shape(spec, dims), fsdp_ways(spec, dims), index)
 
 
 def _rest(shape: tuple[int, ...]) -> int:
@@ -143,8 +172,11 @@ def rank_layers(n_layers: int, pp: int, virtual: int, pp_rank: int) -> int:
     return sum(1 for s in _layer_owner(n_layers, pp * virtual) if s in mine)
 
 
-def group_of(spec: ParamSpec) -> str:
-    """FSDP group: one per block, the rest of a stage in the root group."""
+def group_of(spec: ParamSpec, dims: ParallelDims | None = None) -> str:
+    """FSDP group: one per block, the rest of a stage in the root group; under expert parallel
+    (``dims``) each block's experts their own group."""
+    if dims is not None and _ep_split(spec, dims):
+        return f"block{spec.layer}.experts"
     return f"block{spec.layer}" if spec.layer is not None else "root"
 
 

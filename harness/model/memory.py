@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 from harness.model.inventory import (
     coords,
-    fsdp_local_numel,
     fsdp_padded_numel,
+    fsdp_ways,
+    held_numel,
+    held_shape,
     rank_layers,
     rank_params,
-    tp_local_shape,
 )
 from harness.model.shape import CellShape
 
@@ -68,7 +69,7 @@ def state_bytes_by_rank(c: CellShape) -> list[StateBytes]:
         key = (k.pp, k.dp_shard if shard > 1 else 0)
         if key not in priced:
             specs = rank_params(c.size, c.dims, c.virtual, k.pp)
-            numel = sum(fsdp_local_numel(tp_local_shape(p, c.dims.tp), shard, k.dp_shard) for p in specs)
+            numel = sum(held_numel(p, c.dims, c.fsdp, k) for p in specs)
             priced[key] = StateBytes(params=4 * numel, grads=4 * numel,
                                      optimizer=ADAM_STATE_BYTES * numel + ADAM_STEP_BYTES * len(specs))
         out.append(priced[key])
@@ -199,7 +200,7 @@ def transient_param_bytes(c: CellShape) -> int:
     per_block = {}
     root = 0
     for p in specs:
-        n = fsdp_padded_numel(tp_local_shape(p, c.dims.tp), c.dims.fsdp_shards) * c.param_bytes
+        n = fsdp_padded_numel(held_shape(p, c.dims), fsdp_ways(p, c.dims)) * c.param_bytes
         if p.layer is None:
             root += n
         else:

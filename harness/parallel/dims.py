@@ -15,6 +15,9 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FSDP_SHARD_DIM = "dp_shard_cp"
 """The flattened (dp_shard, cp) mesh dimension FSDP shards over: CP ranks hold different tokens of the
 same sequences, so their gradients are summed like data-parallel ones (torchtitan's ``dp_shard_cp``)."""
+EP_MESH_ORDER = ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
+"""Under expert parallel dp_shard is built as two dimensions, ``efsdp`` (outer) x ``ep`` (inner, adjacent
+ranks: the all-to-all is the busiest exchange), flattened back to ``dp_shard`` for every other layer."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class ParallelDims:
     world_size: int = 1
     sequence_parallel: bool = False
     """Shard LayerNorm/residual activations along the sequence under tp (Korthikanti et al. 2022)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts split over ``ep`` ranks borrowed from dp_shard
+    (Megatron's EP within DP; ``dp_shard = efsdp x ep``), the experts FSDP-sharded over the remaining
+    ``efsdp``. Tokens reach their experts by all-to-all (:mod:`harness.parallel.ep`)."""
     _mesh: object = field(default=None, compare=False, repr=False)
     _fsdp_mesh: object = field(default=None, compare=False, repr=False)
 
@@ -48,6 +55,12 @@ class ParallelDims:
                 f"x pp ({self.pp}){cp} = {prod} must equal the world size ({self.world_size}); "
                 f"change the degrees or --gpus"
             )
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise UsageError(f"ep must be a positive integer, got {self.ep!r}")
+        if self.dp_shard % self.ep:
+            raise UsageError(f"ep ({self.ep}) must divide dp_shard ({self.dp_shard}): expert-parallel ranks are "
+                             f"borrowed from the FSDP shards (dp_shard = efsdp x ep); choose ep in "
+                             f"{{{', '.join(str(e) for e in range(1, self.dp_shard + 1) if self.dp_shard % e == 0)}}}")
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence parallel needs tp > 1, got tp=1; use strategy tp-sp with --gpus >= 2")
 
@@ -81,6 +94,15 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks each expert-parallel shard of the experts is FSDP-sharded over: dp_shard / ep."""
+        return self.dp_shard // self.ep
+
+    @property
     def fsdp_shards(self) -> int:
         """Ranks FSDP shards parameters over: dp_shard x cp."""
         return self.dp_shard * self.cp
@@ -91,16 +113,23 @@ class ParallelDims:
         return self.cp * (self.tp if self.sequence_parallel else 1)
 
     def degrees(self) -> dict[str, int]:
-        """The degrees by name; ``cp`` only when it is used, so layouts without it keep their records."""
-        return {k: v for k, v in asdict(self).items() if k in MESH_ORDER and (k != "cp" or v > 1)}
+        """The degrees by name; ``cp`` and ``ep`` only when used, so layouts without them keep their records."""
+        return {k: v for k, v in asdict(self).items()
+                if (k in MESH_ORDER and k != "cp") or (k in ("cp", "ep") and v > 1)}
 
     def build_mesh(self, device_type: str):
         """Build the device mesh over all dimensions (size-1 ones included, so names always resolve)."""
-        shape = tuple(getattr(self, n) for n in MESH_ORDER)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+        if self.ep_enabled:
+            sizes = {**{n: getattr(self, n) for n in MESH_ORDER}, "efsdp": self.efsdp, "ep": self.ep}
+            mesh = init_device_mesh(device_type, tuple(sizes[n] for n in EP_MESH_ORDER), mesh_dim_names=EP_MESH_ORDER)
+            mesh["efsdp", "ep"]._flatten("dp_shard")
+            fsdp_mesh = mesh["efsdp", "ep", "cp"]._flatten(FSDP_SHARD_DIM)
+        else:
+            mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in MESH_ORDER), mesh_dim_names=MESH_ORDER)
+            fsdp_mesh = mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_DIM)
         object.__setattr__(self, "_mesh", mesh)
         # kept, not sliced from the root again (torch deprecates slicing a flattened dimension)
-        object.__setattr__(self, "_fsdp_mesh", mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_DIM))
+        object.__setattr__(self, "_fsdp_mesh", fsdp_mesh)
         return mesh
 
     def mesh(self, *names: str):

@@ -6,12 +6,14 @@ Order, and why:
    must exist before their parameters are sharded.
 2. **Tensor parallel** next: it replaces parameters by DTensors on the tp mesh; FSDP must see
    those DTensors to shard the remaining dimension (2-D FSDP x TP). **Context parallel** attaches
-   each rank's sequence shard to the attentions and embeddings (no parameter changes).
+   each rank's sequence shard to the attentions and embeddings (no parameter changes). **Expert
+   parallel** shards the experts (DTensors on the ep mesh) and sets the all-to-all dispatcher.
 3. **Activation checkpointing, then ``torch.compile``** (:mod:`harness.parallel.levers`), per
    block, wrapping the TP'd blocks and before FSDP hooks are installed, so the per-block FSDP
    unshard stays outside the checkpointed, compiled region.
 4. **FSDP / HSDP / DDP last**: they wrap what the model has become, and their hooks must see
-   the final forward. FSDP shards over ``dp_shard x cp`` (the CP ranks' gradients are summed).
+   the final forward. FSDP shards over ``dp_shard x cp`` (the CP ranks' gradients are summed); under
+   expert parallel the experts first, over ``efsdp`` (:func:`harness.parallel.ep.shard_experts`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from harness.parallel.cp import apply_cp
 from harness.parallel.data_parallel import apply_ddp, apply_fsdp
 from harness.parallel.dims import FSDP_SHARD_DIM
+from harness.parallel.ep import apply_ep, shard_experts
 from harness.parallel.levers import apply_ac, apply_compile
 from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module, stage_ids
 from harness.parallel.presets import Layout, stages_per_rank
@@ -75,6 +78,9 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
     if dims.cp_enabled:
         for part in parts.values():
             apply_cp(part, dims.mesh("cp"))
+    if dims.ep_enabled:
+        for part in parts.values():
+            apply_ep(part, dims.mesh("ep"))
     # 3. activation checkpointing, then compile
     for part in parts.values():
         apply_ac(part, ac)
@@ -86,6 +92,9 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
     if layout.fsdp:
         dp_mesh = dims.mesh("dp_replicate", "dp_shard") if dp == "hsdp" else dims.mesh(FSDP_SHARD_DIM)
         for part in parts.values():
+            if dims.ep_enabled:
+                shard_experts(part, dims.mesh("efsdp"), dims.dp_shard, layout.reshard_after_forward,
+                              precision.fsdp_policy())
             apply_fsdp(part, dp_mesh, layout.reshard_after_forward, precision.fsdp_policy())
     elif dp == "ddp":
         wrapped = apply_ddp(parts[0], dims.mesh("dp_replicate"), device_kind, ddp_comm_hook, ddp_comm_state)

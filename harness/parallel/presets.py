@@ -15,8 +15,8 @@ from harness.precision import check_strategy
 from workloads.sizes import ModelSize
 
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp",
-              "fsdp+cp", "fsdp+tp+cp")
-DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+              "fsdp+cp", "fsdp+tp+cp", "fsdp+ep")
+DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
@@ -53,6 +53,7 @@ OPTIONS = {
     "pp+fsdp+tp": StrategyOptions("fsdp"),
     "fsdp+cp": StrategyOptions("fsdp"),
     "fsdp+tp+cp": StrategyOptions("fsdp"),
+    "fsdp+ep": StrategyOptions("fsdp"),
 }
 
 
@@ -72,12 +73,14 @@ def degrees_for(strategy: str, world: int) -> ParallelDims:
         raise UsageError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if strategy == "single":
         return ParallelDims(world_size=1)
-    if strategy in ("ddp", "fsdp", "zero2", "tp", "tp-sp", "pp"):
+    if strategy in ("ddp", "fsdp", "zero2", "tp", "tp-sp", "pp", "fsdp+ep"):
         _need(strategy, world, 2, 1, "one dimension over all devices")
     if strategy == "ddp":
         return ParallelDims(dp_replicate=world, world_size=world)
     if strategy in ("fsdp", "zero2"):
         return ParallelDims(dp_shard=world, world_size=world)
+    if strategy == "fsdp+ep":  # every shard an expert-parallel rank (efsdp 1); --degrees ep=N for fewer
+        return ParallelDims(dp_shard=world, ep=world, world_size=world)
     if strategy in ("tp", "tp-sp"):
         return ParallelDims(tp=world, world_size=world, sequence_parallel=strategy == "tp-sp")
     if strategy == "pp":
@@ -150,21 +153,41 @@ def resolve(strategy: str, world: int, override: dict | None = None) -> Layout:
                              f"({getattr(dims, name)}): its replicas would diverge; set {name}=1 or pick a strategy "
                              f"that uses it ({'ddp/hsdp' if name == 'dp_replicate' else 'fsdp/zero2/hsdp'})")
     check_cp(strategy, dims)
+    check_ep(strategy, dims)
     return Layout(strategy, dims)
 
 
 CP_PRESETS = {"fsdp+cp": 1, "fsdp+tp+cp": 2}
 """The context-parallel presets and the tp degree each holds fixed."""
+EP_PRESETS = ("fsdp+ep",)
 
 
-def cp_variants(strategy: str, world: int) -> list[dict[str, int]]:
+def cp_variants(strategy: str, world: int, n_experts: int | None = None) -> list[dict[str, int]]:
     """Degrees of every cp that divides what a context-parallel preset leaves after tp (FSDP over the rest),
-    so ``plan`` and ``fit`` rank cp 2, 4, ... of one preset against each other; [] for other strategies."""
+    or of every ep > 1 that divides the shards and ``n_experts`` for an expert-parallel preset, so ``plan``
+    and ``fit`` rank cp (ep) 2, 4, ... of one preset against each other; [] for other strategies."""
+    if strategy in EP_PRESETS:
+        return [{"dp_shard": world, "ep": ep} for ep in range(2, world + 1)
+                if world % ep == 0 and (n_experts is None or n_experts % ep == 0)]
     tp = CP_PRESETS.get(strategy)
     if tp is None or world % tp:
         return []
     rest = world // tp
     return [{"dp_shard": rest // cp, "cp": cp, "tp": tp} for cp in range(2, rest + 1) if rest % cp == 0]
+
+
+def check_ep(strategy: str, dims: ParallelDims) -> None:
+    """Expert parallel borrows FSDP's shards: it needs an FSDP strategy, and no pipeline, tp or cp beside it."""
+    if not dims.ep_enabled:
+        return
+    if OPTIONS[strategy].data_parallel != "fsdp":
+        raise UsageError(f"ep ({dims.ep}) needs an FSDP strategy, whose shards it borrows (dp_shard = efsdp x ep); "
+                         f"strategy {strategy} does not shard: use fsdp+ep")
+    others = {n: getattr(dims, n) for n in ("pp", "tp", "cp") if getattr(dims, n) > 1}
+    if others:
+        named = ", ".join(f"{n} ({v})" for n, v in others.items())
+        raise UsageError(f"ep ({dims.ep}) with {named} is not supported: expert parallel is built beside FSDP only; "
+                         f"set {' and '.join(f'{n}=1' for n in others)}, or ep=1")
 
 
 def check_cp(strategy: str, dims: ParallelDims) -> None:
@@ -216,10 +239,18 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
 
 
 def check_moe(dims: ParallelDims, size: ModelSize) -> None:
-    """An MoE's stacked experts have no tensor-parallel plan yet: tp is refused for the moe family."""
+    """An MoE's stacked experts have no tensor-parallel plan yet: tp is refused for the moe family. Expert
+    parallel needs experts to split, ``ep`` of them on each rank."""
+    if dims.ep_enabled:
+        if size.moe is None:
+            raise UsageError(f"ep ({dims.ep}) needs a mixture of experts: use --arch moe, or ep=1")
+        if size.moe.n_experts % dims.ep:
+            n = size.moe.n_experts
+            raise UsageError(f"ep ({dims.ep}) must divide the experts ({n}) of {size.name}: each expert-parallel "
+                             f"rank holds n_experts / ep of them; choose ep in {{{_divisors(n)}}}")
     if size.moe is not None and dims.tp_enabled:
         raise UsageError(f"tp ({dims.tp}) with --arch moe is not supported yet: the stacked experts have no "
-                         f"tensor-parallel plan; use single, ddp, fsdp, zero2, hsdp, pp or fsdp+cp")
+                         f"tensor-parallel plan; use single, ddp, fsdp, zero2, hsdp, pp, fsdp+cp or fsdp+ep")
 
 
 def check_batch_split(dims: ParallelDims, global_batch: int, microbatches: int, grad_accum: int) -> None:
