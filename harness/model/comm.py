@@ -256,11 +256,11 @@ def _cp_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
     return per_layer * c.size.n_layers * passes
 
 
-def ep_bytes(c: CellShape, sent_rows: int, received_rows: int, passes: int = 1) -> int:
-    """All-to-all bytes of one rank's MoE layers over ``passes`` micro-steps that sent ``sent_rows`` and
-    received ``received_rows`` routed rows in all (every layer, every micro-step, forward only)."""
+def ep_bytes(c: CellShape, sent_rows: int, received_rows: int) -> int:
+    """All-to-all bytes of one rank's optimizer step whose MoE layers sent ``sent_rows`` and received
+    ``received_rows`` routed rows in all (every layer and micro-step, the forward counted once)."""
     forwards = 2 if c.recompute == "full" else 1
-    counts = forwards * 8 * c.size.moe.n_experts * c.size.n_layers * passes
+    counts = forwards * 8 * c.size.moe.n_experts * c.size.n_layers * c.grad_accum
     return counts + (forwards + 1) * (sent_rows + received_rows) * c.size.d_model * c.residual_bytes
 
 

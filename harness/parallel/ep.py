@@ -19,7 +19,8 @@ over ``efsdp`` only (:func:`shard_experts`). An expert's gradient sums the token
 
 Every exchange, forward and backward, runs under ``comm_label("ep")``, so the comm counter files the
 all-to-alls apart.
-The dispatcher also counts the rows it routed and how many left this rank, for the record.
+The dispatcher also counts the rows it routed, how many left this rank and how many it received, for
+the record (:meth:`harness.parallel.expert_load.ExpertLoad.ep_rows`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class AllToAllDispatch:
         """Rows (token x expert slots) this rank routed since :meth:`take_counts`."""
         self.left = 0
         """Of those, the rows sent to another rank's experts."""
+        self.received = 0
+        """Rows this rank's experts received (its own included)."""
 
     def _received(self, grouped: torch.Tensor, counts: torch.Tensor, even: bool) -> tuple[list[int], list[list[int]]]:
         """Rows sent to each peer, and ``recv[r][j]``: rows from peer r for local expert j."""
@@ -84,6 +87,7 @@ class AllToAllDispatch:
         rows = _AllToAll.apply(grouped, from_peer, send, self.group)
         self.routed += grouped.shape[0]
         self.left += grouped.shape[0] - send[self.rank]
+        self.received += sum(from_peer)
         # received by (peer, local expert); the experts want them by (local expert, peer)
         chunks = rows.split([n for row in recv for n in row])
         by_expert = [chunks[r * self.n_local + j] for j in range(self.n_local) for r in range(self.ep)]
@@ -96,10 +100,10 @@ class AllToAllDispatch:
         by_peer = torch.cat([chunks[j * self.ep + r] for r in range(self.ep) for j in range(self.n_local)])
         return _AllToAll.apply(by_peer, send, from_peer, self.group)
 
-    def take_counts(self) -> tuple[int, int]:
-        """``(routed, left)`` since the last call; both restart."""
-        out = (self.routed, self.left)
-        self.routed = self.left = 0
+    def take_counts(self) -> tuple[int, int, int]:
+        """``(routed, left, received)`` since the last call; all restart."""
+        out = (self.routed, self.left, self.received)
+        self.routed = self.left = self.received = 0
         return out
 
 
@@ -120,9 +124,10 @@ def apply_ep(part: nn.Module, ep_mesh) -> None:
 def shard_experts(part: nn.Module, efsdp_mesh, dp_ranks: int, reshard_after_forward: bool, mp_policy) -> None:
     """FSDP over ``efsdp`` for the expert-parallel experts (before their blocks are sharded, so the blocks'
     FSDP leaves them out); their gradients divided by all ``dp_ranks`` (efsdp x ep), the data-parallel mean."""
-    gloo = dist.get_backend(efsdp_mesh.get_group()) == "gloo"
+    # a factor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: there, divide then sum
+    # (not on a 1-rank group, which reduces nothing and divides by the factor itself)
+    force_sum = dist.get_backend(efsdp_mesh.get_group()) == "gloo" and efsdp_mesh.size() > 1
     for layer in _moe_layers(part):
         fully_shard(layer.experts, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
         layer.experts.set_gradient_divide_factor(float(dp_ranks))
-        if gloo:  # a factor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: divide, then sum
-            layer.experts.set_force_sum_reduction_for_comms(True)
+        layer.experts.set_force_sum_reduction_for_comms(force_sum)

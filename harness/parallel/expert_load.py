@@ -8,7 +8,8 @@ data- and context-parallel ranks see different tokens (their counts add up to th
 pipeline stage's ranks hold only their layers (the others add zeros). Under full activation
 checkpointing each block's forward runs twice per micro-batch (the recompute routes the same tokens
 alike), so the counts are halved. The sum is kept per step for the record: tokens per expert, and
-how far the busiest expert is above the mean.
+how far the busiest expert is above the mean. Under expert parallel each step also keeps this rank's
+routed, sent-away and received rows (:meth:`ExpertLoad.ep_rows`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class ExpertLoad:
         """Every step's load, warmup included (the loss curve's steps, which parity compares)."""
         self.first = 0
         """The first measured step: the summary covers the measured window."""
+        self.dispatchers = [layer.dispatcher for _, layer in self.layers if hasattr(layer.dispatcher, "take_counts")]
+        self.ep_steps: list[tuple[float, float, float]] = []
+        """Expert parallel: every step's rows this rank routed, sent away and received (all its layers)."""
         for _, layer in self.layers:
             layer.router.routing = routing
             if ranges is not None:
@@ -67,6 +71,17 @@ class ExpertLoad:
         for i, layer in self.layers:
             layer.router.update_bias(load[i])
         self.steps.append(load)
+        if self.dispatchers:
+            counts = [d.take_counts() for d in self.dispatchers]
+            self.ep_steps.append(tuple(sum(c[j] for c in counts) / self.passes for j in range(3)))
+
+    def ep_rows(self) -> dict[str, list[float]] | None:
+        """Expert parallel only: this rank's routed rows per step (every layer's token x slot rows, forward
+        once), the rows among them sent to another rank, and the rows its experts received."""
+        if not self.dispatchers:
+            return None
+        routed, left, received = (list(x) for x in zip(*self.ep_steps)) if self.ep_steps else ([], [], [])
+        return {"routed": routed, "left": left, "received": received}
 
     def window_start(self) -> None:
         """The measured window starts at the next step: the summary covers it."""

@@ -115,7 +115,11 @@ class MoeMetrics(TypedDict, total=False):
     (per step, layers x experts, over the global batch), ``imbalance_max_over_mean`` (busiest expert
     over the mean; mean and ``_worst`` over layers and steps), and ``tflops_per_device_total_params`` /
     ``mfu_total_params_pct``: the same step counted on every parameter as if active, which overstates
-    an MoE's FLOPs (``tflops_per_device`` and ``mfu_pct`` count the active ones)."""
+    an MoE's FLOPs (``tflops_per_device`` and ``mfu_pct`` count the active ones). Under expert parallel,
+    ``ep``: ``tokens_left_rank_share`` (routed rows sent to another rank's experts over all routed rows,
+    measured steps, every rank) and ``counted_step_rows_sent_by_rank`` / ``..._received_by_rank`` (the
+    rows of the step the comm counter counted, from which :func:`harness.model.comm.ep_bytes` gives its
+    all-to-all bytes)."""
 
 
 class WorkerMetrics(TimingMetrics, ThroughputMetrics, MfuMetrics, MemoryMetrics, CommMetrics, LossMetrics,

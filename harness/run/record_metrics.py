@@ -204,7 +204,22 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
                "phase_marks": phase_marks}
     if per_step is not None:
         samples["moe_load_per_step"] = per_step
+    ep_rows = [g.get("moe_ep_rows") for g in gathered]
+    if ep_rows[0] is not None:
+        m["moe"]["ep"] = _ep_metrics(ep_rows, cfg.warmup)
+        samples["moe_ep_rows_per_step_by_rank"] = ep_rows
     return m, samples
+
+
+def _ep_metrics(by_rank: list[dict[str, list[float]]], warmup: int) -> dict[str, Any]:
+    """Expert parallel: the share of routed rows that left their rank over the measured steps (every rank),
+    and each rank's rows on the step the comm counter counted (the last one), which fix its all-to-all bytes."""
+    measured = slice(warmup, -1)
+    routed = sum(sum(r["routed"][measured]) for r in by_rank)
+    left = sum(sum(r["left"][measured]) for r in by_rank)
+    return {"tokens_left_rank_share": left / routed if routed else None,
+            "counted_step_rows_sent_by_rank": [r["routed"][-1] for r in by_rank],
+            "counted_step_rows_received_by_rank": [r["received"][-1] for r in by_rank]}
 
 
 def parity_key(cfg: dict) -> tuple:

@@ -202,6 +202,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
         train.train_step(ctx, *batch(total), _lr(cfg, total))
     comm = counter.per_step(1)
     comm_cp = counter.per_step_labelled(CP_LABEL, 1)
+    ep_rows = moe.ep_rows() if moe is not None else None  # its last step is the counted one
     state_bytes = model_state_bytes(par.parts, optimizer)
     mem = peak_memory(cfg.device_kind)
     if cfg.device_kind == "cpu":  # RSS cannot tell a shard from the whole: count tensor bytes on one more step
@@ -221,6 +222,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
         "state_bytes": state_bytes,
         "comm": comm,
         "comm_cp": comm_cp,
+        "moe_ep_rows": ep_rows,
         "trace": trace_paths,
         "profiled_times": profiled_times,
         "probe": probe,
