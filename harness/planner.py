@@ -24,7 +24,7 @@ from harness.calibration.workload import lookup_workload
 from harness.errors import UsageError
 from harness.model.predict import CalibrationInputs, predict_cell
 from harness.parallel.levers import AC_MODES, OPTIMIZERS, check_levers
-from harness.parallel.presets import STRATEGIES, resolve_cell, world_for
+from harness.parallel.presets import EP_PRESETS, STRATEGIES, degree_variants, resolve_cell, world_for
 from harness.precision import PrecisionPlan
 from harness.scaling import global_batch, scaled_lr
 from harness.spec import CellConfig, SweepSpec, cell_id_of
@@ -86,9 +86,11 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
             _levers(spec), spec.gpus, strategies):
         if arch != "moe" and routing != "learned":  # a dense family has no routing to vary
             continue
-        cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers, arch, seq_len=seq, routing=routing)
-        cell.reference_only = added_reference and strat == "single"
-        cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
+        for degrees in _degrees_of(spec, strat, gpus * spec.nnodes, get_size(size, arch)):
+            cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers, arch, seq_len=seq, routing=routing,
+                             degrees=degrees)
+            cell.reference_only = added_reference and strat == "single"
+            cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
     ordered = sorted(cells.values(), key=lambda c: (ARCHS.index(c.raw["arch"]), c.raw["size"], c.raw["seq_len"],
                                                     c.raw["moe_routing"],
                                                     c.raw["precision"], c.raw["scaling"],
@@ -99,14 +101,26 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
     return predict_cells(ordered, force=spec.force)
 
 
+def _degrees_of(spec: SweepSpec, strategy: str, world: int, size) -> list[dict | None]:
+    """The sweep's ``--degrees``; without them an expert-parallel preset on an MoE runs at every ep that
+    divides its shards and experts (ep 2 and 4 at 4 ranks), as ``plan`` and ``fit`` rank them."""
+    if strategy == "single":
+        return [None]
+    if spec.degrees or strategy not in EP_PRESETS or size.moe is None:
+        return [spec.degrees]
+    return degree_variants(strategy, world, size.moe.n_experts) or [None]
+
+
 def _levers(spec: SweepSpec) -> list[dict]:
     """Every combination of the lever axes, as cell fields."""
     return [dict(compile=c, ac=a, optimizer=o) for c, a, o in product(spec.compiles, spec.acs, spec.optimizers)]
 
 
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
-              gpus: int, levers: dict, arch: str, *, seq_len: int | None, routing: str = "learned") -> PlannedCell:
-    """One cell at ``seq_len`` tokens per sequence (None: the size's own), its MoE tokens routed by ``routing``."""
+              gpus: int, levers: dict, arch: str, *, seq_len: int | None, routing: str = "learned",
+              degrees: dict | None = None) -> PlannedCell:
+    """One cell at ``seq_len`` tokens per sequence (None: the size's own), its MoE tokens routed by ``routing``,
+    at ``degrees`` (None: the strategy's preset)."""
     size = get_size(size_name, arch)
     world = world_for(strategy, gpus * spec.nnodes) if strategy == "single" else gpus * spec.nnodes
     seq = seq_len or size.seq_len
@@ -121,7 +135,7 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                base_lr=spec.base_lr, base_batch=base_batch, lr=scaled_lr(rule, spec.base_lr, base_batch, gb),
                lr_warmup_steps=spec.lr_warmup_steps, seed=spec.seed, target_loss=spec.target_loss,
                nvtx=spec.nvtx, monitor_hz=spec.monitor_hz, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
-               degrees=spec.degrees if strategy != "single" else None, batch_auto=spec.batch_auto, arch=arch,
+               degrees=degrees, batch_auto=spec.batch_auto, arch=arch,
                moe_routing=routing, **levers, **spec.extra)
     try:
         if seq_error := seq_len_error(size, seq):

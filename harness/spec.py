@@ -56,6 +56,9 @@ def cell_id_of(c: dict) -> str:
         parts.append(f"s{c['seq_len']}")
     if c.get("moe_routing", "learned") != "learned":
         parts.append(f"route-{c['moe_routing']}")
+    ep = (c.get("degrees") or {}).get("ep", 1)
+    if ep > 1:  # an expert-parallel degree asked for (the preset's, ep = every shard, keeps the plain id)
+        parts.append(f"ep{ep}")
     return "-".join(str(p) for p in parts)
 
 

@@ -18,7 +18,7 @@ from harness.fit.fit_cells import RECORDS, fit_all
 from harness.fit.role_process import COMPUTE
 from harness.model.hardware import DEVICES
 from harness.parallel.levers import AC_MODES
-from harness.parallel.presets import cp_variants
+from harness.parallel.presets import degree_variants
 from harness.records.atomic import write_text_atomic
 from harness.records.record import new_run_id
 from harness.report.fit_text import BANNER, fit_table, legend
@@ -98,7 +98,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         compute[size] = _compute(args.compute, device_kind, size)
         for seq, prec, g, strategy, ac in product(seq_lens, csv_list(args.precision or d["precision"]), gpus,
                                                   csv_list(args.strategies), acs):
-            for cell_degrees in (None if degrees else cp_variants(strategy, g * nnodes)) or [degrees]:
+            experts = get_size(size).moe.n_experts if get_size(size).moe else None
+            for cell_degrees in (None if degrees else degree_variants(strategy, g * nnodes, experts)) or [degrees]:
                 cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq, mbs,
                                            args.pp_schedule, nnodes, cell_degrees, ac))
     out = args.out or Path("results") / f"fit-{new_run_id()}"

@@ -63,8 +63,9 @@ class FitCell:
             parts.append(f"{self.pp_schedule}-m{self.microbatches}")
         if self.ac != "none":
             parts.append(f"ac-{self.ac}")
-        if (self.degrees or {}).get("cp", 1) > 1:  # a context-parallel preset is fitted at every cp degree
-            parts.append(f"cp{self.degrees['cp']}")
+        for dim in ("cp", "ep"):  # a context- or expert-parallel preset is fitted at every degree
+            if (self.degrees or {}).get(dim, 1) > 1:
+                parts.append(f"{dim}{self.degrees[dim]}")
         if self.seq_len != get_size(self.size).seq_len:  # the size's own length keeps the id it always had
             parts.append(f"s{self.seq_len}")
         return "-".join(parts)

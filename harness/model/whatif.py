@@ -203,12 +203,13 @@ def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: t
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         raise UsageError(f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STRATEGIES)}")
-    return rank_rows([predict_row(v, n) for n in names for v in cp_variants(s, n)])
+    return rank_rows([predict_row(v, n) for n in names for v in degree_variants(s, n)])
 
 
-def cp_variants(s: Scenario, strategy: str) -> list[Scenario]:
-    """The scenario once, or for a context-parallel preset without ``--degrees`` once per cp degree
-    (:func:`harness.parallel.presets.cp_variants`)."""
+def degree_variants(s: Scenario, strategy: str) -> list[Scenario]:
+    """The scenario once, or for a context- or expert-parallel preset without ``--degrees`` once per cp (ep)
+    degree (:func:`harness.parallel.presets.degree_variants`)."""
     if s.degrees:
         return [s]
-    return [replace(s, degrees=d) for d in presets.cp_variants(strategy, s.gpus)] or [s]
+    experts = s.size.moe.n_experts if s.size.moe else None
+    return [replace(s, degrees=d) for d in presets.degree_variants(strategy, s.gpus, experts)] or [s]

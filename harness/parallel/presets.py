@@ -162,7 +162,7 @@ CP_PRESETS = {"fsdp+cp": 1, "fsdp+tp+cp": 2}
 EP_PRESETS = ("fsdp+ep",)
 
 
-def cp_variants(strategy: str, world: int, n_experts: int | None = None) -> list[dict[str, int]]:
+def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> list[dict[str, int]]:
     """Degrees of every cp that divides what a context-parallel preset leaves after tp (FSDP over the rest),
     or of every ep > 1 that divides the shards and ``n_experts`` for an expert-parallel preset, so ``plan``
     and ``fit`` rank cp (ep) 2, 4, ... of one preset against each other; [] for other strategies."""

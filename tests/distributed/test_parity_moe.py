@@ -5,13 +5,19 @@ Tolerances as for every strategy (:mod:`tests.distributed.test_parity`). Routing
 strategy that changed one token's top-k choice would move its load table, which must equal the one
 device's to the token. Learned (top-k with the DeepSeek-V3 bias step, whose load is summed over every
 rank) and balanced (round robin) routing, over 3 steps (2 bias steps); world 2 in the fast tier
-(balanced routing under fsdp and pp), world 4 in the slow one.
+(balanced routing under fsdp, pp and fsdp+ep), world 4 in the slow one (expert parallel at ep 4 and 2).
+
+Expert parallel's all-to-all bytes depend on where the routing sent the rows: balanced routing sends and
+receives alike on every rank, which the model predicts exactly; under learned routing the bytes must
+equal :func:`harness.model.comm.ep_bytes` of the rows each rank recorded for the counted step.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from harness.model.comm import ep_bytes
+from harness.model.shape import CellShape
 from harness.run.formulas import max_rel_diff
 from harness.run.record_metrics import parity_diffs
 from harness.spec import CellConfig
@@ -43,14 +49,16 @@ def world2(tmp_path_factory):
     cells = [_moe(s, 2, "learned", **kw) for s, kw in (("ddp", {}), ("fsdp", {}), ("pp", {"microbatches": 4}),
                                                        ("fsdp+cp", {}))]
     cells += [_moe("fsdp", 2, "balanced"), _moe("pp", 2, "balanced", microbatches=4)]
+    cells += [_moe("fsdp+ep", 2, r) for r in ROUTINGS]
     return run_cells(cells, 2, tmp_path_factory.mktemp("moe-w2"))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     strategies = {"zero2": {}, "hsdp": {}, "pp+fsdp": {"microbatches": 4}, "fsdp+cp": {"degrees": {"cp": 4}}}
-    return run_cells([_moe(s, 4, r, **kw) for s, kw in strategies.items() for r in ROUTINGS], 4,
-                     tmp_path_factory.mktemp("moe-w4"))
+    cells = [_moe(s, 4, r, **kw) for s, kw in strategies.items() for r in ROUTINGS]
+    cells += [_moe("fsdp+ep", 4, r, **kw) for kw in ({}, {"degrees": {"dp_shard": 4, "ep": 2}}) for r in ROUTINGS]
+    return run_cells(cells, 4, tmp_path_factory.mktemp("moe-w4"))
 
 
 def _reference_of(reference: dict, res: dict) -> dict:
@@ -89,17 +97,53 @@ def _assert_load_counted(results: dict) -> None:
         assert ratio == pytest.approx(MOE.flops_per_token_total(cfg.seq_len) / MOE.flops_per_token(cfg.seq_len))
 
 
+def _check_ep_model(results: dict) -> None:
+    """:func:`_check_model`, with learned expert-parallel cells' all-to-all bytes taken from their routing."""
+    results = dict(results)
+    for cid, res in results.items():
+        ep = res["metrics"]["moe"].get("ep")
+        if ep is None or res["config"]["moe_routing"] == "balanced":
+            continue
+        shape = CellShape.of(CellConfig.from_dict(res["config"]))
+        sent, received = ep["counted_step_rows_sent_by_rank"], ep["counted_step_rows_received_by_rank"]
+        assert sent != received, f"{cid}: learned routing moved no rows between ranks unevenly"
+        comm = [dict(rank) for rank in res["metrics"]["comm_by_rank"]]
+        for k, rank in enumerate(comm):
+            counted = rank.pop("all_to_all")
+            assert counted["bytes_per_step"] == ep_bytes(shape, sent[k], received[k]), f"{cid}: rank {k}"
+            # the model's rows: as many back as went out
+            rank["all_to_all"] = {**counted, "bytes_per_step": ep_bytes(shape, sent[k], sent[k])}
+        results[cid] = {**res, "metrics": {**res["metrics"], "comm_by_rank": comm}}
+    _check_model(results)
+
+
+def _assert_ep(results: dict, ep_degrees: set[int]) -> None:
+    ep = {cid: r for cid, r in results.items() if r["config"]["strategy"] == "fsdp+ep"}
+    assert {r["degrees"]["ep"] for r in ep.values()} == ep_degrees
+    for cid, res in ep.items():
+        moe, comm = res["metrics"]["moe"], res["metrics"]["comm"]
+        share = moe["ep"]["tokens_left_rank_share"]
+        degree = res["degrees"]["ep"]
+        if res["config"]["moe_routing"] == "balanced":  # the round robin sends each expert its share
+            assert share == pytest.approx(1 - 1 / degree), cid
+        else:
+            assert 0 < share < 1, cid
+        assert comm["all_to_all"]["calls_per_step"] == 5 * MOE.n_layers, cid  # counts, 2 forward, 2 backward
+
+
 def test_moe_world2_matches_one_device(world2, reference):
-    _assert_matches_one_device(world2, reference, 6)
+    _assert_matches_one_device(world2, reference, 8)
 
 
 def test_moe_world2_load_and_model(world2, reference):
     _assert_load_counted({**world2, **reference})
-    _check_model(world2)  # the load all-reduce (L x E fp32) beside each strategy's own collectives
+    _assert_ep(world2, {2})
+    _check_ep_model(world2)  # the load all-reduce (L x E fp32) beside each strategy's own collectives
 
 
 @pytest.mark.slow
 def test_moe_world4_matches_one_device(world4, reference16):
-    _assert_matches_one_device(world4, reference16, 4 * len(ROUTINGS))
+    _assert_matches_one_device(world4, reference16, 6 * len(ROUTINGS))
     _assert_load_counted({**world4, **reference16})
-    _check_model(world4)
+    _assert_ep(world4, {2, 4})
+    _check_ep_model(world4)

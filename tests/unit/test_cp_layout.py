@@ -11,7 +11,7 @@ from harness.fit.cell import plan_fit_cell
 from harness.measure.step_stats import Stats
 from harness.model.whatif import plan_at_scale
 from harness.parallel.cp import causal_work, head_tail_chunks, natural_order, shard_indices, shard_sequence
-from harness.parallel.presets import check_seq_split, cp_variants, resolve
+from harness.parallel.presets import check_seq_split, degree_variants, resolve
 from harness.run.formulas import throughput
 from harness.spec import CellConfig
 
@@ -68,10 +68,10 @@ def test_tokens_per_s_count_each_token_once_under_cp():
 
 
 def test_plan_and_fit_expand_a_cp_preset_into_every_cp_degree():
-    assert cp_variants("fsdp+cp", 8) == [{"dp_shard": 4, "cp": 2, "tp": 1}, {"dp_shard": 2, "cp": 4, "tp": 1},
+    assert degree_variants("fsdp+cp", 8) == [{"dp_shard": 4, "cp": 2, "tp": 1}, {"dp_shard": 2, "cp": 4, "tp": 1},
                                          {"dp_shard": 1, "cp": 8, "tp": 1}]
-    assert cp_variants("fsdp+tp+cp", 8) == [{"dp_shard": 2, "cp": 2, "tp": 2}, {"dp_shard": 1, "cp": 4, "tp": 2}]
-    assert cp_variants("fsdp", 8) == [] and cp_variants("fsdp+tp+cp", 3) == []
+    assert degree_variants("fsdp+tp+cp", 8) == [{"dp_shard": 2, "cp": 2, "tp": 2}, {"dp_shard": 1, "cp": 4, "tp": 2}]
+    assert degree_variants("fsdp", 8) == [] and degree_variants("fsdp+tp+cp", 3) == []
 
 
 def test_the_long_sequence_whatif_ranks_cp_where_fsdp_alone_does_not_fit():
@@ -88,5 +88,5 @@ def test_the_long_sequence_whatif_ranks_cp_where_fsdp_alone_does_not_fit():
 
 def test_fit_cells_of_a_cp_preset_carry_their_cp_degree_in_the_id():
     cells = [plan_fit_cell("llama3-8b", "fsdp+cp", "bf16", 8, 1, "cpu", 131072, degrees=d)
-             for d in cp_variants("fsdp+cp", 8)]
+             for d in degree_variants("fsdp+cp", 8)]
     assert [c.cell_id for c in cells] == [f"llama3-8b-fsdp+cp-bf16-w8-mb1-cp{cp}-s131072" for cp in (2, 4, 8)]
