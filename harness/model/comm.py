@@ -23,6 +23,9 @@ what each strategy's code does, so the prediction can be held to equality in a t
   each group's inputs); the LM head all-gathers the logits (compute dtype) and
   all-reduces its input gradient. With **sequence parallel** (Korthikanti et al. 2022) each
   all-reduce becomes an all-gather / reduce-scatter pair around the sequence-sharded region.
+  An MoE block (``fsdp+tp+ep``) has q, k, v and the shared expert's gate and up column-parallel,
+  and the routed experts' width split: forward sums their partial outputs over the ``N k`` routed
+  rows a rank received, backward the rows' input gradients (:mod:`harness.parallel.ep`).
 * **Pipeline** (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021): per microbatch and
   stage boundary, the activation (residual-stream dtype) forward and its gradient backward, by send/recv.
 * **Context parallel** (:mod:`harness.parallel.cp`): per layer and micro-step, one all-gather of the
@@ -214,8 +217,13 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
         if first:
             per_pass += [(ag, hi)]
     else:
-        # forward: the row-parallel outputs; backward: each column-parallel linear's input gradient
-        per_pass = ([(ar, lo)] * (2 + again) + [(ar, hi)] * size.column_linears) * layers
+        if size.moe is not None:  # fsdp+tp+ep (harness.parallel.ep): the experts' partial outputs summed over tp
+            shared = 1 if size.moe.n_shared else 0
+            k = size.moe.top_k
+            per_pass = ([(ar, lo)] * (1 + shared + again) + [(ar, k * lo)] * (1 + again) +
+                        [(ar, hi)] * (3 + 2 * shared) + [(ar, k * hi)]) * layers
+        else:  # forward: the row-parallel outputs; backward: each column-parallel linear's input gradient
+            per_pass = ([(ar, lo)] * (2 + again) + [(ar, hi)] * size.column_linears) * layers
         if last:
             per_pass += [(ag, logits), (ar, hi)]
     calls = [Call(k, b, tp, "tp", False) for k, b in per_pass] * passes
@@ -262,6 +270,15 @@ def ep_bytes(c: CellShape, sent_rows: int, received_rows: int) -> int:
     forwards = 2 if c.recompute == "full" else 1
     counts = forwards * 8 * c.size.moe.n_experts * c.size.n_layers * c.grad_accum
     return counts + (forwards + 1) * (sent_rows + received_rows) * c.size.d_model * c.residual_bytes
+
+
+def ep_tp_bytes(c: CellShape, received_rows: int) -> int:
+    """Bytes of the tp all-reduces of the experts' outputs and their rows' gradients (``fsdp+tp+ep``) of one
+    rank's optimizer step whose experts received ``received_rows`` routed rows (the forward counted once)."""
+    if not c.dims.tp_enabled:
+        return 0
+    forwards = 2 if c.recompute == "full" else 1
+    return received_rows * c.size.d_model * (forwards * c.compute_bytes + c.residual_bytes)
 
 
 def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:

@@ -113,9 +113,13 @@ def _ep_split(spec: ParamSpec, dims: ParallelDims) -> bool:
 
 
 def held_shape(spec: ParamSpec, dims: ParallelDims) -> tuple[int, ...]:
-    """What one rank holds before FSDP: the tp-local shape, an expert tensor's ``E / ep`` experts under ep."""
+    """What one rank holds before FSDP: the tp-local shape; under ep an expert tensor's ``E / ep`` experts,
+    their width (``gate``/``up`` dim 1, ``proj`` dim 2) split over tp."""
     if _ep_split(spec, dims):
-        return (spec.shape[0] // dims.ep,) + spec.shape[1:]
+        shape = [spec.shape[0] // dims.ep, *spec.shape[1:]]
+        width = 1 if spec.name.endswith((".gate", ".up")) else 2  # harness.parallel.ep.WIDTH_DIM
+        shape[width] //= dims.tp
+        return tuple(shape)
     return tp_local_shape(spec, dims.tp)
 
 

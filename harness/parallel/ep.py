@@ -3,7 +3,12 @@
 The ``ep`` ranks are borrowed from the FSDP shards (``dp_shard = efsdp x ep``, Megatron's EP within
 DP; :class:`harness.parallel.dims.ParallelDims`): they hold different tokens, as data-parallel ranks
 do, and each holds ``E / ep`` of every layer's experts, the stacked weights a DTensor ``Shard(0)`` on
-the ``ep`` mesh. Every other parameter is FSDP-sharded over all of dp_shard as before; the experts
+the ``ep`` mesh. Under tensor parallel (``fsdp+tp+ep``, Megatron's EP x TP with the experts'
+tensor-parallel size equal to tp) each expert's width is split too: ``gate`` and ``up`` column-wise
+(``Shard(1)``), ``proj`` row-wise (``Shard(2)``) on the (ep, tp) mesh. The tp ranks of one expert-parallel
+rank hold the same tokens and route them alike; each exchanges them with its own ep group, computes
+its slice of the experts' width, and the partial outputs are summed over tp before they go back
+(:class:`_ReduceFromTP`; backward, the rows' partial gradients are summed: :class:`_CopyToTP`). Every other parameter is FSDP-sharded over all of dp_shard as before; the experts
 over ``efsdp`` only (:func:`shard_experts`). An expert's gradient sums the tokens of its ``ep`` peers
 (the all-to-all's backward brings them), and FSDP sums those over ``efsdp``: divided by
 ``efsdp x ep`` it is the data-parallel mean, as for every other parameter.
@@ -57,11 +62,42 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, *ctx.splits, ctx.group), None, None, None
 
 
-class AllToAllDispatch:
-    """The dispatch and combine of one MoE layer over the ``ep`` group (see the module docstring)."""
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tp group (each rank saw a slice of the width)."""
 
-    def __init__(self, group, ep: int, n_experts: int) -> None:
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Sums the experts' partial outputs over the tp group; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class AllToAllDispatch:
+    """The dispatch and combine of one MoE layer over the ``ep`` group (see the module docstring), the
+    experts' width split over ``tp_group`` when given."""
+
+    def __init__(self, group, ep: int, n_experts: int, tp_group=None) -> None:
         self.group, self.ep, self.n_local = group, ep, n_experts // ep
+        self.tp_group = tp_group
         self.rank = dist.get_rank(group)
         self.routed = 0
         """Rows (token x expert slots) this rank routed since :meth:`take_counts`."""
@@ -92,10 +128,15 @@ class AllToAllDispatch:
         chunks = rows.split([n for row in recv for n in row])
         by_expert = [chunks[r * self.n_local + j] for j in range(self.n_local) for r in range(self.ep)]
         local_counts = [sum(recv[r][j] for r in range(self.ep)) for j in range(self.n_local)]
-        return torch.cat(by_expert), local_counts, (send, recv, from_peer)
+        rows = torch.cat(by_expert)
+        if self.tp_group is not None:
+            rows = _CopyToTP.apply(rows, self.tp_group)
+        return rows, local_counts, (send, recv, from_peer)
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         send, recv, from_peer = state
+        if self.tp_group is not None:
+            y = _ReduceFromTP.apply(y, self.tp_group)
         chunks = y.split([recv[r][j] for j in range(self.n_local) for r in range(self.ep)])
         by_peer = torch.cat([chunks[j * self.ep + r] for r in range(self.ep) for j in range(self.n_local)])
         return _AllToAll.apply(by_peer, send, from_peer, self.group)
@@ -111,14 +152,23 @@ def _moe_layers(part: nn.Module) -> list[MoE]:
     return [m for m in part.modules() if isinstance(m, MoE)]
 
 
-def apply_ep(part: nn.Module, ep_mesh) -> None:
-    """Shard every MoE layer's experts over ``ep_mesh`` (dim 0, a DTensor) and give it the all-to-all dispatcher."""
-    ep = ep_mesh.size()
+WIDTH_DIM = {"gate": 1, "up": 1, "proj": 2}
+"""The dimension of each stacked expert weight that holds the expert's width (``d_ff``), split over tp."""
+
+
+def apply_ep(part: nn.Module, dims) -> None:
+    """Shard every MoE layer's experts over the ep mesh (dim 0), and their width over tp when it is enabled
+    (DTensors), and give each layer the all-to-all dispatcher."""
+    if dims.tp_enabled:
+        mesh, tp_group = dims.mesh("ep", "tp"), dims.mesh("tp").get_group()
+    else:
+        mesh, tp_group = dims.mesh("ep"), None
     for layer in _moe_layers(part):
         experts = layer.experts
         for name, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
-        layer.dispatcher = AllToAllDispatch(ep_mesh.get_group(), ep, layer.spec.n_experts)
+            placements = [Shard(0), Shard(WIDTH_DIM[name])] if tp_group is not None else [Shard(0)]
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, placements)))
+        layer.dispatcher = AllToAllDispatch(dims.mesh("ep").get_group(), dims.ep, layer.spec.n_experts, tp_group)
 
 
 def shard_experts(part: nn.Module, efsdp_mesh, dp_ranks: int, reshard_after_forward: bool, mp_policy) -> None:

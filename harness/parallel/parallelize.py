@@ -80,7 +80,7 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
             apply_cp(part, dims.mesh("cp"))
     if dims.ep_enabled:
         for part in parts.values():
-            apply_ep(part, dims.mesh("ep"))
+            apply_ep(part, dims)
     # 3. activation checkpointing, then compile
     for part in parts.values():
         apply_ac(part, ac)

@@ -15,7 +15,7 @@ from harness.precision import check_strategy
 from workloads.sizes import ModelSize
 
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp",
-              "fsdp+cp", "fsdp+tp+cp", "fsdp+ep")
+              "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep")
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -54,6 +54,7 @@ OPTIONS = {
     "fsdp+cp": StrategyOptions("fsdp"),
     "fsdp+tp+cp": StrategyOptions("fsdp"),
     "fsdp+ep": StrategyOptions("fsdp"),
+    "fsdp+tp+ep": StrategyOptions("fsdp"),
 }
 
 
@@ -97,6 +98,9 @@ def degrees_for(strategy: str, world: int) -> ParallelDims:
     if strategy == "fsdp+cp":
         _need(strategy, world, 2, 2, "cp 2 x the rest sharded")
         return ParallelDims(dp_shard=world // 2, cp=2, world_size=world)
+    if strategy == "fsdp+tp+ep":  # Megatron's EP x TP: ep from the shards, experts tensor-parallel too
+        _need(strategy, world, 4, 2, "tp 2 x >= 2 shards, every shard an expert-parallel rank")
+        return ParallelDims(dp_shard=world // 2, tp=2, ep=world // 2, world_size=world)
     if strategy == "fsdp+tp+cp":
         _need(strategy, world, 4, 4, "cp 2 x tp 2 x the rest sharded")
         return ParallelDims(dp_shard=world // 4, cp=2, tp=2, world_size=world)
@@ -159,7 +163,8 @@ def resolve(strategy: str, world: int, override: dict | None = None) -> Layout:
 
 CP_PRESETS = {"fsdp+cp": 1, "fsdp+tp+cp": 2}
 """The context-parallel presets and the tp degree each holds fixed."""
-EP_PRESETS = ("fsdp+ep",)
+EP_PRESETS = {"fsdp+ep": 1, "fsdp+tp+ep": 2}
+"""The expert-parallel presets and the tp degree each holds fixed."""
 
 
 def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> list[dict[str, int]]:
@@ -167,8 +172,12 @@ def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> 
     or of every ep > 1 that divides the shards and ``n_experts`` for an expert-parallel preset, so ``plan``
     and ``fit`` rank cp (ep) 2, 4, ... of one preset against each other; [] for other strategies."""
     if strategy in EP_PRESETS:
-        return [{"dp_shard": world, "ep": ep} for ep in range(2, world + 1)
-                if world % ep == 0 and (n_experts is None or n_experts % ep == 0)]
+        tp = EP_PRESETS[strategy]
+        if world % tp:
+            return []
+        shards = world // tp
+        return [{"dp_shard": shards, "ep": ep} | ({"tp": tp} if tp > 1 else {}) for ep in range(2, shards + 1)
+                if shards % ep == 0 and (n_experts is None or n_experts % ep == 0)]
     tp = CP_PRESETS.get(strategy)
     if tp is None or world % tp:
         return []
@@ -177,17 +186,21 @@ def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> 
 
 
 def check_ep(strategy: str, dims: ParallelDims) -> None:
-    """Expert parallel borrows FSDP's shards: it needs an FSDP strategy, and no pipeline, tp or cp beside it."""
+    """Expert parallel borrows FSDP's shards: it needs an FSDP strategy, and no pipeline, cp or sequence
+    parallel beside it (tp shards the experts' width too: :mod:`harness.parallel.ep`)."""
     if not dims.ep_enabled:
         return
     if OPTIONS[strategy].data_parallel != "fsdp":
         raise UsageError(f"ep ({dims.ep}) needs an FSDP strategy, whose shards it borrows (dp_shard = efsdp x ep); "
                          f"strategy {strategy} does not shard: use fsdp+ep")
-    others = {n: getattr(dims, n) for n in ("pp", "tp", "cp") if getattr(dims, n) > 1}
+    others = {n: getattr(dims, n) for n in ("pp", "cp") if getattr(dims, n) > 1}
     if others:
         named = ", ".join(f"{n} ({v})" for n, v in others.items())
-        raise UsageError(f"ep ({dims.ep}) with {named} is not supported: expert parallel is built beside FSDP only; "
-                         f"set {' and '.join(f'{n}=1' for n in others)}, or ep=1")
+        raise UsageError(f"ep ({dims.ep}) with {named} is not supported: expert parallel is built beside FSDP and tp "
+                         f"only; set {' and '.join(f'{n}=1' for n in others)}, or ep=1")
+    if dims.sequence_parallel:
+        raise UsageError(f"ep ({dims.ep}) with sequence parallel is not supported: the experts take whole sequences; "
+                         f"use fsdp+tp+ep")
 
 
 def check_cp(strategy: str, dims: ParallelDims) -> None:
@@ -239,8 +252,8 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
 
 
 def check_moe(dims: ParallelDims, size: ModelSize) -> None:
-    """An MoE's stacked experts have no tensor-parallel plan yet: tp is refused for the moe family. Expert
-    parallel needs experts to split, ``ep`` of them on each rank."""
+    """Expert parallel needs experts to split, ``n_experts / ep`` on each rank; an MoE under tp needs expert
+    parallel (whose dispatcher reduces the experts' tensor-parallel outputs) and experts whose width tp divides."""
     if dims.ep_enabled:
         if size.moe is None:
             raise UsageError(f"ep ({dims.ep}) needs a mixture of experts: use --arch moe, or ep=1")
@@ -249,8 +262,12 @@ def check_moe(dims: ParallelDims, size: ModelSize) -> None:
             raise UsageError(f"ep ({dims.ep}) must divide the experts ({n}) of {size.name}: each expert-parallel "
                              f"rank holds n_experts / ep of them; choose ep in {{{_divisors(n)}}}")
     if size.moe is not None and dims.tp_enabled:
-        raise UsageError(f"tp ({dims.tp}) with --arch moe is not supported yet: the stacked experts have no "
-                         f"tensor-parallel plan; use single, ddp, fsdp, zero2, hsdp, pp, fsdp+cp or fsdp+ep")
+        if not dims.ep_enabled:
+            raise UsageError(f"tp ({dims.tp}) with --arch moe needs expert parallel: the experts are tensor-parallel "
+                             f"only inside it; use fsdp+tp+ep (or --degrees with ep > 1)")
+        if size.moe.d_ff % dims.tp:
+            raise UsageError(f"tp ({dims.tp}) must divide the experts' width ({size.moe.d_ff}) of {size.name}; "
+                             f"choose tp in {{{_divisors(size.moe.d_ff)}}}")
 
 
 def check_batch_split(dims: ParallelDims, global_batch: int, microbatches: int, grad_accum: int) -> None:

@@ -26,12 +26,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-COLUMN_LINEARS = ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up")
-"""Column-parallel linears of a block (gpt2's MLP has ``fc``, llama3's SwiGLU ``gate`` and ``up``):
-each rank holds ``n_heads / tp`` query heads, ``n_kv_heads / tp`` key/value heads (grouped-query
-attention keeps each rank's query heads with the key/value heads they share) and ``d_ff / tp``
-MLP columns."""
-ROW_LINEARS = ("attn.out", "mlp.proj")
+COLUMN_LINEARS = ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up", "mlp.shared.gate", "mlp.shared.up")
+"""Column-parallel linears of a block (gpt2's MLP has ``fc``, llama3's SwiGLU ``gate`` and ``up``, an MoE's
+shared expert ``shared.gate`` and ``shared.up``): each rank holds ``n_heads / tp`` query heads,
+``n_kv_heads / tp`` key/value heads (grouped-query attention keeps each rank's query heads with the
+key/value heads they share) and ``d_ff / tp`` MLP columns. An MoE's routed experts are split by
+expert parallel (:mod:`harness.parallel.ep`), its router replicated."""
+ROW_LINEARS = ("attn.out", "mlp.proj", "mlp.shared.proj")
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
@@ -60,7 +61,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     for block in model.blocks.values():
         present = dict(block.named_modules())
         plan = {name: ColwiseParallel() for name in COLUMN_LINEARS if name in present}
-        plan.update({name: RowwiseParallel(output_layouts=residual, use_local_output=not sp) for name in ROW_LINEARS})
+        plan.update({name: RowwiseParallel(output_layouts=residual, use_local_output=not sp)
+                     for name in ROW_LINEARS if name in present})
         if sp:
             plan.update(
                 {

@@ -5,7 +5,7 @@ Tolerances as for every strategy (:mod:`tests.distributed.test_parity`). Routing
 strategy that changed one token's top-k choice would move its load table, which must equal the one
 device's to the token. Learned (top-k with the DeepSeek-V3 bias step, whose load is summed over every
 rank) and balanced (round robin) routing, over 3 steps (2 bias steps); world 2 in the fast tier
-(balanced routing under fsdp, pp and fsdp+ep), world 4 in the slow one (expert parallel at ep 4 and 2).
+(balanced routing under fsdp, pp and fsdp+ep), world 4 in the slow one (expert parallel at ep 4 and 2, and ep 2 x tp 2).
 
 Expert parallel's all-to-all bytes depend on where the routing sent the rows: balanced routing sends and
 receives alike on every rank, which the model predicts exactly; under learned routing the bytes must
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.model.comm import ep_bytes
+from harness.model.comm import ep_bytes, ep_tp_bytes
 from harness.model.shape import CellShape
 from harness.run.formulas import max_rel_diff
 from harness.run.record_metrics import parity_diffs
@@ -58,6 +58,7 @@ def world4(tmp_path_factory):
     strategies = {"zero2": {}, "hsdp": {}, "pp+fsdp": {"microbatches": 4}, "fsdp+cp": {"degrees": {"cp": 4}}}
     cells = [_moe(s, 4, r, **kw) for s, kw in strategies.items() for r in ROUTINGS]
     cells += [_moe("fsdp+ep", 4, r, **kw) for kw in ({}, {"degrees": {"dp_shard": 4, "ep": 2}}) for r in ROUTINGS]
+    cells += [_moe("fsdp+tp+ep", 4, r) for r in ROUTINGS]
     return run_cells(cells, 4, tmp_path_factory.mktemp("moe-w4"))
 
 
@@ -111,14 +112,16 @@ def _check_ep_model(results: dict) -> None:
         for k, rank in enumerate(comm):
             counted = rank.pop("all_to_all")
             assert counted["bytes_per_step"] == ep_bytes(shape, sent[k], received[k]), f"{cid}: rank {k}"
-            # the model's rows: as many back as went out
+            # the model's rows: as many back as went out (under tp, the experts' all-reduces too)
             rank["all_to_all"] = {**counted, "bytes_per_step": ep_bytes(shape, sent[k], sent[k])}
+            extra = ep_tp_bytes(shape, received[k]) - ep_tp_bytes(shape, sent[k])
+            rank["all_reduce"] = {**rank["all_reduce"], "bytes_per_step": rank["all_reduce"]["bytes_per_step"] - extra}
         results[cid] = {**res, "metrics": {**res["metrics"], "comm_by_rank": comm}}
     _check_model(results)
 
 
 def _assert_ep(results: dict, ep_degrees: set[int]) -> None:
-    ep = {cid: r for cid, r in results.items() if r["config"]["strategy"] == "fsdp+ep"}
+    ep = {cid: r for cid, r in results.items() if r["config"]["strategy"] in ("fsdp+ep", "fsdp+tp+ep")}
     assert {r["degrees"]["ep"] for r in ep.values()} == ep_degrees
     for cid, res in ep.items():
         moe, comm = res["metrics"]["moe"], res["metrics"]["comm"]
@@ -143,7 +146,7 @@ def test_moe_world2_load_and_model(world2, reference):
 
 @pytest.mark.slow
 def test_moe_world4_matches_one_device(world4, reference16):
-    _assert_matches_one_device(world4, reference16, 6 * len(ROUTINGS))
+    _assert_matches_one_device(world4, reference16, 7 * len(ROUTINGS))
     _assert_load_counted({**world4, **reference16})
     _assert_ep(world4, {2, 4})
     _check_ep_model(world4)
