@@ -253,7 +253,8 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
 
 def check_moe(dims: ParallelDims, size: ModelSize) -> None:
     """Expert parallel needs experts to split, ``n_experts / ep`` on each rank; an MoE under tp needs expert
-    parallel (whose dispatcher reduces the experts' tensor-parallel outputs) and experts whose width tp divides."""
+    parallel (whose dispatcher reduces the experts' tensor-parallel outputs; the width tp must divide is the
+    experts', :func:`check_model_fit`)."""
     if dims.ep_enabled:
         if size.moe is None:
             raise UsageError(f"ep ({dims.ep}) needs a mixture of experts: use --arch moe, or ep=1")
@@ -265,9 +266,6 @@ def check_moe(dims: ParallelDims, size: ModelSize) -> None:
         if not dims.ep_enabled:
             raise UsageError(f"tp ({dims.tp}) with --arch moe needs expert parallel: the experts are tensor-parallel "
                              f"only inside it; use fsdp+tp+ep (or --degrees with ep > 1)")
-        if size.moe.d_ff % dims.tp:
-            raise UsageError(f"tp ({dims.tp}) must divide the experts' width ({size.moe.d_ff}) of {size.name}; "
-                             f"choose tp in {{{_divisors(size.moe.d_ff)}}}")
 
 
 def check_batch_split(dims: ParallelDims, global_batch: int, microbatches: int, grad_accum: int) -> None:

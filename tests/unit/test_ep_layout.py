@@ -1,0 +1,103 @@
+"""Expert parallel as a degree: ``ep`` borrowed from the FSDP shards, refused at plan time where it cannot run,
+expanded into every degree that divides, and placed by the model as the code places it
+(:mod:`harness.parallel.ep`, :mod:`harness.parallel.presets`, :mod:`harness.model.comm`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from harness.errors import UsageError
+from harness.model.comm import comm_by_rank, ep_bytes
+from harness.model.inventory import coords, held_numel, param_specs
+from harness.model.shape import CellShape
+from harness.parallel.dims import ParallelDims
+from harness.parallel.presets import degree_variants, resolve, resolve_cell
+from harness.planner import expand
+from harness.spec import SweepSpec
+from workloads.sizes import get_size
+
+MOE = get_size("tiny", "moe")
+
+
+def _cell(strategy: str, world: int, degrees: dict | None = None, size=MOE, **kw):
+    return resolve_cell(strategy, world, degrees, size, "fp32", "1f1b", None, kw.get("grad_accum", 1), 4 * world)
+
+
+def test_ep_is_borrowed_from_the_shards():
+    dims = resolve("fsdp+ep", 8, {"dp_shard": 8, "ep": 4}).dims
+    assert (dims.ep, dims.efsdp, dims.dp, dims.world_size) == (4, 2, 8, 8)
+    assert dims.degrees() == {"dp_replicate": 1, "dp_shard": 8, "tp": 1, "pp": 1, "ep": 4}
+    assert "ep" not in resolve("fsdp", 8).dims.degrees()  # layouts without ep keep their records
+    preset = resolve("fsdp+tp+ep", 8).dims
+    assert (preset.dp_shard, preset.tp, preset.ep, preset.efsdp) == (4, 2, 4, 1)
+    with pytest.raises(UsageError, match=r"ep \(3\) must divide dp_shard \(4\).*choose ep in \{1, 2, 4\}"):
+        ParallelDims(dp_shard=4, ep=3, world_size=4)
+
+
+@pytest.mark.parametrize("strategy,degrees,match", [
+    ("ddp", {"dp_replicate": 2, "ep": 1}, None),
+    ("hsdp", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, r"ep \(2\) needs an FSDP strategy.*use fsdp\+ep"),
+    ("pp+fsdp", {"pp": 2, "dp_shard": 2, "ep": 2}, r"ep \(2\) with pp \(2\) is not supported.*set pp=1"),
+    ("fsdp+cp", {"dp_shard": 2, "cp": 2, "ep": 2}, r"ep \(2\) with cp \(2\) is not supported.*set cp=1"),
+])
+def test_ep_where_it_cannot_run_is_refused_with_the_reason(strategy, degrees, match):
+    if match is None:
+        assert resolve(strategy, 2, degrees).dims.ep == 1
+        return
+    with pytest.raises(UsageError, match=match):
+        resolve(strategy, 4, degrees)
+
+
+def test_a_degree_the_model_cannot_split_is_refused_at_plan_time():
+    with pytest.raises(UsageError, match=r"ep \(16\) must divide the experts \(8\) of tiny.*\{1, 2, 4, 8\}"):
+        _cell("fsdp+ep", 16)
+    with pytest.raises(UsageError, match=r"ep \(2\) needs a mixture of experts: use --arch moe"):
+        _cell("fsdp+ep", 2, size=get_size("tiny", "llama3"))
+    with pytest.raises(UsageError, match=r"tp \(2\) with --arch moe needs expert parallel.*fsdp\+tp\+ep"):
+        _cell("fsdp+tp", 4)
+    narrow = replace(MOE, moe=replace(MOE.moe, d_ff=127))
+    with pytest.raises(UsageError, match=r"tp \(2\) must divide the MLP width \(127\)"):
+        _cell("fsdp+tp+ep", 4, size=narrow)
+
+
+def test_plan_fit_and_bench_expand_an_ep_preset_into_every_degree_that_divides():
+    assert degree_variants("fsdp+ep", 8, 8) == [{"dp_shard": 8, "ep": e} for e in (2, 4, 8)]
+    assert degree_variants("fsdp+ep", 8, 6) == [{"dp_shard": 8, "ep": 2}]
+    assert degree_variants("fsdp+tp+ep", 8, 8) == [{"dp_shard": 4, "ep": e, "tp": 2} for e in (2, 4)]
+    spec = SweepSpec(sizes=("tiny",), archs=("moe",), strategies=("fsdp+ep", "fsdp+tp+ep"), gpus=(4,),
+                     precisions=("fp32",), device_kind="cpu", batch=8, steps=3, warmup=1)
+    cells = [c for c in expand(spec) if c.raw["strategy"] != "single"]
+    assert sorted(c.cell_id for c in cells) == [
+        "moe-tiny-fsdp+ep-fp32-w4-gb8-strong-ep2", "moe-tiny-fsdp+ep-fp32-w4-gb8-strong-ep4",
+        "moe-tiny-fsdp+tp+ep-fp32-w4-gb8-strong-ep2"]
+    assert all(c.valid for c in cells)
+
+
+@pytest.mark.parametrize("strategy,degrees", [("fsdp+ep", {"dp_shard": 8, "ep": 2}), ("fsdp+ep", {"dp_shard": 8, "ep": 8}),
+                                              ("fsdp+tp+ep", {"dp_shard": 4, "tp": 2, "ep": 2})])
+def test_every_expert_weight_is_held_once_over_the_ranks(strategy, degrees):
+    """Experts split over ep (and their width over tp), FSDP-sharded over efsdp: the ranks hold each expert
+    tensor exactly once; every other tensor is held as before (once per tp rank, FSDP over dp_shard)."""
+    dims = resolve(strategy, 8, degrees).dims
+    for spec in param_specs(MOE):
+        held = sum(held_numel(spec, dims, True, k) for k in coords(dims))
+        if spec.expert:
+            assert held == math.prod(spec.shape), spec.name
+        else:
+            assert held in (math.prod(spec.shape), dims.tp * math.prod(spec.shape)), spec.name
+
+
+def test_the_model_counts_the_all_to_alls_of_a_balanced_routing():
+    layout, mb = _cell("fsdp+ep", 4, {"dp_shard": 4, "ep": 2}, grad_accum=2)
+    shape = CellShape(size=MOE, dims=layout.dims, strategy="fsdp+ep", precision="fp32", global_batch=16, grad_accum=2)
+    rank0 = comm_by_rank(shape)[0]
+    # per layer and micro-step: the count exchange, dispatch and combine forward, both again backward
+    assert rank0["all_to_all"]["calls_per_step"] == 5 * MOE.n_layers * 2
+    rows = shape.local_batch * MOE.seq_len * MOE.moe.top_k * MOE.n_layers
+    assert rank0["all_to_all"]["bytes_per_step"] == ep_bytes(shape, rows, rows)
+    assert ep_bytes(shape, rows, rows) == 2 * 8 * MOE.moe.n_experts * MOE.n_layers + 4 * rows * MOE.d_model * 4
+    # the experts' FSDP group runs over efsdp (2 here), beside the blocks' over all of dp_shard
+    assert rank0["reduce_scatter"]["calls_per_step"] == 2 * MOE.n_layers + 1
