@@ -58,11 +58,13 @@ def _assert_states_exact(cells, results) -> None:
 def test_moe_model_states_per_role_equal_the_model_exactly(tmp_path):
     """The moe family: the stacked experts (FSDP shards them along the experts), the router and the shared
     expert, under fake compute, whose tokens split evenly over the experts (no values to route by);
-    tensor parallel is refused with its reason, for fit as for bench."""
-    grid = [(s, 8) for s in ("ddp", "fsdp", "zero2", "hsdp", "pp+fsdp")] + [("fsdp", 64)]
-    cells = [plan_fit_cell("moe-mini", s, "fp32", n, 1, "cpu", seq_len=SEQ) for s, n in grid]
+    expert parallel (ep 4, and ep 2 x tp 2: the experts' width split too) under fake collectives; tensor
+    parallel without expert parallel is refused with its reason, for fit as for bench."""
+    grid = [(s, 8, None) for s in ("ddp", "fsdp", "zero2", "hsdp", "pp+fsdp")] + [("fsdp", 64, None)]
+    grid += [("fsdp+ep", 8, {"dp_shard": 8, "ep": 4}), ("fsdp+tp+ep", 8, {"dp_shard": 4, "tp": 2, "ep": 2})]
+    cells = [plan_fit_cell("moe-mini", s, "fp32", n, 1, "cpu", seq_len=SEQ, degrees=d) for s, n, d in grid]
     _assert_states_exact(cells, run_fake_roles(cells, tmp_path, steps=1, compute="fake"))
-    with pytest.raises(UsageError, match=r"tp \(2\) with --arch moe is not supported yet"):
+    with pytest.raises(UsageError, match=r"tp \(2\) with --arch moe needs expert parallel"):
         plan_fit_cell("moe-mini", "fsdp+tp", "fp32", 8, 1, "cpu", seq_len=SEQ)
 
 

@@ -24,7 +24,7 @@ CASES = {
     "rounds-nsys": (["--rounds", "3", "--nsys"], "--rounds 3 with --nsys: a capture covers one job per cell"),
     # Every requested cell invalid: exit 2, though the added single-device reference is valid.
     "only-reference-valid": (["--gpus", "2", "--degrees", "pp=3"],
-                             "no valid cell to run: 12 cells (tiny-ddp-fp32-w2-gb8-strong, ...): dp_replicate (1) x "
+                             "no valid cell to run: 14 cells (tiny-ddp-fp32-w2-gb8-strong, ...): dp_replicate (1) x "
                              "dp_shard (1) x tp (1) x pp (3) = 3 must equal the world size (2)"),
 }
 

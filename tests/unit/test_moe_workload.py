@@ -172,7 +172,7 @@ def test_routing_axis_ids_and_refusals(tmp_path, capsys):
     assert "--moe-routing balanced: only the moe family routes tokens" in capsys.readouterr().err
     assert main(["plan", "--arch", "moe", "--sizes", "tiny", "--gpus", "2", "--strategies", "tp"]) == 0
     tp_row = next(line for line in capsys.readouterr().out.splitlines() if "moe-tiny-tp-" in line)
-    assert "invalid" in tp_row and "tp (2) with --arch moe is not supported yet" in tp_row
+    assert "invalid" in tp_row and "tp (2) with --arch moe needs expert parallel" in tp_row
 
 
 class _Recorder:
