@@ -46,9 +46,23 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--error-from", type=Path, default=None,
                    help="run directory whose records carry predictions, for the model's measured error "
                         "(default results/reference/model-cpu-tiny-mini-w2-w4-r5)")
+    g.add_argument("--moe-imbalance", default=None,
+                   help="--arch moe: the busiest expert's load over the mean, e.g. a record's "
+                        "metrics.moe.imbalance_max_over_mean (default 1: balanced); scales expert-parallel "
+                        "ranks' expert compute")
     g.add_argument("--fit-from", type=Path, default=None,
                    help="harness fit run directory: its measured peaks replace the predicted ones where a record "
                         "matches (size, strategy, N, precision, global batch)")
+
+
+def _imbalance(label: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{label} {text!r}: must be a number >= 1, e.g. 1.4") from None
+    if not value >= 1.0:
+        raise UsageError(f"{label} {text!r}: must be >= 1 (the busiest expert's load over the mean)")
+    return value
 
 
 def cmd_plan_whatif(args: argparse.Namespace) -> int:
@@ -72,7 +86,8 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
                 recompute=v.get("recompute", "none"),
                 microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
                 efficiency=efficiency, pp_schedule=v.get("pp_schedule", "1f1b"),
-                grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")))
+                grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")),
+                moe_imbalance=_imbalance(v.label("moe_imbalance"), v["moe_imbalance"]) if "moe_imbalance" in v else 1.0)
     # one ranking per (size, sequence length, precision, device count): strategies compete at fixed work
     sections = [(size, seq, prec, gpus) for size in sizes for seq in seq_lens
                 for prec in csv_list(v.get("precision", "bf16")) for gpus in ints(v.label("gpus"), v["gpus"])]
@@ -99,7 +114,7 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     if merged(args).get("device", "auto") not in RUN_DEVICES:
         return cmd_plan_whatif(args)
-    for flag in ("recompute", "efficiency", "error_from", "fit_from"):
+    for flag in ("recompute", "efficiency", "error_from", "fit_from", "moe_imbalance"):
         if getattr(args, flag, None) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
                              f"(or h100-pcie, h200, a100)")

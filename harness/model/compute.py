@@ -95,13 +95,27 @@ def pipeline_time_s(stage_pass_s: float, pp: int, virtual: int, microbatches: in
 
 
 def layer_flops_per_token(c: CellShape) -> float:
+    """One block's FLOPs per token (6 x its matmul weights + the attention square); an MoE block's idle
+    experts (E - k of them) do none."""
     s = c.size
     matmul_params = s.params_per_layer - s.norm_params_per_layer  # norm weights do no matmul
+    if s.moe is not None:
+        matmul_params -= (s.moe.n_experts - s.moe.top_k) * s.moe.expert_params(s.d_model)
     return 6 * matmul_params + 12 * s.d_model * s.seq_len
 
 
 def head_flops_per_token(c: CellShape) -> float:
     return 6 * c.size.d_model * c.size.vocab_size
+
+
+def expert_flop_share(c: CellShape) -> float:
+    """The routed experts' share of the model's FLOPs per token (0 for a dense family): each token's k
+    SwiGLU experts, 3 matrices of ``d x f``, forward and backward."""
+    moe = c.size.moe
+    if moe is None:
+        return 0.0
+    experts = c.size.n_layers * 6 * moe.top_k * 3 * c.size.d_model * moe.d_ff
+    return experts / (c.size.n_layers * layer_flops_per_token(c) + head_flops_per_token(c))
 
 
 def stage_shares(c: CellShape) -> list[tuple[float, float]]:

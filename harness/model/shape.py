@@ -26,6 +26,9 @@ class CellShape:
     device_kind: str = "cpu"
     recompute: str = "none"
     """Activation recomputation: ``none``, ``selective`` (attention core) or ``full`` (per block)."""
+    moe_imbalance: float = 1.0
+    """The busiest expert's load over the mean (a record's ``metrics.moe.imbalance_max_over_mean``; 1: balanced).
+    Under expert parallel the rank holding it computes that much more of the experts' FLOPs."""
 
     @classmethod
     def of(cls, cfg) -> CellShape:

@@ -9,6 +9,9 @@
   what-if. What the strategy can overlap (DDP buckets, FSDP prefetch, async sends) is hidden
   behind compute up to the compute time, except the first and the last such call (the first
   FSDP all-gather precedes all compute, the last DDP bucket / reduce-scatter follows it) on GPUs; on CPU ranks nothing is hidden (gloo reduces on the same cores that compute);
+* expert load: under expert parallel the experts' share of the compute (:func:`expert_flop_share`) is
+  scaled by the busiest expert's load over the mean (``CellShape.moe_imbalance``), the rank holding it
+  being the one every other waits for at the combine (an upper bound when a rank holds several experts);
 * pipeline bubble: ``(p - 1) / (v * m)`` of the slowest stage's compute (Narayanan et al.
   2021, section 2.2.1 and eq. for interleaving); CPU stages that share cores are priced slot by
   slot (:func:`harness.model.compute.pipeline_time_s`): a slot with fewer stages busy runs
@@ -21,7 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.model import comm as comm_model
-from harness.model.compute import NO_SHARING, ComputeRates, CoreSharing, pass_time_s, pipeline_time_s, stage_shares
+from harness.model.compute import (
+    NO_SHARING,
+    ComputeRates,
+    CoreSharing,
+    expert_flop_share,
+    pass_time_s,
+    pipeline_time_s,
+    stage_shares,
+)
 from harness.model.inventory import coords
 from harness.model.memory import state_bytes_by_rank
 from harness.model.shape import CellShape
@@ -72,6 +83,8 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing
         flop_share, layer_share = shares[k.pp]
         one_pass = pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp * dims.cp)
         compute = passes * one_pass * all_busy
+        if dims.ep_enabled and c.moe_imbalance > 1:  # the rank with the busiest experts sets the pace
+            compute *= 1 + (c.moe_imbalance - 1) * expert_flop_share(c)
         optimizer = (rates.optimizer_s_per_param * states[k.rank].params / 4
                      + rates.wrapper_optimizer_s * layer_share) * all_busy
         calls = comm_model.rank_calls(c, k)

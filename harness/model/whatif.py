@@ -67,6 +67,8 @@ class Scenario:
     pp_schedule: str = "1f1b"
     grad_accum: int = 1
     degrees: dict | None = None
+    moe_imbalance: float = 1.0
+    """Busiest expert over the mean load (:attr:`harness.model.shape.CellShape.moe_imbalance`)."""
 
     @property
     def peak_tflops(self) -> float:
@@ -80,7 +82,7 @@ class Scenario:
 def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "bf16", global_batch: int | None = None,
              seq_len: int | None = None, recompute: str = "none", microbatches: int | None = None,
              efficiency: float | None = None, pp_schedule: str = "1f1b", grad_accum: int = 1,
-             degrees: dict | None = None) -> Scenario:
+             degrees: dict | None = None, moe_imbalance: float = 1.0) -> Scenario:
     """Validate the inputs (UsageError naming the value and the fix) and fix the defaults."""
     dev = get_device(device) if isinstance(device, str) else device
     try:
@@ -99,13 +101,16 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
     if not 0 < eff <= 1:
         raise UsageError(f"--efficiency {efficiency!r}: must be a fraction of the datasheet peak in (0, 1], "
                          f"e.g. 0.4")
+    if moe_imbalance != 1.0 and (size.moe is None or not moe_imbalance >= 1.0):
+        raise UsageError(f"--moe-imbalance {moe_imbalance!r}: the busiest expert's load over the mean, >= 1, for "
+                         f"--arch moe only (e.g. a record's metrics.moe.imbalance_max_over_mean)")
     if seq_len is not None:
         if error := seq_len_error(size, seq_len):
             raise UsageError(f"--seq-len: {error}")
         size = replace(size, seq_len=seq_len)
     return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
                     recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
-                    degrees=degrees)
+                    degrees=degrees, moe_imbalance=moe_imbalance)
 
 
 def default_global_batch(seq_len: int, world: int, cp: int) -> int:
@@ -124,7 +129,7 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
                               s.pp_schedule, s.microbatches, s.grad_accum, gb)
     return CellShape(size=s.size, dims=layout.dims, strategy=strategy, precision=s.precision, global_batch=gb,
                      grad_accum=s.grad_accum, microbatches=mb, pp_schedule=s.pp_schedule, device_kind="cuda",
-                     recompute=s.recompute)
+                     recompute=s.recompute, moe_imbalance=s.moe_imbalance)
 
 
 def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
@@ -195,10 +200,11 @@ def rank_rows(rows: list[dict]) -> list[dict]:
 def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: tuple[str, ...] | list[str] | None = None,
                   precision: str = "bf16", global_batch: int | None = None, seq_len: int | None = None,
                   recompute: str = "none", microbatches: int | None = None, efficiency: float | None = None,
-                  pp_schedule: str = "1f1b", grad_accum: int = 1, degrees: dict | None = None) -> list[dict]:
+                  pp_schedule: str = "1f1b", grad_accum: int = 1, degrees: dict | None = None,
+                  moe_imbalance: float = 1.0) -> list[dict]:
     """Predicted rows for each strategy at ``gpus`` devices, ranked (see :func:`rank_rows`)."""
     s = scenario(size_name, device, gpus, precision, global_batch, seq_len, recompute, microbatches, efficiency,
-                 pp_schedule, grad_accum, degrees)
+                 pp_schedule, grad_accum, degrees, moe_imbalance)
     names = tuple(strategies) if strategies else DEFAULT_STRATEGIES
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:

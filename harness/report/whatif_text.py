@@ -54,7 +54,9 @@ def assumptions_lines(s: Scenario) -> list[str]:
         f"{s.size.flops_per_token() / 1e9:,.2f} GFLOP (torchtitan counts {s.size.flops_per_token_torchtitan() / 1e9:,.2f}), "
         f"and by {FLOP_CONVENTION_LABEL['megatron']} = {s.size.flops_per_token_megatron() / 1e9:,.2f} GFLOP "
         f"(Megatron-Bridge's count); recompute not counted{total}",
-    ]
+    ] + ([f"expert load: {'balanced (every expert the mean)' if s.moe_imbalance == 1 else f'the busiest expert at {s.moe_imbalance:.3g}x the mean (--moe-imbalance)'}; "
+          f"under expert parallel the busiest rank's expert compute scales with it; all-to-all priced as "
+          f"if each rank receives as many routed rows as it sends"] if moe else [])
 
 
 def _num(x: float, decimals: int = 1) -> str:

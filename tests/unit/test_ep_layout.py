@@ -11,8 +11,10 @@ import pytest
 
 from harness.errors import UsageError
 from harness.model.comm import comm_by_rank, ep_bytes
+from harness.model.compute import expert_flop_share
 from harness.model.inventory import coords, held_numel, param_specs
 from harness.model.shape import CellShape
+from harness.model.whatif import plan_at_scale
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import degree_variants, resolve, resolve_cell
 from harness.planner import expand
@@ -101,3 +103,30 @@ def test_the_model_counts_the_all_to_alls_of_a_balanced_routing():
     assert ep_bytes(shape, rows, rows) == 2 * 8 * MOE.moe.n_experts * MOE.n_layers + 4 * rows * MOE.d_model * 4
     # the experts' FSDP group runs over efsdp (2 here), beside the blocks' over all of dp_shard
     assert rank0["reduce_scatter"]["calls_per_step"] == 2 * MOE.n_layers + 1
+
+
+def test_mixtral_whatif_ranks_ep8_above_ep4_tp2_for_the_reason_megatron_gives():
+    """The README's what-if: EP8 x TP1 ahead of EP4 x TP2 on 8 H100 (Megatron Core's MoE guide found the same),
+    because tensor parallel adds all-reduces of attention and of the experts' outputs that nothing hides."""
+    rows = plan_at_scale("moe-mixtral-8x7b", "h100", 8, strategies=["fsdp+ep", "fsdp+tp+ep"], recompute="full")
+    by = {(r["degrees"]["ep"], r["degrees"]["tp"]): r for r in rows}
+    ep8, ep4tp2 = by[8, 1], by[4, 2]
+    assert ep8["tokens_per_s_per_device"] > ep4tp2["tokens_per_s_per_device"]
+    assert ep4tp2["exposed_comm_s"] > 2 * ep8["exposed_comm_s"]
+    assert ep8["compute_s"] == pytest.approx(ep4tp2["compute_s"], rel=1e-9)  # the same FLOPs per device
+
+
+def test_a_measured_imbalance_slows_expert_parallel_by_the_experts_share():
+    base = plan_at_scale("moe-mixtral-8x7b", "h100", 8, strategies=["fsdp", "fsdp+ep"], recompute="full")
+    skewed = plan_at_scale("moe-mixtral-8x7b", "h100", 8, strategies=["fsdp", "fsdp+ep"], recompute="full",
+                           moe_imbalance=1.5)
+    before = {(r["strategy"], r["degrees"].get("ep", 1)): r for r in base}
+    after = {(r["strategy"], r["degrees"].get("ep", 1)): r for r in skewed}
+    assert after["fsdp", 1]["compute_s"] == before["fsdp", 1]["compute_s"]  # each rank computes its own tokens
+    shape = CellShape(size=get_size("mixtral-8x7b", "moe"), dims=resolve("fsdp+ep", 8).dims, strategy="fsdp+ep",
+                      precision="bf16", global_batch=8)
+    share = expert_flop_share(shape)
+    assert 0.7 < share < 0.9  # Mixtral's FLOPs are mostly its experts'
+    assert after["fsdp+ep", 8]["compute_s"] == pytest.approx(before["fsdp+ep", 8]["compute_s"] * (1 + 0.5 * share))
+    with pytest.raises(UsageError, match=r"--moe-imbalance 0.5: .*>= 1"):
+        plan_at_scale("moe-mixtral-8x7b", "h100", 8, strategies=["fsdp+ep"], moe_imbalance=0.5)
