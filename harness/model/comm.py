@@ -319,6 +319,18 @@ def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
     return calls
 
 
+def comm_for_routing(c: CellShape, sent_by_rank: list[int], received_by_rank: list[int]) -> list[dict]:
+    """:func:`comm_by_rank` for the routing that happened: each rank's all-to-all bytes (and under tp the
+    experts' all-reduce bytes) from the routed rows it sent and received in one step (a record's
+    ``metrics.moe.ep``), where the prediction assumed as many received as sent."""
+    out = comm_by_rank(c)
+    for rank, sent, received in zip(out, sent_by_rank, received_by_rank, strict=True):
+        rank["all_to_all"]["bytes_per_step"] = ep_bytes(c, sent, received)
+        if c.dims.tp_enabled:
+            rank["all_reduce"]["bytes_per_step"] += ep_tp_bytes(c, received) - ep_tp_bytes(c, sent)
+    return out
+
+
 def summarise(calls: list[Call]) -> dict[str, dict[str, float]]:
     """``{collective: {calls_per_step, bytes_per_step}}``, the shape of ``metrics.comm``."""
     out: dict[str, dict[str, float]] = {}

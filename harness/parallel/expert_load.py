@@ -7,7 +7,8 @@ replica of a router moves its bias alike. Each layer is counted by every rank th
 data- and context-parallel ranks see different tokens (their counts add up to the batch's), a
 pipeline stage's ranks hold only their layers (the others add zeros). Under full activation
 checkpointing each block's forward runs twice per micro-batch (the recompute routes the same tokens
-alike), so the counts are halved. The sum is kept per step for the record: tokens per expert, and
+alike), so the counts are halved; under tensor parallel every tp rank routes (and counts) the same
+tokens, so the sum is divided by tp. The sum is kept per step for the record: tokens per expert, and
 how far the busiest expert is above the mean. Under expert parallel each step also keeps this rank's
 routed, sent-away and received rows (:meth:`ExpertLoad.ep_rows`).
 """
@@ -42,13 +43,15 @@ class ExpertLoad:
     """Routing, the balancing step and the load record of one rank's MoE layers."""
 
     def __init__(self, parts: list[nn.Module], size: ModelSize, routing: str, ac: str, device: torch.device,
-                 ranges=None) -> None:
+                 ranges=None, tp: int = 1) -> None:
         """``ranges``: the run's NVTX ranges (:class:`harness.measure.nvtx_ranges.Ranges`), entered around
-        each layer's ``dispatch``, ``experts`` and ``combine``."""
+        each layer's ``dispatch``, ``experts`` and ``combine``; ``tp``: the tensor-parallel degree, whose
+        ranks route the same tokens (``fsdp+tp+ep``), each counting them."""
         self.layers = moe_layers(parts)
         self.shape = (size.n_layers, size.moe.n_experts)
         self.device = device
         self.passes = 2 if ac == "full" else 1
+        self.copies = tp
         self.steps: list[torch.Tensor] = []
         """Every step's load, warmup included (the loss curve's steps, which parity compares)."""
         self.first = 0
@@ -68,6 +71,7 @@ class ExpertLoad:
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm_label(MOE_LOAD_LABEL):
                 dist.all_reduce(load)
+        load /= self.copies  # every tp rank counted its tokens
         for i, layer in self.layers:
             layer.router.update_bias(load[i])
         self.steps.append(load)

@@ -132,7 +132,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     params = [p for p in par.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optimizer, cfg.lr)
     ranges = Ranges(enabled=cfg.nvtx)
-    moe = ExpertLoad(par.parts, size, cfg.moe_routing, cfg.ac, device, ranges) if size.moe else None
+    moe = ExpertLoad(par.parts, size, cfg.moe_routing, cfg.ac, device, ranges, dims.tp) if size.moe else None
     ctx = train.StepContext(par=par, optimizer=optimizer, precision=precision,
                             scaler=precision.grad_scaler(cfg.device_kind), device_kind=cfg.device_kind,
                             grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges, moe=moe)
