@@ -41,6 +41,8 @@ class ParallelDims:
     ``efsdp``. Tokens reach their experts by all-to-all (:mod:`harness.parallel.ep`)."""
     _mesh: object = field(default=None, compare=False, repr=False)
     _fsdp_mesh: object = field(default=None, compare=False, repr=False)
+    _dp_shard_mesh: object = field(default=None, compare=False, repr=False)
+    """Under expert parallel, dp_shard is the flattened (efsdp, ep): kept, like the FSDP mesh."""
 
     def __post_init__(self) -> None:
         for name in MESH_ORDER:
@@ -122,7 +124,7 @@ class ParallelDims:
         if self.ep_enabled:
             sizes = {**{n: getattr(self, n) for n in MESH_ORDER}, "efsdp": self.efsdp, "ep": self.ep}
             mesh = init_device_mesh(device_type, tuple(sizes[n] for n in EP_MESH_ORDER), mesh_dim_names=EP_MESH_ORDER)
-            mesh["efsdp", "ep"]._flatten("dp_shard")
+            object.__setattr__(self, "_dp_shard_mesh", mesh["efsdp", "ep"]._flatten("dp_shard"))
             fsdp_mesh = mesh["efsdp", "ep", "cp"]._flatten(FSDP_SHARD_DIM)
         else:
             mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in MESH_ORDER), mesh_dim_names=MESH_ORDER)
@@ -138,4 +140,6 @@ class ParallelDims:
             raise RuntimeError("build_mesh() must be called before mesh()")
         if names == (FSDP_SHARD_DIM,):
             return self._fsdp_mesh
+        if names == ("dp_shard",) and self._dp_shard_mesh is not None:
+            return self._dp_shard_mesh
         return self._mesh[names if len(names) > 1 else names[0]]

@@ -7,6 +7,7 @@ equal to the model's."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from harness.spec import CellConfig
 from workloads.sizes import get_size
 
 REF = Path(__file__).resolve().parents[2] / "results" / "reference" / "moe-ep-cpu-tiny-mini-w2-w4"
+FIT = REF.parent / "fit-qwen3-30b-a3b-w64-ep"
 EP_STRATEGIES = ("fsdp+ep", "fsdp+tp+ep")
 
 
@@ -98,3 +100,15 @@ def test_model_states_are_the_models_and_summary_prints_the_load_table(cells):
         assert r["metrics"]["model_state_bytes_by_rank"] == r["predicted"]["model_state_bytes_by_rank"], r["cell_id"]
     summary = (REF / "summary.md").read_text()
     assert "## Expert load (MoE)" in summary and "| e7 " in summary
+
+
+def test_fit_holds_qwen3_model_states_exact_at_every_ep():
+    """``harness fit --arch moe --sizes qwen3-30b-a3b --gpus 64 --strategies fsdp+ep``: one cell per ep dividing
+    64 ranks and 128 experts, each rank's measured model states equal to the model's to the byte."""
+    records = [json.loads(line) for line in (FIT / "fit.jsonl").read_text().splitlines() if line.strip()]
+    assert sorted(r["config"]["degrees"]["ep"] for r in records) == [2, 4, 8, 16, 32, 64]
+    for r in records:
+        assert r["status"] == "ok" and r["config"]["strategy"] == "fsdp+ep" and r["config"]["world_size"] == 64
+        assert r["metrics"]["model_state_bytes_per_rank"] == r["predicted"]["model_state_bytes_per_rank"], r["cell_id"]
+    # FSDP already shards every expert over the 64 ranks: expert parallel moves them, it does not shrink them
+    assert len({r["metrics"]["model_state_bytes_per_rank"] for r in records}) == 1
