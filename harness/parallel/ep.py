@@ -8,8 +8,10 @@ tensor-parallel size equal to tp) each expert's width is split too: ``gate`` and
 (``Shard(1)``), ``proj`` row-wise (``Shard(2)``) on the (ep, tp) mesh. The tp ranks of one expert-parallel
 rank hold the same tokens and route them alike; each exchanges them with its own ep group, computes
 its slice of the experts' width, and the partial outputs are summed over tp before they go back
-(:class:`_ReduceFromTP`; backward, the rows' partial gradients are summed: :class:`_CopyToTP`). Every other parameter is FSDP-sharded over all of dp_shard as before; the experts
-over ``efsdp`` only (:func:`shard_experts`). An expert's gradient sums the tokens of its ``ep`` peers
+(:class:`_ReduceFromTP`; backward, the rows' partial gradients are summed: :class:`_CopyToTP`).
+
+Every other parameter is FSDP-sharded over all of dp_shard as before; the experts over ``efsdp`` only
+(:func:`shard_experts`). An expert's gradient sums the tokens of its ``ep`` peers
 (the all-to-all's backward brings them), and FSDP sums those over ``efsdp``: divided by
 ``efsdp x ep`` it is the data-parallel mean, as for every other parameter.
 
@@ -23,8 +25,7 @@ over ``efsdp`` only (:func:`shard_experts`). An expert's gradient sums the token
 3. after the experts, the reverse regrouping and exchange bring each row back to its token.
 
 Every exchange, forward and backward, runs under ``comm_label("ep")``, so the comm counter files the
-all-to-alls apart.
-The dispatcher also counts the rows it routed, how many left this rank and how many it received, for
+all-to-alls apart. The dispatcher also counts the rows it routed, how many left this rank and how many it received, for
 the record (:meth:`harness.parallel.expert_load.ExpertLoad.ep_rows`).
 """
 
@@ -106,7 +107,7 @@ class AllToAllDispatch:
         self.received = 0
         """Rows this rank's experts received (its own included)."""
 
-    def _received(self, grouped: torch.Tensor, counts: torch.Tensor, even: bool) -> tuple[list[int], list[list[int]]]:
+    def _splits(self, grouped: torch.Tensor, counts: torch.Tensor, even: bool) -> tuple[list[int], list[list[int]]]:
         """Rows sent to each peer, and ``recv[r][j]``: rows from peer r for local expert j."""
         if even:  # no values to read (fake tensors): every rank splits the same row count alike
             send = even_split(grouped.shape[0], self.ep)
@@ -118,7 +119,7 @@ class AllToAllDispatch:
 
     def dispatch(self, grouped: torch.Tensor, counts: torch.Tensor, even: bool):
         with comm_label(EP_LABEL):
-            send, recv = self._received(grouped, counts, even)
+            send, recv = self._splits(grouped, counts, even)
             from_peer = [sum(row) for row in recv]
         rows = _AllToAll.apply(grouped, from_peer, send, self.group)
         self.routed += grouped.shape[0]

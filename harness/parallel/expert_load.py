@@ -51,7 +51,7 @@ class ExpertLoad:
         self.shape = (size.n_layers, size.moe.n_experts)
         self.device = device
         self.passes = 2 if ac == "full" else 1
-        self.copies = tp
+        self.tp = tp
         self.steps: list[torch.Tensor] = []
         """Every step's load, warmup included (the loss curve's steps, which parity compares)."""
         self.first = 0
@@ -71,7 +71,7 @@ class ExpertLoad:
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm_label(MOE_LOAD_LABEL):
                 dist.all_reduce(load)
-        load /= self.copies  # every tp rank counted its tokens
+        load /= self.tp  # every tp rank counted its tokens
         for i, layer in self.layers:
             layer.router.update_bias(load[i])
         self.steps.append(load)
