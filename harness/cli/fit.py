@@ -98,7 +98,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         compute[size] = _compute(args.compute, device_kind, size)
         for seq, prec, g, strategy, ac in product(seq_lens, csv_list(args.precision or d["precision"]), gpus,
                                                   csv_list(args.strategies), acs):
-            experts = get_size(size).moe.n_experts if get_size(size).moe else None
+            moe = get_size(size).moe
+            experts = moe.n_experts if moe else None
             for cell_degrees in (None if degrees else degree_variants(strategy, g * nnodes, experts)) or [degrees]:
                 cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq, mbs,
                                            args.pp_schedule, nnodes, cell_degrees, ac))

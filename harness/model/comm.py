@@ -180,7 +180,7 @@ def _fsdp_calls(c: CellShape, specs: list[ParamSpec], coord: RankCoord) -> list[
     calls = []
     for (stage, name), members in groups.items():
         shard = fsdp_ways(members[0], dims)
-        if shard == 1 and dims.ep_enabled:  # experts on a 1-rank FSDP mesh: FSDP2 skips the collectives
+        if shard == 1:  # a 1-rank FSDP mesh (efsdp 1, or fsdp at one rank): FSDP2 skips the collectives
             continue
         padded = sum(fsdp_padded_numel(held_shape(p, dims), shard) for p in members)
         reshard = c.reshard_after_forward and name != "root"

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from harness.parallel.dims import ParallelDims
+from harness.parallel.ep import WIDTH_DIM
 from harness.parallel.pipeline import layer_ranges
 from workloads.sizes import ModelSize
 
@@ -117,8 +118,7 @@ def held_shape(spec: ParamSpec, dims: ParallelDims) -> tuple[int, ...]:
     their width (``gate``/``up`` dim 1, ``proj`` dim 2) split over tp."""
     if _ep_split(spec, dims):
         shape = [spec.shape[0] // dims.ep, *spec.shape[1:]]
-        width = 1 if spec.name.endswith((".gate", ".up")) else 2  # harness.parallel.ep.WIDTH_DIM
-        shape[width] //= dims.tp
+        shape[WIDTH_DIM[spec.name.rsplit(".", 1)[1]]] //= dims.tp
         return tuple(shape)
     return tp_local_shape(spec, dims.tp)
 
