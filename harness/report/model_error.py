@@ -23,8 +23,11 @@ from typing import Any
 import pandas as pd
 from tabulate import tabulate
 
+from harness.model.comm import comm_for_routing
+from harness.model.shape import CellShape
 from harness.records.reader import RECORDS_FILENAME, calibration_medians, latest_per_cell, load_records
 from harness.report.frame import get, num
+from harness.spec import CellConfig
 from harness.text import fmt_or
 from harness.units import MIB
 
@@ -53,6 +56,25 @@ def machine_factor(record: dict[str, Any], normaliser: dict[Any, float | None]) 
     return (probe["before"] + probe["after"]) / 2 / ref
 
 
+def comm_exact(record: dict[str, Any]) -> str:
+    """Whether a cell's collective bytes are the model's: ``yes`` when every rank's equal the prediction
+    written before the run; ``routed`` for an expert-parallel cell whose all-to-all followed its learned
+    router (the prediction assumed each rank receives as many rows as it sends) and whose every rank's
+    bytes equal the model for the rows it recorded sending and receiving (``metrics.moe.ep``,
+    :func:`harness.model.comm.comm_for_routing`); ``no`` otherwise."""
+    measured, predicted = (record.get("metrics") or {}), (record.get("predicted") or {})
+    if "comm_by_rank" not in predicted:  # older records: the per-step total only
+        return "yes" if num(predicted.get("comm_bytes_per_step")) == num(measured.get("comm_bytes_per_step")) else "no"
+    if measured.get("comm_by_rank") == predicted["comm_by_rank"]:
+        return "yes"
+    ep = (measured.get("moe") or {}).get("ep")
+    if ep and measured.get("comm_by_rank") == comm_for_routing(CellShape.of(CellConfig.from_dict(record["config"])),
+                                                               ep["counted_step_rows_sent_by_rank"],
+                                                               ep["counted_step_rows_received_by_rank"]):
+        return "routed"
+    return "no"
+
+
 def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     """One row per ok cell with a prediction (its latest record): predicted, measured and error % per quantity."""
     rows = []
@@ -74,7 +96,7 @@ def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
         row["peak_mem_basis"] = "tensor_bytes" if math.isfinite(tensor) else m.get("peak_mem_kind")
         row["machine_factor"] = factor = machine_factor(r, normaliser)
         row["step_time_adjusted_error_pct"] = error_pct(row["step_time_predicted"] * factor, row["step_time_measured"])
-        row["comm_exact"] = row["comm_bytes_predicted"] == row["comm_bytes_measured"]
+        row["comm_exact"] = comm_exact(r)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -107,7 +129,7 @@ def model_section(df: pd.DataFrame) -> str:
                      fmt_or(r["step_time_error_pct"], "+.0f", "-"), fmt_or(r["machine_factor"], ".2f", "-"),
                      fmt_or(r["step_time_adjusted_error_pct"], "+.0f", "-"),
                      fmt_or(r["comm_bytes_measured"] / MIB, ".2f", "-"), fmt_or(r["comm_bytes_predicted"] / MIB, ".2f", "-"),
-                     "yes" if r["comm_exact"] else "no",
+                     r["comm_exact"],
                      fmt_or(r["model_state_error_pct"], "+.2f", "-"), fmt_or(r["peak_mem_measured"], ".3f", "-"),
                      fmt_or(r["peak_mem_predicted"], ".3f", "-"), fmt_or(r["peak_mem_error_pct"], "+.0f", "-"),
                      r["peak_mem_basis"] or "-", r["basis"] or "-"])
@@ -127,6 +149,9 @@ def model_section(df: pd.DataFrame) -> str:
                          f"mean |error| {adj.mean_abs_pct:.1f}%, max {adj.max_abs_pct:.1f}% (`{adj.worst_cell}`) "
                          f"over {adj.n} cells")
     lines += ["", "error % = 100 x (predicted - measured) / measured; the step time is the measured median. "
+              "bytes exact: every rank's collective bytes equal the prediction (yes), or, for an expert-parallel "
+              "cell with a learned router, the model for the rows each rank recorded sending and receiving "
+              "(routed: the prediction assumed a rank receives as many as it sends). "
               "Peak memory is held against the measure the model predicts: live tensor bytes on CPU ranks "
               "(`metrics.peak_tensor_gib`, the model without the process), the allocator on GPU; older CPU "
               "records without it fall back to RSS against the model plus the process base. "

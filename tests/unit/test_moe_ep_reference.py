@@ -15,6 +15,7 @@ import pytest
 from harness.model.comm import comm_for_routing
 from harness.model.shape import CellShape
 from harness.records.reader import latest_per_cell, load_records
+from harness.report.model_error import comm_exact
 from harness.spec import CellConfig
 from workloads.sizes import get_size
 
@@ -81,6 +82,23 @@ def test_all_to_all_bytes_equal_the_formula_for_the_routing_that_happened(cells)
         assert r["metrics"]["comm_by_rank"] == comm_for_routing(shape, sent, received), r["cell_id"]
         if r["config"]["moe_routing"] == "balanced":  # the prediction made before the run was exact
             assert received == sent and r["metrics"]["comm_by_rank"] == r["predicted"]["comm_by_rank"]
+
+
+def test_the_report_says_whose_bytes_are_exact_and_for_which_routing(cells):
+    """summary.md's "bytes exact": yes against the prediction, routed against the model of the recorded rows
+    (learned expert-parallel cells), and no once a rank's recorded rows disagree with its bytes."""
+    verdicts = {r["cell_id"]: comm_exact(r) for r in _ok(cells)}
+    learned_ep = {r["cell_id"] for r in _ok(cells)
+                  if r["config"]["strategy"] in EP_STRATEGIES and r["config"]["moe_routing"] == "learned"}
+    assert {c for c, v in verdicts.items() if v != "yes"} == learned_ep and len(learned_ep) == 8
+    assert set(verdicts[c] for c in learned_ep) == {"routed"}
+    r = next(r for r in _ok(cells) if r["cell_id"] in learned_ep)
+    tampered = json.loads(json.dumps(r))
+    received = tampered["metrics"]["moe"]["ep"]["counted_step_rows_received_by_rank"]
+    received[0], received[1] = received[0] + 1, received[1] - 1
+    assert comm_exact(tampered) == "no"
+    summary = (REF / "summary.md").read_text()
+    assert all(f"| {c} " in summary for c in learned_ep) and "| routed " in summary
 
 
 def test_the_share_of_tokens_that_left_their_rank(cells):
