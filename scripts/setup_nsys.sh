@@ -36,9 +36,7 @@ if grep -qi '^ID=debian' /etc/os-release; then
         sed -i -E '/^deb /{/ non-free( |$)/!s/$/ contrib non-free/}' /etc/apt/sources.list
     fi
 fi
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends nsight-systems nsight-systems-target >/dev/null
+apt_install nsight-systems nsight-systems-target
 
 # The importer link: target-linux-x64 (the CLI's folder) needs host-linux-x64 beside it.
 nsys_bin=$(readlink -f "$(command -v nsys)")

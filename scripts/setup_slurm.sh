@@ -23,9 +23,7 @@ fi
 # shellcheck source=scripts/apt_common.sh
 . "$(dirname "$0")/apt_common.sh"
 require_apt_root setup-slurm "install slurmctld, slurmd, the Slurm client and munge ($(missing) missing) with your package manager"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+apt_install slurmctld slurmd slurm-client munge
 left=$(missing)
 [ -z "$left" ] || { say "error: installed, but still not on PATH: $left"; exit 1; }
 say "ok: $(slurmd -V), $(munged -V 2>/dev/null | head -n1)"
