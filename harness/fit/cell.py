@@ -17,7 +17,8 @@ from pathlib import Path
 from harness.fit.role_process import RoleSpec
 from harness.fit.roles import Role, rank_roles
 from harness.jobs import run_job
-from harness.model.memory import peak_bytes, state_bytes_by_rank
+from harness.model.inventory import coords
+from harness.model.memory import peak_bytes, stage_peak_bytes, state_bytes_by_rank
 from harness.model.shape import CellShape
 from harness.parallel.presets import resolve_cell
 from harness.precision import PrecisionPlan
@@ -158,17 +159,19 @@ def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_m
     shape = cell.shape
     states = state_bytes_by_rank(shape)
     predicted_peak = peak_bytes(shape, 0.0)
+    stage_of = [k.pp for k in coords(shape.dims)]
     roles = []
     for o in outcomes:
+        role_peak = stage_peak_bytes(shape, stage_of[o.role.rank])  # a pipeline stage's own, not the largest
         row = {"role": o.role.name, "rank": o.role.rank, "ranks": len(o.role.ranks), "status": o.status,
                "error": o.error, "predicted_model_state_bytes": states[o.role.rank].total,
-               "predicted_peak_mem_gib": predicted_peak / GIB}
+               "predicted_peak_mem_gib": role_peak / GIB}
         if o.result is not None:
             peak = o.result["peak_bytes"]
             row.update(peak_mem_gib=peak / GIB, peak_mem_kind=o.result["peak_kind"],
                        model_state_bytes=o.result["model_state_bytes"]["total"],
                        model_state_breakdown=o.result["model_state_bytes"],
-                       peak_error_pct=pct_error(predicted_peak, peak),
+                       peak_error_pct=pct_error(role_peak, peak),
                        model_state_exact=o.result["model_state_bytes"]["total"] == states[o.role.rank].total,
                        fits=peak / GIB <= device_mem_gib)
         else:

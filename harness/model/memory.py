@@ -26,6 +26,7 @@ of the local ``2 kv_dim / tp``. Those K/V buffers are what stops activations fal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from harness.model.inventory import (
@@ -182,38 +183,58 @@ def logits_bytes(c: CellShape) -> int:
     """Logits (compute dtype), their fp32 copy for the loss and its gradient, on the last stage.
 
     Under tensor parallel the head is column-parallel with replicated logits
-    (:mod:`harness.parallel.tp`): every rank holds its vocabulary shard and the gathered whole.
+    (:mod:`harness.parallel.tp`): every rank holds its vocabulary shard and the gathered whole. In a
+    pipeline the last stage's output is the logits, and the schedule keeps every stage's output for its
+    backward: one more compute-dtype copy lives until the logits' gradient is taken (measured by
+    ``harness fit``: four logits-sized tensors at the last stage's peak in fp32, three without pp).
     """
     rows = c.microbatch_rows
     v = c.size.vocab_size
     shard = c.compute_bytes / c.dims.tp if c.dims.tp > 1 else 0
-    return int(rows * c.local_seq * v * (c.compute_bytes + 2 * 4 + shard))
+    kept = c.compute_bytes if c.dims.pp_enabled else 0
+    return int(rows * c.local_seq * v * (c.compute_bytes + 2 * 4 + shard + kept))
 
 
-def transient_param_bytes(c: CellShape) -> int:
-    """Buffers beside the model states at the peak: DDP gradient buckets, FSDP gathered groups."""
-    if c.data_parallel == "ddp":  # wrapped in DDP even at one replica
-        return 4 * local_params(c)  # DDP's bucket copies of the gradients (gradient_as_bucket_view off)
-    if not c.fsdp:
-        return 0
-    specs = rank_params(c.size, c.dims, c.virtual, 0)
-    per_block = {}
+def _gathered_groups(c: CellShape, pp_rank: int) -> tuple[int, list[int]]:
+    """Bytes of a pipeline rank's FSDP groups when gathered (parameter dtype): the root's, and each
+    block's, largest first."""
+    per_block: dict[int, int] = {}
     root = 0
-    for p in specs:
+    for p in rank_params(c.size, c.dims, c.virtual, pp_rank):
         n = fsdp_padded_numel(held_shape(p, c.dims), fsdp_ways(p, c.dims)) * c.param_bytes
         if p.layer is None:
             root += n
         else:
             per_block[p.layer] = per_block.get(p.layer, 0) + n
-    blocks = sorted(per_block.values(), reverse=True)
+    return root, sorted(per_block.values(), reverse=True)
+
+
+def transient_param_bytes(c: CellShape, pp_rank: int = 0) -> int:
+    """Buffers beside the model states at the peak: DDP gradient buckets, FSDP gathered groups."""
+    if c.data_parallel == "ddp":  # wrapped in DDP even at one replica
+        return 4 * local_params(c)  # DDP's bucket copies of the gradients (gradient_as_bucket_view off)
+    if not c.fsdp:
+        return 0
+    root, blocks = _gathered_groups(c, pp_rank)
     if c.reshard_after_forward:
         return root + sum(blocks[:2])  # current block and the prefetched next one
     return root + sum(blocks)
 
 
-def peak_bytes(c: CellShape, base_bytes: float) -> float:
-    """Predicted peak per rank (the largest over pipeline ranks): parameters and optimizer state +
-    transient buffers + the largest of three moments of the step + base.
+def pipeline_unsharded_grad_bytes(c: CellShape, pp_rank: int) -> int:
+    """Under FSDP in a pipeline, the stage's gradients unsharded, accumulated in fp32 over the microbatches.
+
+    torch's pipeline schedules run every microbatch's backward with FSDP's gradient sync and its reshard
+    after backward turned off, and reduce once after the last (``PipelineStage.backward_maybe_with_nosync``,
+    ``perform_reduce_grad``): from a rank's first backward to the step's end it holds its stage's
+    gradients and parameters unsharded, the memory ZeRO-3 saves given back for the step.
+    """
+    return 4 * sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank))
+
+
+def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> float:
+    """Predicted peak of a rank on pipeline rank ``pp_rank``: parameters and optimizer state + transient
+    buffers + the largest of three moments of the step + base.
 
     * the turn from forward to backward: every saved activation and the logits (last stage);
     * the top block's backward: every saved activation and what that block's backward adds;
@@ -221,17 +242,33 @@ def peak_bytes(c: CellShape, base_bytes: float) -> float:
       It is the peak under ``ac full`` when the gradients outweigh the block inputs.
 
     Gradients count in the first two only when they outlive a step's forward (:func:`grads_live_in_forward`).
+    Under FSDP in a pipeline the gradients and gathered parameters are the stage's, unsharded
+    (:func:`pipeline_unsharded_grad_bytes`): once a microbatch's backward ran, and so at the turns only when
+    the rank runs more microbatches than it holds in flight; the bottom block's backward then keeps the
+    other in-flight microbatches' activations, and the reduce after the last one holds the sharded
+    gradients beside the unsharded.
     """
-    by_rank = state_bytes_by_rank(c)
+    states = max((s for s, k in zip(state_bytes_by_rank(c), coords(c.dims)) if k.pp == pp_rank),
+                 key=lambda s: s.total)
     block = block_backward_bytes(c)
     top_adds = block if c.recompute == "full" else _mlp_grad_bytes(c)  # what the top block's backward adds to the saved
-    transient = transient_param_bytes(c)
-    peaks = []
-    for pp_rank in range(c.dims.pp):
-        states = max((s for s, k in zip(by_rank, coords(c.dims)) if k.pp == pp_rank), key=lambda s: s.total)
-        live_grads = states.grads if grads_live_in_forward(c) else 0
-        saved = activation_bytes(c, pp_rank)
-        logits = logits_bytes(c) if pp_rank == c.dims.pp - 1 else 0
-        moments = (saved + logits + live_grads, saved + top_adds + live_grads, states.grads + block)
-        peaks.append(states.params + states.optimizer + transient + max(moments))
-    return max(peaks) + base_bytes
+    transient = transient_param_bytes(c, pp_rank)
+    saved = activation_bytes(c, pp_rank)
+    logits = logits_bytes(c) if pp_rank == c.dims.pp - 1 else 0
+    if c.fsdp and c.dims.pp_enabled:
+        unsharded = pipeline_unsharded_grad_bytes(c, pp_rank)
+        root, blocks = _gathered_groups(c, pp_rank)
+        inflight = inflight_microbatches(c, pp_rank)
+        at_turn = unsharded if c.microbatches > inflight else 0
+        moments = (saved + logits + at_turn + transient, saved + top_adds + at_turn + transient,
+                   saved * (inflight - 1) // inflight + block + unsharded + root + sum(blocks),
+                   states.grads + unsharded + root + sum(blocks))
+        return states.params + states.optimizer + max(moments) + base_bytes
+    live_grads = states.grads if grads_live_in_forward(c) else 0
+    moments = (saved + logits + live_grads, saved + top_adds + live_grads, states.grads + block)
+    return states.params + states.optimizer + transient + max(moments) + base_bytes
+
+
+def peak_bytes(c: CellShape, base_bytes: float) -> float:
+    """Predicted peak per rank: the largest over pipeline ranks (:func:`stage_peak_bytes`)."""
+    return max(stage_peak_bytes(c, pp_rank, base_bytes) for pp_rank in range(c.dims.pp))

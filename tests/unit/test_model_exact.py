@@ -75,7 +75,8 @@ def test_logits_bytes_exact() -> None:
     # rows x S x V x (compute bytes + fp32 copy + its gradient)
     assert memory.logits_bytes(shape("single", 1)) == 8 * 128 * 256 * (4 + 8)
     assert memory.logits_bytes(shape("single", 1, precision="bf16")) == 8 * 128 * 256 * (2 + 8)
-    assert memory.logits_bytes(shape("pp", 2, microbatches=4)) == 2 * 128 * 256 * 12
+    # a pipeline's last stage also keeps its output, the logits, for its backward (harness fit measured 4 copies)
+    assert memory.logits_bytes(shape("pp", 2, microbatches=4)) == 2 * 128 * 256 * 16
 
 
 def test_transient_buffers_exact() -> None:
@@ -148,8 +149,34 @@ def test_peak_is_the_largest_moment_of_the_step() -> None:
     first, last = memory.state_bytes_by_rank(pp)
     rows = 2 * 128
     peak_first = first.total + rows * 2 * (2 * 64 * 128 + 4 * 128) + rows * 4 * 128 * 4  # 2 in flight + GELU grad
-    peak_last = last.total + rows * 2 * 64 * 128 + rows * 256 * 12  # one in flight and its logits
+    peak_last = last.total + rows * 2 * 64 * 128 + rows * 256 * 16  # one in flight and its logits, kept
+    assert [memory.stage_peak_bytes(pp, r) for r in (0, 1)] == [peak_first, peak_last]
     assert memory.peak_bytes(pp, 0.0) == max(peak_first, peak_last)
+
+
+def test_pipeline_fsdp_holds_its_stage_unsharded_from_the_first_backward() -> None:
+    """pp 2 x dp_shard 2: torch's schedule turns FSDP's gradient sync and reshard-after-backward off for every
+    microbatch's backward and reduces after the last, so a stage's gradients (fp32) and gathered parameters
+    are whole from its first backward to the step's end. Stage 0 runs 4 microbatches and holds 2 in flight:
+    its turn comes again after a backward, with them."""
+    c = shape("pp+fsdp", 4, microbatches=4)  # 8 rows / dp 2 / 4 microbatches: 1 row each
+    stage0 = (256 + 128) * 128 + 2 * BLOCK
+    stage1 = 2 * BLOCK + 2 * 128 + 128 * 256
+    assert [memory.pipeline_unsharded_grad_bytes(c, r) for r in (0, 1)] == [4 * stage0, 4 * stage1]
+    first = memory.state_bytes_by_rank(c)[0]
+    assert first.params == 4 * stage0 // 2  # sharded over 2
+    tokens = 128
+    saved = 2 * tokens * (2 * 64 * 128 + 4 * 128)  # 2 in flight: 2 layers and the stage output each
+    gelu = tokens * 4 * 128 * 4
+    window = 4 * ((256 + 128) * 128 + 2 * BLOCK)  # the root (embeddings) and two blocks gathered: all of stage 0
+    turn = saved + 4 * stage0 + window + gelu  # the top block's backward, gradients whole
+    assert memory.stage_peak_bytes(c, 0) == first.params + first.optimizer + turn
+    # one microbatch each: no turn after a backward, so the bottom block's backward with everything whole wins
+    one = shape("pp+fsdp", 4, microbatches=2, global_batch=4)
+    assert memory.inflight_microbatches(one, 0) == 2
+    s = memory.state_bytes_by_rank(one)[0]
+    bottom = tokens * (2 * 64 * 128 + 4 * 128) + tokens * 64 * 128 + gelu + 4 * stage0 + window  # 1 other in flight
+    assert memory.stage_peak_bytes(one, 0) == s.params + s.optimizer + bottom
 
 
 # ---- communication per rank: exact calls, bytes, mesh dimension and overlap (harness/model/comm.py)
