@@ -133,10 +133,11 @@ def _block_token_bytes(c: CellShape) -> float:
 
 def moe_token_bytes(c: CellShape) -> float:
     """What an MoE layer saves per token: the router's fp32 logits and scores (E each); per each of the k
-    slots the token's grouped copy and its expert's output (d each) and the expert's SwiGLU tensors
-    (4 f); the shared expert's SwiGLU tensors (4 x n_shared f)."""
+    slots, three rows of d: the token's grouped copy (the experts' input), its expert's output (which the
+    routing weight multiplies) and the weighted output (``index_add`` keeps its source), and the
+    expert's SwiGLU tensors (4 f); the shared expert's SwiGLU tensors (4 x n_shared f)."""
     m, d = c.size.moe, c.size.d_model
-    return 8 * m.n_experts + (m.top_k * (2 * d + 4 * m.d_ff) + 4 * m.n_shared * m.d_ff) * c.compute_bytes
+    return 8 * m.n_experts + (m.top_k * (3 * d + 4 * m.d_ff) + 4 * m.n_shared * m.d_ff) * c.compute_bytes
 
 
 def rope_table_bytes(c: CellShape) -> int:

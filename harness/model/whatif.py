@@ -46,7 +46,14 @@ def sequences_per_device(seq_len: int) -> int:
 
 
 DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "single")
-"""``single`` runs on one device; ask for it with ``--strategies single`` as a reference."""
+"""``single`` runs on one device; ask for it with ``--strategies single`` as a reference. A dense size
+leaves the expert-parallel presets out (:func:`default_strategies`)."""
+
+
+def default_strategies(size: ModelSize) -> tuple[str, ...]:
+    """What ``plan`` ranks without ``--strategies``: every strategy but ``single``, and for a dense size
+    none of the expert-parallel presets, which need experts (named, they are refused with the reason)."""
+    return DEFAULT_STRATEGIES if size.moe else tuple(n for n in DEFAULT_STRATEGIES if n not in presets.EP_PRESETS)
 
 
 @dataclass(frozen=True)
@@ -205,7 +212,7 @@ def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: t
     """Predicted rows for each strategy at ``gpus`` devices, ranked (see :func:`rank_rows`)."""
     s = scenario(size_name, device, gpus, precision, global_batch, seq_len, recompute, microbatches, efficiency,
                  pp_schedule, grad_accum, degrees, moe_imbalance)
-    names = tuple(strategies) if strategies else DEFAULT_STRATEGIES
+    names = tuple(strategies) if strategies else default_strategies(s.size)
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         raise UsageError(f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STRATEGIES)}")

@@ -130,3 +130,14 @@ def test_a_measured_imbalance_slows_expert_parallel_by_the_experts_share():
     assert after["fsdp+ep", 8]["compute_s"] == pytest.approx(before["fsdp+ep", 8]["compute_s"] * (1 + 0.5 * share))
     with pytest.raises(UsageError, match=r"--moe-imbalance 0.5: .*>= 1"):
         plan_at_scale("moe-mixtral-8x7b", "h100", 8, strategies=["fsdp+ep"], moe_imbalance=0.5)
+
+
+def test_plan_ranks_expert_parallel_only_where_there_are_experts():
+    """Without --strategies a dense size gets no expert-parallel rows (they could only be refused); an MoE
+    size gets every ep; named for a dense size, an EP preset is refused with the reason."""
+    dense = {r["strategy"] for r in plan_at_scale("llama3-8b", "h100", 8)}
+    assert "fsdp" in dense and not dense & {"fsdp+ep", "fsdp+tp+ep"}
+    moe = [r for r in plan_at_scale("moe-mixtral-8x7b", "h100", 8, recompute="full") if r["strategy"] == "fsdp+ep"]
+    assert len(moe) == 3 and all(r["valid"] for r in moe)  # ep 2, 4, 8
+    (named,) = plan_at_scale("llama3-8b", "h100", 8, strategies=["fsdp+tp+ep"])[:1]
+    assert not named["valid"] and "mixture of experts" in named["reason"]
