@@ -13,8 +13,8 @@ from harness.cli import main
 from harness.model.inventory import param_specs
 from harness.model.memory import moe_token_bytes
 from harness.model.shape import CellShape
-from harness.parallel.presets import degrees_for
 from harness.parallel.expert_load import ExpertLoad
+from harness.parallel.presets import degrees_for
 from harness.planner import expand
 from harness.run.record_metrics import parity_diffs, routing_divergence
 from harness.spec import SweepSpec
