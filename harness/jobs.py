@@ -29,6 +29,13 @@ REPO = Path(__file__).resolve().parents[1]
 """The checkout that holds ``harness`` and ``workloads``: on every job's ``PYTHONPATH``."""
 
 
+def drop_empty_log(path: Path) -> None:
+    """Remove ``path`` when the job printed nothing to it: an empty log says nothing, so a run directory
+    keeps only the logs that hold something."""
+    if path.is_file() and path.stat().st_size == 0:
+        path.unlink()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

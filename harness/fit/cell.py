@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harness.fit.role_process import RoleSpec
 from harness.fit.roles import Role, rank_roles
-from harness.jobs import run_job
+from harness.jobs import drop_empty_log, run_job
 from harness.model.inventory import coords
 from harness.model.memory import peak_bytes, stage_peak_bytes, state_bytes_by_rank
 from harness.model.shape import CellShape
@@ -133,6 +133,7 @@ def run_roles(cell: FitCell, work_dir: Path, steps: int, compute: str) -> list[R
         rc = run_job([sys.executable, "-m", "harness.fit.role_process", "--spec", str(spec_path), "--out", str(result_path)],
                      log_path, ROLE_TIMEOUT_S)
         if rc == 0 and result_path.exists():
+            drop_empty_log(log_path)
             out.append(RoleOutcome(role, "ok", json.loads(result_path.read_text())))
             continue
         log = log_path.read_text(errors="replace")

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.jobs import KILL_GRACE_S, Job, interrupts_deferred, start_job
+from harness.jobs import KILL_GRACE_S, Job, drop_empty_log, interrupts_deferred, start_job
 
 READY_TIMEOUT_S = 300.0
 """Importing torch and the harness: seconds on an idle machine, far more under load."""
@@ -63,9 +63,7 @@ class ForkServer:
                 if pipe is not None:
                     pipe.close()
             self.job = None
-        log = self.run_dir / SERVER_LOG
-        if log.is_file() and log.stat().st_size == 0:
-            log.unlink()  # the server said nothing: an empty log is not a result
+        drop_empty_log(self.run_dir / SERVER_LOG)
 
     def __enter__(self) -> ForkServer:
         return self

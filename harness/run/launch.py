@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from harness.jobs import free_port, run_job
+from harness.jobs import drop_empty_log, free_port, run_job
 from harness.records.atomic import write_json_atomic
 from harness.run import heartbeat
 from harness.run.fork_client import ForkServer, ForkServerDied
@@ -146,11 +146,9 @@ def _failed_rank(cell_dir: Path, launcher_err: str) -> tuple[int | None, str]:
 
 
 def _drop_empty_logs(cell_dir: Path) -> None:
-    """torchrun writes a stdout and stderr file per rank whether or not the rank printed: an empty log
-    says nothing, so a run directory keeps only the logs that hold something."""
+    """torchrun writes a stdout and stderr file per rank whether or not the rank printed."""
     for log in [cell_dir / "launcher.log", *(cell_dir / "logs").rglob("*.log")]:
-        if log.is_file() and log.stat().st_size == 0:
-            log.unlink()
+        drop_empty_log(log)
 
 
 def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, rdzv_id: str,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from harness.cli import main
+from harness.fit.cell import plan_fit_cell, run_roles
 from harness.fit.roles import rank_roles
 from harness.measure.tensor_bytes import TensorBytes
 from harness.model.shape import CellShape
@@ -115,3 +116,12 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.strip() == message
     assert not list(tmp_path.iterdir()), "nothing may be written before the input is valid"
+
+
+def test_a_fit_role_that_printed_nothing_leaves_no_log(tmp_path):
+    """Each role runs in its own process with a log; a role that printed nothing leaves its spec and result only."""
+    cell = plan_fit_cell("tiny", "fsdp", "fp32", 2, 1, "cpu")
+    (outcome,) = run_roles(cell, tmp_path, steps=1, compute="fake")
+    assert outcome.status == "ok", outcome.error
+    files = sorted(f.name for f in tmp_path.iterdir())
+    assert files == [f"{cell.cell_id}-rank0.result.json", f"{cell.cell_id}-rank0.spec.json"]
