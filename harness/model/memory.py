@@ -235,7 +235,7 @@ def pipeline_unsharded_grad_bytes(c: CellShape, pp_rank: int) -> int:
 
 def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> float:
     """Predicted peak of a rank on pipeline rank ``pp_rank``: parameters and optimizer state + transient
-    buffers + the largest of three moments of the step + base.
+    buffers + the largest moment of the step + base. The moments:
 
     * the turn from forward to backward: every saved activation and the logits (last stage);
     * the top block's backward: every saved activation and what that block's backward adds;
@@ -246,8 +246,8 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
     Under FSDP in a pipeline the gradients and gathered parameters are the stage's, unsharded
     (:func:`pipeline_unsharded_grad_bytes`): once a microbatch's backward ran, and so at the turns only when
     the rank runs more microbatches than it holds in flight; the bottom block's backward then keeps the
-    other in-flight microbatches' activations, and the reduce after the last one holds the sharded
-    gradients beside the unsharded.
+    other in-flight microbatches' activations, and a fourth moment, the reduce after the last microbatch,
+    holds the sharded gradients beside the unsharded.
     """
     states = max((s for s, k in zip(state_bytes_by_rank(c), coords(c.dims)) if k.pp == pp_rank),
                  key=lambda s: s.total)
