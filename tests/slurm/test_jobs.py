@@ -78,10 +78,18 @@ def _wait_until(ready, timeout: float, what: str, slurm: SlurmCluster, out: Path
         time.sleep(0.5)
 
 
-def _mid_cell(out: Path, job: str, n_ok: int) -> bool:
-    """``n_ok`` cells are recorded ok and the job's current attempt is running a cell."""
-    attempt = _log(out, job).rsplit(f"harness job {job}: attempt", 1)[-1]
-    progress = PROGRESS.findall(attempt)
+def _mid_cell(out: Path, job: str, n_ok: int, attempt: int = 1) -> bool:
+    """``n_ok`` cells are recorded ok and the job's attempt ``attempt`` has started and is running a cell.
+
+    The attempt is named: between a requeue and the next start the log still ends with the previous
+    attempt, which may itself have stopped at a cell's start line (once in CI, under load: attempt 1 had
+    finished cell 2 and started cell 3 when its SIGTERM came, so "2 ok, a cell running" read true while
+    the job was pending, and ``scontrol requeue`` refused it)."""
+    marker = f"harness job {job}: attempt "
+    current = _log(out, job).rsplit(marker, 1)
+    if len(current) < 2 or not current[1].startswith(f"{attempt} on "):
+        return False
+    progress = PROGRESS.findall(current[1])
     return len(_ok_cells(out)) >= n_ok and bool(progress) and CELL_START.match(progress[-1]) is not None
 
 
@@ -112,7 +120,8 @@ def test_a_job_stopped_mid_cell_twice_finishes_its_sweep_with_nothing_lost(slurm
     slurm.release(job)
 
     # Attempt 2: Slurm's own requeue (as for preemption) while the next cell runs.
-    _wait_until(lambda: _mid_cell(out, job, 2), JOB_TIMEOUT_S, "cell 2 ok and cell 3 running", slurm, out, job)
+    _wait_until(lambda: _mid_cell(out, job, 2, attempt=2), JOB_TIMEOUT_S, "attempt 2 running a cell, 2 ok",
+                slurm, out, job)
     slurm.run("scontrol", "requeue", job)
     slurm.wait_restarted(job, 2, 120)
     slurm.release(job)
