@@ -96,6 +96,7 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
                                                     c.raw["precision"], c.raw["scaling"],
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
                                                     c.raw["world_size"], _order(c.raw["strategy"]),
+                                                    not c.raw["sequence_parallel"],
                                                     c.raw["compile"], AC_MODES.index(c.raw["ac"]),
                                                     OPTIMIZERS.index(c.raw["optimizer"])))
     return predict_cells(ordered, force=spec.force)
@@ -113,7 +114,8 @@ def _degrees_of(spec: SweepSpec, strategy: str, world: int, size) -> list[dict |
 
 def _levers(spec: SweepSpec) -> list[dict]:
     """Every combination of the lever axes, as cell fields."""
-    return [dict(compile=c, ac=a, optimizer=o) for c, a, o in product(spec.compiles, spec.acs, spec.optimizers)]
+    return [dict(compile=c, ac=a, optimizer=o, sequence_parallel=sp)
+            for c, a, o, sp in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels)]
 
 
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
@@ -142,8 +144,10 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
             raise UsageError(seq_error)
         PrecisionPlan(precision).check_device(spec.device_kind)
         layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], replace(size, seq_len=seq), precision,
-                                                   spec.pp_schedule, spec.microbatches, spec.grad_accum, gb)
-        check_levers(spec.device_kind, layout.dims.tp_enabled, spec.warmup, **levers)
+                                                   spec.pp_schedule, spec.microbatches, spec.grad_accum, gb,
+                                                   sequence_parallel=levers["sequence_parallel"])
+        check_levers(spec.device_kind, layout.dims.tp_enabled, spec.warmup, levers["compile"], levers["ac"],
+                     levers["optimizer"])
         cfg = CellConfig(**raw)
     except UsageError as e:
         return PlannedCell(cell_id=cell_id_of(raw), config=None, raw=raw, valid=False, reason=str(e))

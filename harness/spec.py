@@ -14,7 +14,7 @@ import torch
 
 from harness.errors import UsageError
 from harness.parallel.levers import AC_MODES, OPTIMIZERS
-from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, Layout, resolve
+from harness.parallel.presets import PP_SCHEDULES, SP_NAMED, STRATEGIES, Layout, resolve
 from harness.precision import PRECISIONS
 from harness.scaling import LR_RULES, SCALINGS
 from workloads.moe import ROUTINGS
@@ -56,10 +56,20 @@ def cell_id_of(c: dict) -> str:
         parts.append(f"s{c['seq_len']}")
     if c.get("moe_routing", "learned") != "learned":
         parts.append(f"route-{c['moe_routing']}")
+    if not c.get("sequence_parallel", True) and _tp_hybrid(c):
+        parts.append("nosp")  # tensor parallel without sequence parallel, where a hybrid runs it by default
     ep = (c.get("degrees") or {}).get("ep", 1)
     if ep > 1:  # an expert-parallel degree asked for (the preset's, ep = every shard, keeps the plain id)
         parts.append(f"ep{ep}")
     return "-".join(str(p) for p in parts)
+
+
+def _tp_hybrid(c: dict) -> bool:
+    """Whether a cell's layout has tensor parallel whose sequence parallel is not named by the strategy
+    (:data:`harness.parallel.presets.SP_NAMED`): a ``+tp`` preset, or ``--degrees`` with tp > 1."""
+    if c["strategy"] in SP_NAMED:
+        return False
+    return "+tp" in c["strategy"] or (c.get("degrees") or {}).get("tp", 1) > 1
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,10 @@ class CellConfig:
     moe_routing: str = "learned"
     """An MoE's routing (:mod:`workloads.moe`): ``learned`` (top-k of the router's scores) or ``balanced``
     (a round robin: every expert gets the same load, the best case)."""
+    sequence_parallel: bool = True
+    """Sequence parallel wherever the layout has tensor parallel (torchtitan's and Megatron's default): the
+    norms and the residual stream sharded along the sequence; False (``--sp off``) runs the textbook TP. The
+    ``tp`` and ``tp-sp`` presets say it by name (:func:`harness.parallel.presets.sp_of`)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -154,7 +168,7 @@ class CellConfig:
     @property
     def layout(self) -> Layout:
         """The strategy resolved at this world size (:func:`harness.parallel.presets.resolve`)."""
-        return resolve(self.strategy, self.world_size, self.degrees)
+        return resolve(self.strategy, self.world_size, self.degrees, self.sequence_parallel)
 
     @property
     def model_size(self) -> ModelSize:
@@ -174,6 +188,12 @@ class CellConfig:
         d = asdict(self)
         d["profile_ranks"] = list(self.profile_ranks)
         return d
+
+    @classmethod
+    def from_record(cls, config: dict) -> CellConfig:
+        """The config of a record (its ``config``, degrees resolved). A record from before ``sequence_parallel``
+        was a field ran every hybrid without it (only ``tp-sp`` had it, by name)."""
+        return cls.from_dict({"sequence_parallel": False, **config})
 
     @classmethod
     def from_dict(cls, d: dict) -> CellConfig:
@@ -213,6 +233,8 @@ class SweepSpec:
     """Sequence lengths to sweep (``--seq-len 256,512``); None: each size's own."""
     moe_routings: tuple[str, ...] = ("learned",)
     """MoE routings to sweep (``--moe-routing learned,balanced``); dense families take ``learned`` only."""
+    sequence_parallels: tuple[bool, ...] = (True,)
+    """Sequence parallel where tensor parallel is (``--sp on,off``); a layout without tp takes the first only."""
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
     pp_schedule: str = "1f1b"

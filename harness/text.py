@@ -21,5 +21,8 @@ def first_line(message: Any, limit: int = 60) -> str:
 
 
 def degrees_label(degrees: dict[str, int] | None) -> str:
-    """``dp_shard=4 x tp=2``: the degrees above 1, or ``1 device``."""
-    return " x ".join(f"{k}={v}" for k, v in (degrees or {}).items() if v > 1) or "1 device"
+    """``dp_shard=4 x tp=2``: the degrees above 1, or ``1 device``; ``tp=2 (sp)`` under sequence parallel."""
+    d = degrees or {}
+    label = " x ".join(f"{k}={v}" + (" (sp)" if k == "tp" and d.get("sp") else "")
+                       for k, v in d.items() if v > 1 and k != "sp")
+    return label or "1 device"

@@ -18,12 +18,14 @@ from harness.errors import UsageError
 from harness.model.hardware import DEVICES
 from harness.parallel.levers import AC_MODES, COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
+from harness.precision import PRECISIONS
 from harness.spec import SweepSpec, default_device_kind
 from workloads.moe import ROUTINGS
 from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
 
 EXIT_USAGE = 2
 RUN_DEVICES = ("auto", "cpu", "cuda")
+SP_MODES = ("on", "off")
 """``--device`` values a sweep can run on; ``harness plan`` also takes hardware presets (what-if)."""
 DEFAULTS = {
     "cpu": dict(sizes="tiny", precision="fp32", batch=8, steps=20, warmup=3),
@@ -126,8 +128,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arch", help="architecture families: gpt2,llama3,moe (default gpt2); each size is looked up in each")
     g.add_argument("--moe-routing", help="an MoE's routing: learned (the router's top-k, default) or balanced (round "
                                          "robin: equal expert load, the best case); a list sweeps both")
-    g.add_argument("--strategies", help="single,ddp,fsdp,zero2,hsdp,tp,tp-sp,pp,fsdp+tp,pp+fsdp,pp+fsdp+tp")
-    g.add_argument("--precision", help="fp32,tf32,bf16,fp16")
+    g.add_argument("--strategies", help=",".join(STRATEGIES))
+    g.add_argument("--precision", help=",".join(PRECISIONS))
+    g.add_argument("--sp", help="on,off: sequence parallel wherever a layout has tensor parallel (default on, as "
+                                "torchtitan and Megatron run it; the tp and tp-sp presets say it by name)")
     g.add_argument("--scaling", help="strong (fixed global batch) or weak (fixed per-device batch)")
     g.add_argument("--lr-rule", help="none,linear,sqrt: LR scaling relative to --base-batch")
     g.add_argument("--batch", help="sequences per step: global (strong) or per device (weak); auto (weak scaling): "
@@ -279,6 +283,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         archs=choices(v.label("arch"), v.get("arch", DEFAULT_ARCH), ARCHS),
         seq_lens=seq_lens_arg(v.label("seq_len"), v["seq_len"]) if "seq_len" in v else (None,),
         moe_routings=choices(v.label("moe_routing"), v.get("moe_routing", "learned"), ROUTINGS),
+        sequence_parallels=tuple(x == "on" for x in choices(v.label("sp"), v.get("sp", "on"), SP_MODES)),
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedule=v.get("pp_schedule", "1f1b"),
         grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),

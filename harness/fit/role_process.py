@@ -77,7 +77,7 @@ class RoleSpec:
 
 
 def _stage_shapes(spec: RoleSpec, size, layout, precision: PrecisionPlan) -> StageShapes | None:
-    return static_shapes(layout.dims.pp_enabled, spec.micro_batch, spec.seq_len, size.d_model, size.vocab_size,
+    return static_shapes(layout.dims, spec.micro_batch, spec.seq_len, size.d_model, size.vocab_size,
                          precision.autocast_dtype, layout.fsdp)
 
 

@@ -22,7 +22,11 @@ what each strategy's code does, so the prediction can be held to equality in a t
   LayerNorm output they come from, low precision under FSDP mixed precision, which casts
   each group's inputs); the LM head all-gathers the logits (compute dtype) and
   all-reduces its input gradient. With **sequence parallel** (Korthikanti et al. 2022) each
-  all-reduce becomes an all-gather / reduce-scatter pair around the sequence-sharded region.
+  all-reduce becomes an all-gather / reduce-scatter pair around the sequence-sharded region, and the
+  norms' weights, which saw one sequence shard each, have their gradients summed over tp once per step:
+  in one call (:func:`harness.parallel.tp.reduce_partial_grads`), or under FSDP one call per tensor in the
+  parameter dtype (FSDP2 redistributes each ``Partial`` gradient to its parameter's placement before
+  reducing it).
   An MoE block (``fsdp+tp+ep``) has q, k, v and the shared expert's gate and up column-parallel,
   and the routed experts' width split: forward sums their partial outputs over the ``N k`` routed
   rows a rank received, backward the rows' input gradients (:mod:`harness.parallel.ep`).
@@ -210,7 +214,17 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
     # ac full recomputes each block's forward in its backward, collectives included, up to the last
     # tensor the backward needs (torch's checkpoint stops there): the MLP's output collective is not redone
     again = 1 if c.recompute == "full" else 0
-    if sp:
+    if sp and size.moe is not None:  # the attention as below; the MoE routes the gathered sequence, sums over tp
+        shared = 1 if size.moe.n_shared else 0
+        k = size.moe.top_k
+        attn = [(ag, hi), (rs, lo), (ag, lo), (rs, hi)] + again * [(ag, hi), (rs, lo)]
+        moe = [(ag, hi), (ar, k * lo)] + [(ar, lo)] * shared + [(ag, lo), (ar, k * hi)] + [(ar, hi)] * (2 * shared)
+        per_pass = (attn + moe + again * ([(ag, hi), (ar, k * lo)] + [(ar, lo)] * shared)) * layers
+        if last:
+            per_pass += [(ag, hi), (ag, logits), (rs, hi)]
+        if first:
+            per_pass += [(ag, hi)]
+    elif sp:
         per_pass = ([(ag, hi), (rs, lo), (ag, lo), (rs, hi)] * 2 + again * [(ag, hi), (rs, lo), (ag, hi)]) * layers
         if last:
             per_pass += [(ag, hi), (ag, logits), (rs, hi)]
@@ -227,9 +241,14 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
         if last:
             per_pass += [(ag, logits), (ar, hi)]
     calls = [Call(k, b, tp, "tp", False) for k, b in per_pass] * passes
-    if sp:  # the LayerNorms' partial gradients, summed once per step in one call (harness.parallel.tp)
+    if sp:  # the norms' partial gradients, summed once per step
         norms = 2 * layers + (1 if last else 0)  # weight (and LayerNorm's bias) of each
-        calls.append(Call(ar, norms * size.final_norm_params * FP32, tp, "tp", False))
+        if c.fsdp:  # FSDP2 redistributes each to its replicated placement before its reduce-scatter, one by one,
+            # in the unsharded gradient's dtype: MixedPrecisionPolicy's param_dtype
+            tensors = norms * size.final_norm_params // size.d_model
+            calls += [Call(ar, size.d_model * c.param_bytes, tp, "tp", False)] * tensors
+        else:  # in one call (harness.parallel.tp.reduce_partial_grads)
+            calls.append(Call(ar, norms * size.final_norm_params * FP32, tp, "tp", False))
     return calls
 
 

@@ -115,9 +115,11 @@ class ParallelDims:
         return self.cp * (self.tp if self.sequence_parallel else 1)
 
     def degrees(self) -> dict[str, int]:
-        """The degrees by name; ``cp`` and ``ep`` only when used, so layouts without them keep their records."""
-        return {k: v for k, v in asdict(self).items()
-                if (k in MESH_ORDER and k != "cp") or (k in ("cp", "ep") and v > 1)}
+        """The degrees by name; ``cp`` and ``ep`` only when used, and ``sp: 1`` under sequence parallel, so
+        layouts without them keep their records (and fingerprints)."""
+        out = {k: v for k, v in asdict(self).items()
+               if (k in MESH_ORDER and k != "cp") or (k in ("cp", "ep") and v > 1)}
+        return {**out, "sp": 1} if self.sequence_parallel else out
 
     def build_mesh(self, device_type: str):
         """Build the device mesh over all dimensions (size-1 ones included, so names always resolve)."""

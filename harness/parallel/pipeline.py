@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import stages_per_rank
 
 
@@ -62,6 +63,9 @@ class StageShapes:
     """Sequences per microbatch."""
     seq_len: int
     d_model: int
+    hidden_seq_shards: int
+    """Ways the hidden state between stages is split along the sequence: tp under sequence parallel (each
+    tp rank sends its shard, :func:`harness.parallel.tp.apply_tp`), else 1."""
     vocab_size: int
     hidden_dtype: torch.dtype
     """Dtype of the hidden state between stages: FSDP's low-precision ``param_dtype``, else fp32."""
@@ -71,20 +75,21 @@ class StageShapes:
     def io(self, stage: int, n_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Meta tensors of one stage's input and output."""
         # requires_grad: a stage's received input gets a gradient to send back, its output one to receive
-        hidden = torch.empty(self.rows, self.seq_len, self.d_model, dtype=self.hidden_dtype, device="meta",
-                             requires_grad=True)
+        hidden = torch.empty(self.rows, self.seq_len // self.hidden_seq_shards, self.d_model, dtype=self.hidden_dtype,
+                             device="meta", requires_grad=True)
         tokens = torch.empty(self.rows, self.seq_len, dtype=torch.long, device="meta")
         logits = torch.empty(self.rows, self.seq_len, self.vocab_size, dtype=self.logits_dtype, device="meta")
         return (tokens if stage == 0 else hidden), (logits if stage == n_stages - 1 else hidden)
 
 
-def static_shapes(pp_enabled: bool, rows: int, seq_len: int, d_model: int, vocab_size: int,
+def static_shapes(dims: ParallelDims, rows: int, seq_len: int, d_model: int, vocab_size: int,
                   autocast_dtype: torch.dtype | None, fsdp: bool) -> StageShapes | None:
     """The stage shapes of a cell with ``rows`` sequences per microbatch (None without a pipeline)."""
-    if not pp_enabled:
+    if not dims.pp_enabled:
         return None
     low = autocast_dtype
     return StageShapes(rows=rows, seq_len=seq_len, d_model=d_model, vocab_size=vocab_size,
+                       hidden_seq_shards=dims.tp if dims.sequence_parallel else 1,
                        hidden_dtype=low if (low is not None and fsdp) else torch.float32,
                        logits_dtype=low or torch.float32)
 

@@ -7,7 +7,7 @@ synchronise gradients). The planner, the worker, ``parallelize()`` and the model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.errors import UsageError
 from harness.parallel.dims import ParallelDims
@@ -18,6 +18,10 @@ STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fs
               "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep")
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+SP_NAMED = {"tp": False, "tp-sp": True}
+"""Presets whose name says whether tensor parallel runs with sequence parallel. Every other layout with
+tp > 1 runs it by default, as torchtitan's 2-D/3-D layouts and Megatron's TP runs always do
+(``--sp off`` measures the textbook layout instead)."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,27 @@ def _need(strategy: str, world: int, minimum: int, multiple: int, shape: str) ->
         raise UsageError(f"strategy {strategy} needs a device count >= {minimum}{div} ({shape}), got --gpus {world}")
 
 
-def degrees_for(strategy: str, world: int) -> ParallelDims:
+def sp_of(strategy: str, tp: int, sequence_parallel: bool = True) -> bool:
+    """Whether a layout with ``tp`` runs sequence parallel: as the preset's name says (``tp``, ``tp-sp``), else
+    wherever tp > 1 unless turned off."""
+    if tp < 2:
+        return False
+    return SP_NAMED.get(strategy, sequence_parallel)
+
+
+def degrees_for(strategy: str, world: int, sequence_parallel: bool = True) -> ParallelDims:
     """Map a strategy name and device count to validated degrees.
 
     Hybrids give the inner dimensions 2 ways and the data-parallel dimension the rest, so each
     named dimension is really exercised (a degree of 1 would silently be a different strategy).
+    A hybrid with tp runs sequence parallel unless ``sequence_parallel`` is False (:func:`sp_of`).
     """
+    dims = _preset_dims(strategy, world)
+    sp = sp_of(strategy, dims.tp, sequence_parallel)
+    return replace(dims, sequence_parallel=True) if sp else dims
+
+
+def _preset_dims(strategy: str, world: int) -> ParallelDims:
     if strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if strategy == "single":
@@ -83,7 +102,7 @@ def degrees_for(strategy: str, world: int) -> ParallelDims:
     if strategy == "fsdp+ep":  # every shard an expert-parallel rank (efsdp 1); --degrees ep=N for fewer
         return ParallelDims(dp_shard=world, ep=world, world_size=world)
     if strategy in ("tp", "tp-sp"):
-        return ParallelDims(tp=world, world_size=world, sequence_parallel=strategy == "tp-sp")
+        return ParallelDims(tp=world, world_size=world)
     if strategy == "pp":
         return ParallelDims(pp=world, world_size=world)
     if strategy == "hsdp":
@@ -139,17 +158,25 @@ class Layout:
         return stages_per_rank(pp_schedule) if self.dims.pp_enabled else 1
 
 
-def resolve(strategy: str, world: int, override: dict | None = None) -> Layout:
+def resolve(strategy: str, world: int, override: dict | None = None, sequence_parallel: bool = True) -> Layout:
     """The preset's degrees, or an explicit override validated against the world size and the
-    dimensions the strategy synchronises (an unsynchronised replica would silently diverge)."""
+    dimensions the strategy synchronises (an unsynchronised replica would silently diverge).
+
+    Sequence parallel follows :func:`sp_of`; a record's resolved degrees carry ``sp`` (1 when on,
+    :meth:`ParallelDims.degrees`), which decides it when present, so a record's config resolves as it ran.
+    """
+    override = dict(override or {})
+    if "sp" in override:
+        sequence_parallel = bool(override.pop("sp"))
     if not override:
-        return Layout(strategy, degrees_for(strategy, world))
+        return Layout(strategy, degrees_for(strategy, world, sequence_parallel))
     unknown = set(override) - set(DEGREE_NAMES)
     if unknown:
         raise UsageError(f"unknown degree names {sorted(unknown)}; use {', '.join(DEGREE_NAMES)}")
     if strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-    dims = ParallelDims(**override, world_size=world, sequence_parallel=strategy == "tp-sp")
+    dims = ParallelDims(**override, world_size=world,
+                        sequence_parallel=sp_of(strategy, override.get("tp", 1), sequence_parallel))
     syncs = OPTIONS[strategy].synced_dims
     for name in ("dp_replicate", "dp_shard"):
         if getattr(dims, name) > 1 and name not in syncs:
@@ -186,8 +213,9 @@ def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> 
 
 
 def check_ep(strategy: str, dims: ParallelDims) -> None:
-    """Expert parallel borrows FSDP's shards: it needs an FSDP strategy, and no pipeline, cp or sequence
-    parallel beside it (tp shards the experts' width too: :mod:`harness.parallel.ep`)."""
+    """Expert parallel borrows FSDP's shards: it needs an FSDP strategy, and no pipeline or cp beside it (tp
+    shards the experts' width too, and under sequence parallel the MoE routes the gathered sequence:
+    :mod:`harness.parallel.ep`, :func:`harness.parallel.tp.apply_tp`)."""
     if not dims.ep_enabled:
         return
     if OPTIONS[strategy].data_parallel != "fsdp":
@@ -198,9 +226,6 @@ def check_ep(strategy: str, dims: ParallelDims) -> None:
         named = ", ".join(f"{n} ({v})" for n, v in others.items())
         raise UsageError(f"ep ({dims.ep}) with {named} is not supported: expert parallel is built beside FSDP and tp "
                          f"only; set {' and '.join(f'{n}=1' for n in others)}, or ep=1")
-    if dims.sequence_parallel:
-        raise UsageError(f"ep ({dims.ep}) with sequence parallel is not supported: the experts take whole sequences; "
-                         f"use fsdp+tp+ep")
 
 
 def check_cp(strategy: str, dims: ParallelDims) -> None:
@@ -235,13 +260,14 @@ def default_microbatches(dims: ParallelDims, asked: int | None) -> int:
 
 
 def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSize, precision: str, pp_schedule: str,
-                 microbatches: int | None, grad_accum: int, global_batch: int) -> tuple[Layout, int]:
+                 microbatches: int | None, grad_accum: int, global_batch: int, *,
+                 sequence_parallel: bool = True) -> tuple[Layout, int]:
     """Resolve a cell's strategy and run every check its shape allows; the layout and the microbatches.
 
     The planner and the what-if both call it, so a cell is valid for one exactly when it is for
     the other. Each failed check is a UsageError naming the values and the fix.
     """
-    layout = resolve(strategy, world, degrees)
+    layout = resolve(strategy, world, degrees, sequence_parallel)
     check_strategy(precision, strategy)
     mb = default_microbatches(layout.dims, microbatches)
     check_model_fit(layout.dims, size.n_heads, size.d_ff, size.n_layers, pp_schedule, mb, size.kv_heads)

@@ -20,11 +20,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+
+from workloads.moe import MoE
 
 COLUMN_LINEARS = ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up", "mlp.shared.gate", "mlp.shared.up")
 """Column-parallel linears of a block (gpt2's MLP has ``fc``, llama3's SwiGLU ``gate`` and ``up``, an MoE's
@@ -58,21 +61,42 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
             tp_mesh,
             PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=False),
         )
+    if sp and model.head is None:
+        # A pipeline stage that sends its sequence shard on as a plain tensor: the schedule's send and receive
+        # move tensors, and a DTensor's metadata names a mesh the next stage's ranks do not hold.
+        parallelize_module(
+            model,
+            tp_mesh,
+            PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True),
+        )
     for block in model.blocks.values():
         present = dict(block.named_modules())
+        moe = isinstance(block.mlp, MoE)
         plan = {name: ColwiseParallel() for name in COLUMN_LINEARS if name in present}
         plan.update({name: RowwiseParallel(output_layouts=residual, use_local_output=not sp)
                      for name in ROW_LINEARS if name in present})
+        if moe and "mlp.shared.proj" in present:  # inside the MoE, on its plain (tokens, d) rows
+            plan["mlp.shared.proj"] = RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
         if sp:
             plan.update(
                 {
                     "ln1": SequenceParallel(),
                     "ln2": SequenceParallel(),
                     "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "mlp": _moe_sp() if moe else PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                   desired_input_layouts=(Replicate(),)),
                 }
             )
         parallelize_module(block, tp_mesh, plan)
+
+
+def _moe_sp() -> PrepareModuleInputOutput:
+    """An MoE layer under sequence parallel: it routes the all-gathered sequence as plain tensors (every tp
+    rank the same tokens, as without sequence parallel: :mod:`harness.parallel.ep`) and returns them summed
+    over tp, of which each rank keeps its sequence shard (a slice; the gradient is all-gathered back)."""
+    return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                    use_local_input=True, output_layouts=(Replicate(),),
+                                    desired_output_layouts=(Shard(1),), use_local_output=False)
 
 
 def partial_grad_params(params) -> list[nn.Parameter]:

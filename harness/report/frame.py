@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from harness.measure.intervals import median_spread
+from harness.parallel.presets import SP_NAMED
 from harness.records.reader import latest_per_cell
 from harness.records.record import pulled_levers
 from harness.units import MIB
@@ -71,7 +72,7 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
     if math.isnan(tokens_per_s):
         tokens_per_s = num(m.get("tokens_per_s_per_device")) * world_size
     return {
-        "cell_id": r.get("cell_id"), "size": size_label(cfg), "strategy": cfg.get("strategy"),
+        "cell_id": r.get("cell_id"), "size": size_label(cfg), "strategy": strategy_label(cfg),
         "precision": cfg.get("precision"), "levers": levers_label(cfg), "world_size": world_size,
         "global_batch": num(cfg.get("global_batch")), "scaling": cfg.get("scaling"),
         "lr_rule": cfg.get("lr_rule"), "status": r.get("status"), "error": r.get("error"),
@@ -117,6 +118,15 @@ def _time_use(parts: dict[str, Any]) -> dict[str, float]:
     if not parts:
         return dict.fromkeys(TIME_USE, math.nan)
     return {col: sum(num(parts.get(p)) for p in names if p in parts) for col, names in TIME_USE.items()}
+
+
+def strategy_label(cfg: dict[str, Any]) -> str | None:
+    """The strategy, with ``(no sp)`` for a layout with tensor parallel but not sequence parallel, where the
+    preset's name does not say so (its resolved degrees have tp > 1 and no ``sp``)."""
+    strategy, degrees = cfg.get("strategy"), cfg.get("degrees") or {}
+    if strategy in SP_NAMED or degrees.get("tp", 1) < 2 or degrees.get("sp"):
+        return strategy
+    return f"{strategy} (no sp)"
 
 
 def levers_label(cfg: dict[str, Any]) -> str:

@@ -124,7 +124,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
         gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group())
     # An MoE's stages are static: runtime shape inference would route an uninitialised tensor on later
     # stages and count its load towards the balancing step.
-    shapes = static_shapes(dims.pp_enabled, cfg.global_batch // dims.dp // cfg.microbatches, cfg.seq_len,
+    shapes = static_shapes(dims, cfg.global_batch // dims.dp // cfg.microbatches, cfg.seq_len,
                            size.d_model, size.vocab_size, precision.autocast_dtype, layout.fsdp) if size.moe else None
     par = parallelize(model, layout, device, precision, cfg.pp_schedule, cfg.microbatches,
                       loss_fn=lm_loss, ddp_comm_hook=gns.local_norm_allreduce_hook if gns_state else None,

@@ -240,10 +240,22 @@ def test_hsdp_adds_an_all_reduce_of_each_gradient_shard_over_replicas() -> None:
 
 def test_hybrids_issue_every_component_s_collectives() -> None:
     act = 4 * 128 * 128 * 4  # fsdp+tp over 4 ranks: dp 2, 4 local rows
-    s = _summary(shape("fsdp+tp", 4))
+    s = _summary(shape("fsdp+tp", 4, dims=degrees_for("fsdp+tp", 4, sequence_parallel=False)))
     assert s["all_reduce"] == {"calls_per_step": 6 * 4 + 1, "bytes_per_step": (6 * 4 + 1) * act}  # tp
     assert s["all_gather"]["calls_per_step"] == 2 * 4 + 1 + 1  # fsdp groups + tp logits
     assert s["reduce_scatter"]["calls_per_step"] == 5
+    # with sequence parallel (the default): per block and sub-layer an all-gather of the norm's output and a
+    # reduce-scatter of the row-parallel output forward, the same two backward (4 blocks x 2 sub-layers: 16 and
+    # 16 act);
+    # the head's input and logits gathered, its input gradient reduce-scattered; the embedding's output
+    # gradient gathered; FSDP as above; the norms' weights and biases (2 x 4 + 1 LayerNorms) all-reduced one
+    # by one (FSDP2 redistributes each partial gradient), 128 fp32 each.
+    sp = _summary(shape("fsdp+tp", 4))
+    assert sp["all_reduce"] == {"calls_per_step": 18, "bytes_per_step": 18 * 128 * 4}
+    fsdp_and_logits = s["all_gather"]["bytes_per_step"]  # the same FSDP gathers and the logits as without
+    assert sp["all_gather"] == {"calls_per_step": 16 + 3 + 9, "bytes_per_step": fsdp_and_logits + 18 * act}
+    assert sp["reduce_scatter"] == {"calls_per_step": 16 + 1 + 5,
+                                    "bytes_per_step": s["reduce_scatter"]["bytes_per_step"] + 17 * act}
     pf = _summary(shape("pp+fsdp", 4, microbatches=4))
     assert pf["send"] == {"calls_per_step": 4, "bytes_per_step": 4 * 1 * 128 * 128 * 4}  # 4 local rows / 4 microbatches
     assert pf["recv"]["calls_per_step"] == 4 and pf["reduce_scatter"]["calls_per_step"] == 3  # 2 blocks + root

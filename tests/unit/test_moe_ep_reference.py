@@ -72,7 +72,7 @@ def test_all_to_all_bytes_equal_the_formula_for_the_routing_that_happened(cells)
     ep_cells = [r for r in _ok(cells) if r["config"]["strategy"] in EP_STRATEGIES]
     assert len(ep_cells) == 2 * 2 * 4
     for r in ep_cells:
-        shape = CellShape.of(CellConfig.from_dict(r["config"]))
+        shape = CellShape.of(CellConfig.from_record(r["config"]))
         ep = r["metrics"]["moe"]["ep"]
         sent, received = ep["counted_step_rows_sent_by_rank"], ep["counted_step_rows_received_by_rank"]
         size = get_size(r["config"]["size"], "moe")
