@@ -23,7 +23,8 @@ from harness.calibration.provenance import flag_notes, source
 from harness.calibration.workload import lookup_workload
 from harness.errors import UsageError
 from harness.model.predict import CalibrationInputs, predict_cell
-from harness.parallel.levers import AC_MODES, OPTIMIZERS, check_levers
+from harness.parallel.activation_checkpoint import policy_order
+from harness.parallel.levers import OPTIMIZERS, check_levers
 from harness.parallel.presets import EP_PRESETS, STRATEGIES, degree_variants, resolve_cell, world_for
 from harness.precision import PrecisionPlan
 from harness.scaling import global_batch, scaled_lr
@@ -97,7 +98,7 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
                                                     c.raw["world_size"], _order(c.raw["strategy"]),
                                                     not c.raw["sequence_parallel"],
-                                                    c.raw["compile"], AC_MODES.index(c.raw["ac"]),
+                                                    c.raw["compile"], policy_order(c.raw["ac"]),
                                                     OPTIMIZERS.index(c.raw["optimizer"])))
     return predict_cells(ordered, force=spec.force)
 

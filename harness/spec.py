@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import torch
 
 from harness.errors import UsageError
-from harness.parallel.levers import AC_MODES, OPTIMIZERS
+from harness.parallel.activation_checkpoint import ac_policy
+from harness.parallel.levers import OPTIMIZERS
 from harness.parallel.presets import PP_SCHEDULES, SP_NAMED, STRATEGIES, Layout, resolve
 from harness.precision import PRECISIONS
 from harness.scaling import LR_RULES, SCALINGS
@@ -119,7 +120,8 @@ class CellConfig:
     compile: bool = False
     """``torch.compile`` per transformer block (:mod:`harness.parallel.levers`)."""
     ac: str = "none"
-    """Activation checkpointing: ``none``, ``selective`` (attention core) or ``full`` (every block)."""
+    """Activation checkpointing policy (:mod:`harness.parallel.activation_checkpoint`): ``none``, ``attn``
+    (the attention core; ``selective`` in older records), ``op`` (per-op), ``layerN`` or ``full``."""
     optimizer: str = "adamw"
     """``adamw`` (torch's default kernel) or ``adamw-fused``."""
     batch_auto: bool = False
@@ -136,6 +138,7 @@ class CellConfig:
     ``tp`` and ``tp-sp`` presets say it by name (:func:`harness.parallel.presets.sp_of`)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "ac", ac_policy(self.ac))  # a policy's earlier name reads as today's
         checks = (
             (self.strategy, STRATEGIES, "strategy"),
             (self.precision, PRECISIONS, "precision"),
@@ -143,7 +146,6 @@ class CellConfig:
             (self.scaling, SCALINGS, "scaling"),
             (self.lr_rule, LR_RULES, "LR rule"),
             (self.device_kind, ("cpu", "cuda"), "device kind"),
-            (self.ac, AC_MODES, "activation checkpointing"),
             (self.optimizer, OPTIMIZERS, "optimizer"),
             (self.arch, ARCHS, "architecture"),
             (self.moe_routing, ROUTINGS, "MoE routing"),
@@ -227,6 +229,7 @@ class SweepSpec:
     """``--batch auto``: each cell searches its batch per device (weak scaling only)."""
     compiles: tuple[bool, ...] = (False,)
     acs: tuple[str, ...] = ("none",)
+    """Activation checkpointing policies to sweep (``--ac none,op,full``)."""
     optimizers: tuple[str, ...] = ("adamw",)
     archs: tuple[str, ...] = (DEFAULT_ARCH,)
     seq_lens: tuple[int | None, ...] = (None,)

@@ -16,7 +16,8 @@ import torch
 
 from harness.errors import UsageError
 from harness.model.hardware import DEVICES
-from harness.parallel.levers import AC_MODES, COMPILE_MODES, OPTIMIZERS
+from harness.parallel.activation_checkpoint import policies_arg
+from harness.parallel.levers import COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
 from harness.precision import PRECISIONS
 from harness.spec import SweepSpec, default_device_kind
@@ -149,7 +150,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-loss", help="loss for steps-to-target (default: entropy floor + 0.5 nats)")
     g.add_argument("--degrees", help="explicit degrees overriding the presets, e.g. pp=2,tp=2")
     g.add_argument("--compile", help="off,on: torch.compile per transformer block (default off)")
-    g.add_argument("--ac", help="activation checkpointing: none,selective,full (default none)")
+    g.add_argument("--ac", help="activation checkpointing policies: none (default), attn (the attention core; "
+                                "'selective' before), op (per-op: keep attention and every other matmul), layerN "
+                                "(every N-th block whole, e.g. layer2), full (every block)")
     g.add_argument("--optimizer", help="adamw (torch's default kernel) or adamw-fused (default adamw)")
     g.add_argument("--device", default=None,
                    help="auto (default), cpu or cuda; harness plan also takes a hardware preset "
@@ -278,7 +281,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         scalings=csv_list(v.get("scaling", "strong")),
         lr_rules=csv_list(v.get("lr_rule", "none")),
         compiles=tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES)),
-        acs=choices(v.label("ac"), v.get("ac", "none"), AC_MODES),
+        acs=policies_arg(v.label("ac"), v.get("ac", "none")),
         optimizers=choices(v.label("optimizer"), v.get("optimizer", "adamw"), OPTIMIZERS),
         archs=choices(v.label("arch"), v.get("arch", DEFAULT_ARCH), ARCHS),
         seq_lens=seq_lens_arg(v.label("seq_len"), v["seq_len"]) if "seq_len" in v else (None,),

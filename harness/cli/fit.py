@@ -17,7 +17,7 @@ from harness.fit.cell import plan_fit_cell
 from harness.fit.fit_cells import RECORDS, fit_all
 from harness.fit.role_process import COMPUTE
 from harness.model.hardware import DEVICES
-from harness.parallel.levers import AC_MODES
+from harness.parallel.activation_checkpoint import policies_arg
 from harness.parallel.presets import degree_variants
 from harness.records.atomic import write_text_atomic
 from harness.records.record import new_run_id
@@ -89,7 +89,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     degrees = degrees_arg(args.degrees)
     seq_lens = seq_lens_arg("--seq-len", args.seq_len) if args.seq_len is not None else (None,)
     mbs = int_arg("--microbatches", args.microbatches, 1) if args.microbatches else None
-    acs = choices("--ac", args.ac, AC_MODES)
+    acs = policies_arg("--ac", args.ac)
     cells, compute = [], {}
     for size in sizes:  # every cell is validated before anything runs
         for seq in seq_lens:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from harness.cli.args import (
     RUN_DEVICES,
+    SP_MODES,
     add_sweep_args,
     choices,
     csv_list,
@@ -33,14 +34,14 @@ from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
 FIT_BANNER = ("PREDICTIONS from the analytic model (harness/model), except peak memory where `harness fit` measured "
               "it (--fit-from; noted per row): nothing here ran on the named hardware.")
 
-WHATIF_DEFAULT_SIZE = {"gpt2": "xl", "llama3": "8b"}
+WHATIF_DEFAULT_SIZE = {"gpt2": "xl", "llama3": "8b", "moe": "mixtral-8x7b"}
 ERROR_FROM = Path("results/reference/model-cpu-tiny-mini-w2-w4-r5")
 
 
 def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what-if (--device h100|h100-pcie|h200|a100: predict, do not run)")
-    g.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
-                   help="activation recomputation (default none)")
+    g.add_argument("--recompute", default=None,
+                   help="activation checkpointing policy, as --ac takes it: none (default), attn, op, layerN, full")
     g.add_argument("--efficiency", help="compute rate as a fraction of the datasheet peak, in (0, 1] "
                                         "(default: MAMF x kernel efficiency measured on one H200)")
     g.add_argument("--error-from", type=Path, default=None,
@@ -88,21 +89,23 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
                 efficiency=efficiency, pp_schedule=v.get("pp_schedule", "1f1b"),
                 grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")),
                 moe_imbalance=_imbalance(v.label("moe_imbalance"), v["moe_imbalance"]) if "moe_imbalance" in v else 1.0)
+    sps = tuple(x == "on" for x in choices(v.label("sp"), v.get("sp", "on"), SP_MODES))
     # one ranking per (size, sequence length, precision, device count): strategies compete at fixed work
     sections = [(size, seq, prec, gpus) for size in sizes for seq in seq_lens
                 for prec in csv_list(v.get("precision", "bf16")) for gpus in ints(v.label("gpus"), v["gpus"])]
     for size, seq, prec, gpus in sections:  # every value is checked before anything is printed
-        scenario(size, device, gpus, prec, seq_len=seq, **opts)
+        scenario(size, device, gpus, prec, seq_len=seq, sequence_parallel=sps[0], **opts)
     run_dir = args.error_from or ERROR_FROM
     fit_records = load_fit_records(args.fit_from) if args.fit_from else None
     print(BANNER if fit_records is None else FIT_BANNER)
     for size, seq, prec, gpus in sections:
-        s = scenario(size, device, gpus, prec, seq_len=seq, **opts)
+        s = scenario(size, device, gpus, prec, seq_len=seq, sequence_parallel=sps[0], **opts)
         print()
         print(f"## {size}, seq {s.size.seq_len}, {prec}, {gpus} GPUs")
         print("\n".join(assumptions_lines(s)))
         print()
-        rows = plan_at_scale(size, device, gpus, strategies, prec, seq_len=seq, **opts)
+        rows = plan_at_scale(size, device, gpus, strategies, precision=prec, seq_len=seq, sequence_parallels=sps,
+                             **opts)
         if fit_records is not None:
             rows = with_measured_peaks(rows, fit_records, size, prec, s.size.seq_len, device.hbm_gib, args.fit_from)
         print(whatif_table(rows))

@@ -21,7 +21,7 @@ what each strategy's code does, so the prediction can be held to equality in a t
   four column-parallel linears q, k, v, fc (each its own DTensor input, fp32 like the
   LayerNorm output they come from, low precision under FSDP mixed precision, which casts
   each group's inputs); the LM head all-gathers the logits (compute dtype) and
-  all-reduces its input gradient. With **sequence parallel** (Korthikanti et al. 2022) each
+  all-reduces its input gradient; under loss parallel (with sequence parallel) the logits stay sharded. With **sequence parallel** (Korthikanti et al. 2022) each
   all-reduce becomes an all-gather / reduce-scatter pair around the sequence-sharded region, and the
   norms' weights, which saw one sequence shard each, have their gradients summed over tp once per step:
   in one call (:func:`harness.parallel.tp.reduce_partial_grads`), or under FSDP one call per tensor in the
@@ -59,13 +59,14 @@ from harness.model.inventory import (
     group_of,
     held_shape,
     n_stages,
-    rank_layers,
+    rank_layer_ids,
     rank_params,
     stage_of,
     stages_of_rank,
     tp_local_shape,
 )
 from harness.model.shape import CellShape
+from harness.parallel.activation_checkpoint import reruns_forward
 from harness.units import MIB
 
 DDP_FIRST_BUCKET_BYTES = MIB
@@ -208,38 +209,21 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
     logits = rows * c.local_seq * size.vocab_size * c.compute_bytes
     stages = n_stages(c.dims, c.virtual)
     mine = stages_of_rank(coord.pp, c.dims.pp, c.virtual)
-    layers = rank_layers(size.n_layers, c.dims.pp, c.virtual, coord.pp)
+    layer_ids = rank_layer_ids(size.n_layers, c.dims.pp, c.virtual, coord.pp)
+    layers = len(layer_ids)
     first, last = 0 in mine, stages - 1 in mine
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
-    # ac full recomputes each block's forward in its backward, collectives included, up to the last
-    # tensor the backward needs (torch's checkpoint stops there): the MLP's output collective is not redone
-    again = 1 if c.recompute == "full" else 0
-    if sp and size.moe is not None:  # the attention as below; the MoE routes the gathered sequence, sums over tp
-        shared = 1 if size.moe.n_shared else 0
-        k = size.moe.top_k
-        attn = [(ag, hi), (rs, lo), (ag, lo), (rs, hi)] + again * [(ag, hi), (rs, lo)]
-        moe = [(ag, hi), (ar, k * lo)] + [(ar, lo)] * shared + [(ag, lo), (ar, k * hi)] + [(ar, hi)] * (2 * shared)
-        per_pass = (attn + moe + again * ([(ag, hi), (ar, k * lo)] + [(ar, lo)] * shared)) * layers
-        if last:
-            per_pass += [(ag, hi), (ag, logits), (rs, hi)]
+    every, again = _tp_block_calls(c, hi, lo)
+    per_pass = [call for i in layer_ids for call in every + (again if reruns_forward(c.recompute, i) else [])]
+    if sp:
+        if last:  # the head's input gathered (its gradient reduce-scattered); its logits gathered but under loss
+            # parallel, whose cross-entropy's own all-reduces (max, sum and target per token) run inside
+            # DTensor's dispatch, where the counter does not see them
+            per_pass += [(ag, hi), (rs, hi)] + ([] if c.dims.loss_parallel else [(ag, logits)])
         if first:
             per_pass += [(ag, hi)]
-    elif sp:
-        per_pass = ([(ag, hi), (rs, lo), (ag, lo), (rs, hi)] * 2 + again * [(ag, hi), (rs, lo), (ag, hi)]) * layers
-        if last:
-            per_pass += [(ag, hi), (ag, logits), (rs, hi)]
-        if first:
-            per_pass += [(ag, hi)]
-    else:
-        if size.moe is not None:  # fsdp+tp+ep (harness.parallel.ep): the experts' partial outputs summed over tp
-            shared = 1 if size.moe.n_shared else 0
-            k = size.moe.top_k
-            per_pass = ([(ar, lo)] * (1 + shared + again) + [(ar, k * lo)] * (1 + again) +
-                        [(ar, hi)] * (3 + 2 * shared) + [(ar, k * hi)]) * layers
-        else:  # forward: the row-parallel outputs; backward: each column-parallel linear's input gradient
-            per_pass = ([(ar, lo)] * (2 + again) + [(ar, hi)] * size.column_linears) * layers
-        if last:
-            per_pass += [(ag, logits), (ar, hi)]
+    elif last:
+        per_pass += [(ag, logits), (ar, hi)]
     calls = [Call(k, b, tp, "tp", False) for k, b in per_pass] * passes
     if sp:  # the norms' partial gradients, summed once per step
         norms = 2 * layers + (1 if last else 0)  # weight (and LayerNorm's bias) of each
@@ -250,6 +234,29 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
         else:  # in one call (harness.parallel.tp.reduce_partial_grads)
             calls.append(Call(ar, norms * size.final_norm_params * FP32, tp, "tp", False))
     return calls
+
+
+def _tp_block_calls(c: CellShape, hi: int, lo: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """One block's tensor-parallel collectives, as (collective, bytes): those of every forward+backward, and
+    those a rerun of its forward in backward adds (activation checkpointing runs the forward's collectives again
+    up to the last tensor the backward needs, where torch's checkpoint stops: the MLP's output collective is
+    not redone)."""
+    size = c.size
+    ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
+    if size.moe is not None:
+        shared = 1 if size.moe.n_shared else 0
+        k = size.moe.top_k
+    if c.dims.sequence_parallel and size.moe is not None:  # the MoE routes the gathered sequence, sums over tp
+        every = ([(ag, hi), (rs, lo), (ag, lo), (rs, hi)] + [(ag, hi), (ar, k * lo)] + [(ar, lo)] * shared +
+                 [(ag, lo), (ar, k * hi)] + [(ar, hi)] * (2 * shared))
+        return every, [(ag, hi), (rs, lo), (ag, hi), (ar, k * lo)] + [(ar, lo)] * shared
+    if c.dims.sequence_parallel:  # all-gather before, reduce-scatter after each sub-layer, and back
+        return [(ag, hi), (rs, lo), (ag, lo), (rs, hi)] * 2, [(ag, hi), (rs, lo), (ag, hi)]
+    if size.moe is not None:  # fsdp+tp+ep (harness.parallel.ep): the experts' partial outputs summed over tp
+        every = [(ar, lo)] * (1 + shared) + [(ar, k * lo)] + [(ar, hi)] * (3 + 2 * shared) + [(ar, k * hi)]
+        return every, [(ar, lo), (ar, k * lo)]
+    # forward: the row-parallel outputs; backward: each column-parallel linear's input gradient
+    return [(ar, lo)] * 2 + [(ar, hi)] * size.column_linears, [(ar, lo)]
 
 
 def _pp_calls(c: CellShape, coord: RankCoord) -> list[Call]:
@@ -277,18 +284,26 @@ def kv_gather_bytes(c: CellShape, rows: int) -> int:
 def _cp_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
     """Context parallel's collectives for ``passes`` forward+backward passes of ``rows`` sequences each."""
     nbytes = kv_gather_bytes(c, rows)
-    again = 1 if c.recompute in ("selective", "full") else 0  # the recomputed attention gathers again
-    per_layer = [Call("all_gather", nbytes, c.dims.cp, "cp", False)] * (1 + again) + \
-        [Call("reduce_scatter", nbytes, c.dims.cp, "cp", False)]
-    return per_layer * c.size.n_layers * passes
+    calls = []
+    for i in range(c.size.n_layers):
+        again = c.recompute == "attn" or reruns_forward(c.recompute, i)  # the recomputed attention gathers again
+        calls += [Call("all_gather", nbytes, c.dims.cp, "cp", False)] * (2 if again else 1) + \
+            [Call("reduce_scatter", nbytes, c.dims.cp, "cp", False)]
+    return calls * passes
+
+
+def _forwards(c: CellShape) -> float:
+    """Forwards per micro-step of a block, on average over the layers: 2 where the policy reruns it."""
+    n = c.size.n_layers
+    return 1 + sum(reruns_forward(c.recompute, i) for i in range(n)) / n
 
 
 def ep_bytes(c: CellShape, sent_rows: int, received_rows: int) -> int:
     """All-to-all bytes of one rank's optimizer step whose MoE layers sent ``sent_rows`` and received
     ``received_rows`` routed rows in all (every layer and micro-step, the forward counted once)."""
-    forwards = 2 if c.recompute == "full" else 1
+    forwards = _forwards(c)
     counts = forwards * 8 * c.size.moe.n_experts * c.size.n_layers * c.grad_accum
-    return counts + (forwards + 1) * (sent_rows + received_rows) * c.size.d_model * c.residual_bytes
+    return int(counts + (forwards + 1) * (sent_rows + received_rows) * c.size.d_model * c.residual_bytes)
 
 
 def ep_tp_bytes(c: CellShape, received_rows: int) -> int:
@@ -296,8 +311,7 @@ def ep_tp_bytes(c: CellShape, received_rows: int) -> int:
     rank's optimizer step whose experts received ``received_rows`` routed rows (the forward counted once)."""
     if not c.dims.tp_enabled:
         return 0
-    forwards = 2 if c.recompute == "full" else 1
-    return received_rows * c.size.d_model * (forwards * c.compute_bytes + c.residual_bytes)
+    return int(received_rows * c.size.d_model * (_forwards(c) * c.compute_bytes + c.residual_bytes))
 
 
 def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
@@ -309,8 +323,10 @@ def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
     forward = [Call("all_to_all", 8 * moe.n_experts, c.dims.ep, "ep", False)] + \
         [Call("all_to_all", rows_bytes, c.dims.ep, "ep", False)] * 2
     backward = [Call("all_to_all", rows_bytes, c.dims.ep, "ep", False)] * 2
-    per_layer = forward * (2 if c.recompute == "full" else 1) + backward
-    return per_layer * c.size.n_layers * passes
+    calls = []
+    for i in range(c.size.n_layers):
+        calls += forward * (2 if reruns_forward(c.recompute, i) else 1) + backward
+    return calls * passes
 
 
 def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:

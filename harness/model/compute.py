@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from harness.model.block_ops import block_matmuls, kept_by_op
 from harness.model.inventory import rank_layers, stages_of_rank
 from harness.model.shape import CellShape
+from harness.parallel.activation_checkpoint import checkpointed_layer
 
 
 @dataclass(frozen=True)
@@ -173,16 +175,25 @@ def rates_from_entry(entry: dict, wrapper: str | None = None) -> ComputeRates:
 
 
 def recompute_factor(c: CellShape) -> float:
-    """Executed FLOPs over model FLOPs: recomputation repeats forward work (Korthikanti et al. 2022)."""
+    """Executed FLOPs over model FLOPs: recomputation repeats forward work (Korthikanti et al. 2022).
+
+    A block checkpointed whole (``full``, ``layerN``'s) runs its forward again: 2 FLOPs per weight a token
+    computes with (an MoE's k routed experts and the router, not all E) and the attention; ``attn`` the q, k,
+    v projections and the attention; ``op`` the matmuls it did not keep (:func:`harness.model.block_ops.kept_by_op`),
+    the attention kept.
+    """
     size = c.size
     model = size.flops_per_token()
-    attention = 4 * size.n_layers * size.d_model * size.seq_len  # scores and values, forward
-    if c.recompute == "full":  # every block's forward again: 2 FLOPs per matmul weight, and the attention
-        extra = 2 * (size.n_layers * (size.params_per_layer - size.norm_params_per_layer)) + attention
-    elif c.recompute == "selective":  # the attention core: q, k, v projections (2 FLOPs per weight) and the attention
-        extra = 2 * size.n_layers * size.qkv_params + attention
-    else:
-        extra = 0
+    attention = 4 * size.d_model * size.seq_len  # scores and values of one layer, forward
+    idle = (size.moe.n_experts - size.moe.top_k) * size.moe.expert_params(size.d_model) if size.moe else 0
+    whole = 2 * (size.params_per_layer - idle - size.norm_params_per_layer) + attention
+    layers = sum(checkpointed_layer(c.recompute, i) for i in range(size.n_layers))
+    extra = layers * whole
+    if c.recompute == "attn":
+        extra = size.n_layers * (2 * size.qkv_params + attention)
+    elif c.recompute == "op":
+        matmuls = block_matmuls(size, c.dims.ep)
+        extra = size.n_layers * sum(m.flops(1) for m, keep in zip(matmuls, kept_by_op(matmuls)) if not keep)
     return (model + extra) / model
 
 

@@ -172,8 +172,13 @@ def stage_of(spec: ParamSpec, stages: int, n_layers: int) -> int:
 
 def rank_layers(n_layers: int, pp: int, virtual: int, pp_rank: int) -> int:
     """Blocks on the stages a pipeline rank holds."""
+    return len(rank_layer_ids(n_layers, pp, virtual, pp_rank))
+
+
+def rank_layer_ids(n_layers: int, pp: int, virtual: int, pp_rank: int) -> list[int]:
+    """The model's indices of the blocks on the stages a pipeline rank holds, in order."""
     mine = set(stages_of_rank(pp_rank, pp, virtual))
-    return sum(1 for s in _layer_owner(n_layers, pp * virtual) if s in mine)
+    return [i for i, s in enumerate(_layer_owner(n_layers, pp * virtual)) if s in mine]
 
 
 def group_of(spec: ParamSpec, dims: ParallelDims | None = None) -> str:

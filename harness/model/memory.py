@@ -29,22 +29,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from harness.model.block_ops import block_matmuls, kept_by_op
 from harness.model.inventory import (
     coords,
     fsdp_padded_numel,
     fsdp_ways,
     held_numel,
     held_shape,
-    rank_layers,
+    rank_layer_ids,
     rank_params,
 )
 from harness.model.shape import CellShape
+from harness.parallel.activation_checkpoint import checkpointed_layer
 
 ADAM_STATE_BYTES = 8
 """exp_avg and exp_avg_sq in fp32."""
 ADAM_STEP_BYTES = 4
 """AdamW's per-tensor ``step`` (a float32 scalar tensor)."""
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ def _attention_token_elements(c: CellShape) -> float:
 
 
 def _block_token_bytes(c: CellShape) -> float:
-    """Bytes one block saves per token for its backward (under ``selective``, what it keeps)."""
+    """Bytes one block saves per token for its backward (under ``attn``, what it keeps; every other policy
+    recomputes a block to this in its backward)."""
     size, tp, lo, hi = c.size, c.dims.tp, c.compute_bytes, c.residual_bytes
     d, f = size.d_model, size.d_ff
     sp = tp if c.dims.sequence_parallel else 1
@@ -126,9 +128,36 @@ def _block_token_bytes(c: CellShape) -> float:
         per_layer += moe_token_bytes(c) - mlp * f / tp * lo
     if size.qk_norm:  # q and k normalised per head: saved as the layer norms are
         per_layer += (size.q_dim + size.kv_dim) / tp * (2 * 4 if composite_rms_norm(c) else lo)
-    if c.recompute == "selective":
+    if c.recompute == "attn":
         per_layer -= _attention_token_elements(c) * lo
     return per_layer
+
+
+def op_token_bytes(c: CellShape) -> float:
+    """What the ``op`` policy keeps of a block per token (:class:`harness.parallel.activation_checkpoint.EveryOtherMatmul`):
+    the block's input (the checkpoint's; sequence-sharded under SP), the 1st, 3rd, ... matmul's output, the
+    attention's output and its fp32 log-sum-exp (a head per token), and under sequence parallel the reduce-scatters'
+    outputs (the attention's, and a dense MLP's; an MoE's output is sliced, not reduce-scattered). Checked
+    against a real block's live tensors (tests/unit/test_ac_policies.py)."""
+    size, tp, lo = c.size, c.dims.tp, c.compute_bytes
+    sp = tp if c.dims.sequence_parallel else 1
+    matmuls = block_matmuls(size, c.dims.ep)
+    kept = sum(m.output_bytes(tp, lo) for m, keep in zip(matmuls, kept_by_op(matmuls)) if keep)
+    attention = size.q_dim / tp * lo + size.n_heads / tp * 4
+    scattered = (1 if size.moe else 2) * size.d_model / tp * lo if c.dims.sequence_parallel else 0
+    return size.d_model * c.residual_bytes / sp + kept + attention + scattered
+
+
+def kept_token_bytes(c: CellShape, layer: int) -> float:
+    """Bytes block ``layer`` keeps per token for its backward under the cell's policy: its input only when it is
+    checkpointed whole (``full``, ``layerN``), :func:`op_token_bytes` under ``op``, else
+    :func:`_block_token_bytes`."""
+    sp = c.dims.tp if c.dims.sequence_parallel else 1
+    if checkpointed_layer(c.recompute, layer):
+        return c.size.d_model * c.residual_bytes / sp
+    if c.recompute == "op":
+        return op_token_bytes(c)
+    return _block_token_bytes(c)
 
 
 def moe_token_bytes(c: CellShape) -> float:
@@ -140,25 +169,25 @@ def moe_token_bytes(c: CellShape) -> float:
     return 8 * m.n_experts + (m.top_k * (3 * d + 4 * m.d_ff) + 4 * m.n_shared * m.d_ff) * c.compute_bytes
 
 
-def rope_table_bytes(c: CellShape) -> int:
-    """RoPE's cos and sin (fp32, ``seq x head_dim / 2`` each), computed and saved by each llama3 block's
-    attention, once per microbatch: not per row."""
-    return 4 * c.local_seq * c.size.head_dim if c.size.llama and c.recompute == "none" else 0
+def rope_table_bytes(c: CellShape, layer: int) -> int:
+    """RoPE's cos and sin (fp32, ``seq x head_dim / 2`` each), computed and saved by a llama3 block's attention
+    that keeps it (no policy that recomputes the attention), once per microbatch: not per row."""
+    kept = c.recompute not in ("attn", "op") and not checkpointed_layer(c.recompute, layer)
+    return 4 * c.local_seq * c.size.head_dim if c.size.llama and kept else 0
 
 
 def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
     """Activations saved for backward at the turn from forward to backward on pipeline rank
-    ``pp_rank`` (the first holds the most): every layer's, or under ``full`` each block's input
-    only; in a pipeline, also each in-flight microbatch's stage output, which the schedule keeps
-    for its backward (but on the last stage, whose output is the loss)."""
-    layers = rank_layers(c.size.n_layers, c.dims.pp, c.virtual, pp_rank)
+    ``pp_rank`` (the first holds the most): what each of its layers keeps under the policy
+    (:func:`kept_token_bytes`); in a pipeline, also each in-flight microbatch's stage output, which the
+    schedule keeps for its backward (but on the last stage, whose output is the loss)."""
+    layers = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank)
     tokens = c.microbatch_rows * c.local_seq * inflight_microbatches(c, pp_rank)
     sp = c.dims.tp if c.dims.sequence_parallel else 1
-    block_input = c.size.d_model * c.residual_bytes / sp
-    per_layer = block_input if c.recompute == "full" else _block_token_bytes(c)
-    stage_output = block_input if c.dims.pp_enabled and pp_rank < c.dims.pp - 1 else 0
-    tables = layers * rope_table_bytes(c) * inflight_microbatches(c, pp_rank)
-    return int(tokens * (layers * per_layer + stage_output)) + tables
+    stage_output = c.size.d_model * c.residual_bytes / sp if c.dims.pp_enabled and pp_rank < c.dims.pp - 1 else 0
+    kept = sum(kept_token_bytes(c, i) for i in layers)
+    tables = sum(rope_table_bytes(c, i) for i in layers) * inflight_microbatches(c, pp_rank)
+    return int(tokens * (kept + stage_output)) + tables
 
 
 def _mlp_grad_bytes(c: CellShape) -> int:
@@ -170,7 +199,7 @@ def _mlp_grad_bytes(c: CellShape) -> int:
 
 def block_backward_bytes(c: CellShape) -> int:
     """Activations live in one block's backward, one microbatch: the block's (saved, or recomputed
-    under ``full``) and its MLP gradients."""
+    under every policy but ``attn``) and its MLP gradients."""
     return int(c.microbatch_rows * c.local_seq * _block_token_bytes(c)) + _mlp_grad_bytes(c)
 
 
@@ -184,15 +213,19 @@ def logits_bytes(c: CellShape) -> int:
     """Logits (compute dtype), their fp32 copy for the loss and its gradient, on the last stage.
 
     Under tensor parallel the head is column-parallel with replicated logits
-    (:mod:`harness.parallel.tp`): every rank holds its vocabulary shard and the gathered whole. In a
+    (:mod:`harness.parallel.tp`): every rank holds its vocabulary shard and the gathered whole; under loss
+    parallel only the shards (a vocabulary-parallel cross-entropy: ``V / tp`` of each, measured on a 2-rank
+    head: 5.75 bytes per token and vocabulary entry in fp32 against the 6 counted). In a
     pipeline the last stage's output is the logits, and the schedule keeps every stage's output for its
     backward: one more compute-dtype copy lives until the logits' gradient is taken (measured by
     ``harness fit``: four logits-sized tensors at the last stage's peak in fp32, three without pp).
     """
     rows = c.microbatch_rows
     v = c.size.vocab_size
-    shard = c.compute_bytes / c.dims.tp if c.dims.tp > 1 else 0
     kept = c.compute_bytes if c.dims.pp_enabled else 0
+    if c.dims.loss_parallel:  # every one of them a vocabulary shard (V / tp); no whole copy
+        return int(rows * c.local_seq * v * (c.compute_bytes + 2 * 4 + kept) / c.dims.tp)
+    shard = c.compute_bytes / c.dims.tp if c.dims.tp > 1 else 0
     return int(rows * c.local_seq * v * (c.compute_bytes + 2 * 4 + shard + kept))
 
 
@@ -233,6 +266,18 @@ def pipeline_unsharded_grad_bytes(c: CellShape, pp_rank: int) -> int:
     return 4 * sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank))
 
 
+def _top_block_adds(c: CellShape, pp_rank: int) -> int:
+    """What the rank's last block's backward (the first it runs) adds to the saved activations: the whole block
+    recomputed when it is checkpointed whole, what ``op`` did not keep of it, and its MLP gradients."""
+    top = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank)[-1]
+    if checkpointed_layer(c.recompute, top):
+        return block_backward_bytes(c)
+    if c.recompute == "op":
+        rows = c.microbatch_rows * c.local_seq
+        return int(rows * (_block_token_bytes(c) - op_token_bytes(c))) + _mlp_grad_bytes(c)
+    return _mlp_grad_bytes(c)
+
+
 def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> float:
     """Predicted peak of a rank on pipeline rank ``pp_rank``: parameters and optimizer state + transient
     buffers + the largest moment of the step + base. The moments:
@@ -252,7 +297,7 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
     states = max((s for s, k in zip(state_bytes_by_rank(c), coords(c.dims)) if k.pp == pp_rank),
                  key=lambda s: s.total)
     block = block_backward_bytes(c)
-    top_adds = block if c.recompute == "full" else _mlp_grad_bytes(c)  # what the top block's backward adds to the saved
+    top_adds = _top_block_adds(c, pp_rank)
     transient = transient_param_bytes(c, pp_rank)
     saved = activation_bytes(c, pp_rank)
     logits = logits_bytes(c) if pp_rank == c.dims.pp - 1 else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import Layout
 from workloads.sizes import ModelSize
@@ -25,10 +26,13 @@ class CellShape:
     pp_schedule: str = "1f1b"
     device_kind: str = "cpu"
     recompute: str = "none"
-    """Activation recomputation: ``none``, ``selective`` (attention core) or ``full`` (per block)."""
+    """The activation checkpointing policy (:mod:`harness.parallel.activation_checkpoint`)."""
     moe_imbalance: float = 1.0
     """The busiest expert's load over the mean (a record's ``metrics.moe.imbalance_max_over_mean``; 1: balanced).
     Under expert parallel the rank holding it computes that much more of the experts' FLOPs."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", ac_policy(self.recompute))  # a policy's earlier name as today's
 
     @classmethod
     def of(cls, cfg) -> CellShape:

@@ -26,10 +26,11 @@ from dataclasses import dataclass, replace
 from harness.errors import UsageError
 from harness.model.compute import ComputeRates, roofline_rates, with_recompute
 from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn, get_device, placement
-from harness.model.memory import RECOMPUTE, peak_bytes, state_bytes_by_rank
+from harness.model.memory import peak_bytes, state_bytes_by_rank
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import predict_step
 from harness.parallel import presets
+from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, resolve, resolve_cell, world_for
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
@@ -76,6 +77,8 @@ class Scenario:
     degrees: dict | None = None
     moe_imbalance: float = 1.0
     """Busiest expert over the mean load (:attr:`harness.model.shape.CellShape.moe_imbalance`)."""
+    sequence_parallel: bool = True
+    """Sequence parallel wherever a layout has tensor parallel (:func:`harness.parallel.presets.sp_of`)."""
 
     @property
     def peak_tflops(self) -> float:
@@ -86,10 +89,11 @@ class Scenario:
         return math.ceil(self.gpus / self.device.gpus_per_node)
 
 
-def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "bf16", global_batch: int | None = None,
-             seq_len: int | None = None, recompute: str = "none", microbatches: int | None = None,
-             efficiency: float | None = None, pp_schedule: str = "1f1b", grad_accum: int = 1,
-             degrees: dict | None = None, moe_imbalance: float = 1.0) -> Scenario:
+def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "bf16", *,
+             global_batch: int | None = None, seq_len: int | None = None, recompute: str = "none",
+             microbatches: int | None = None, efficiency: float | None = None, pp_schedule: str = "1f1b",
+             grad_accum: int = 1, degrees: dict | None = None, moe_imbalance: float = 1.0,
+             sequence_parallel: bool = True) -> Scenario:
     """Validate the inputs (UsageError naming the value and the fix) and fix the defaults."""
     dev = get_device(device) if isinstance(device, str) else device
     try:
@@ -100,8 +104,10 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
         raise UsageError(f"--gpus {gpus!r}: must be an integer >= 1")
     if precision not in LOW_BYTES or precision not in dev.peak_tflops:
         raise UsageError(f"--precision {precision!r}: choose from {', '.join(dev.peak_tflops)}")
-    if recompute not in RECOMPUTE:
-        raise UsageError(f"--recompute {recompute!r}: choose from {', '.join(RECOMPUTE)}")
+    try:
+        recompute = ac_policy(recompute)
+    except UsageError as e:
+        raise UsageError(f"--recompute: {e}") from None
     if pp_schedule not in PP_SCHEDULES:
         raise UsageError(f"--pp-schedule {pp_schedule!r}: choose from {', '.join(PP_SCHEDULES)}")
     eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
@@ -117,7 +123,7 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
         size = replace(size, seq_len=seq_len)
     return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
                     recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
-                    degrees=degrees, moe_imbalance=moe_imbalance)
+                    degrees=degrees, moe_imbalance=moe_imbalance, sequence_parallel=sequence_parallel)
 
 
 def default_global_batch(seq_len: int, world: int, cp: int) -> int:
@@ -131,9 +137,10 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
     """The cell a strategy runs at this scale; UsageError (the row's reason) when it cannot run."""
     world = world_for(strategy, s.gpus)
     degrees = s.degrees if strategy != "single" else None
-    gb = s.global_batch or default_global_batch(s.size.seq_len, world, resolve(strategy, world, degrees).dims.cp)
-    layout, mb = resolve_cell(strategy, world, degrees, s.size, s.precision,
-                              s.pp_schedule, s.microbatches, s.grad_accum, gb)
+    gb = s.global_batch or default_global_batch(s.size.seq_len, world,
+                                                resolve(strategy, world, degrees, s.sequence_parallel).dims.cp)
+    layout, mb = resolve_cell(strategy, world, degrees, s.size, s.precision, s.pp_schedule, s.microbatches,
+                              s.grad_accum, gb, sequence_parallel=s.sequence_parallel)
     return CellShape(size=s.size, dims=layout.dims, strategy=strategy, precision=s.precision, global_batch=gb,
                      grad_accum=s.grad_accum, microbatches=mb, pp_schedule=s.pp_schedule, device_kind="cuda",
                      recompute=s.recompute, moe_imbalance=s.moe_imbalance)
@@ -205,18 +212,25 @@ def rank_rows(rows: list[dict]) -> list[dict]:
 
 
 def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: tuple[str, ...] | list[str] | None = None,
-                  precision: str = "bf16", global_batch: int | None = None, seq_len: int | None = None,
-                  recompute: str = "none", microbatches: int | None = None, efficiency: float | None = None,
-                  pp_schedule: str = "1f1b", grad_accum: int = 1, degrees: dict | None = None,
-                  moe_imbalance: float = 1.0) -> list[dict]:
-    """Predicted rows for each strategy at ``gpus`` devices, ranked (see :func:`rank_rows`)."""
-    s = scenario(size_name, device, gpus, precision, global_batch, seq_len, recompute, microbatches, efficiency,
-                 pp_schedule, grad_accum, degrees, moe_imbalance)
+                  *, sequence_parallels: tuple[bool, ...] = (True,), **options) -> list[dict]:
+    """Predicted rows for each strategy at ``gpus`` devices, ranked (see :func:`rank_rows`); ``options`` are
+    :func:`scenario`'s. With ``sequence_parallels=(True, False)`` a layout with tensor parallel appears with and
+    without sequence parallel."""
+    s = scenario(size_name, device, gpus, **options)
     names = tuple(strategies) if strategies else default_strategies(s.size)
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         raise UsageError(f"--strategies: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STRATEGIES)}")
-    return rank_rows([predict_row(v, n) for n in names for v in degree_variants(s, n)])
+    rows, seen = [], set()
+    for n in names:
+        for v in degree_variants(s, n):
+            for sp in sequence_parallels:
+                row = predict_row(replace(v, sequence_parallel=sp), n)
+                key = (n, str(row.get("degrees")), row["reason"])
+                if key not in seen:  # a layout without tp is the same with sp on or off
+                    seen.add(key)
+                    rows.append(row)
+    return rank_rows(rows)
 
 
 def degree_variants(s: Scenario, strategy: str) -> list[Scenario]:

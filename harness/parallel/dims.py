@@ -67,6 +67,12 @@ class ParallelDims:
             raise UsageError("sequence parallel needs tp > 1, got tp=1; use strategy tp-sp with --gpus >= 2")
 
     @property
+    def loss_parallel(self) -> bool:
+        """Whether the LM head keeps its logits sharded over the vocabulary for a vocabulary-parallel cross-entropy:
+        with sequence parallel, as torchtitan pairs them (the logits are the largest activation of a step)."""
+        return self.sequence_parallel
+
+    @property
     def dp(self) -> int:
         """Data-parallel degree: how many ways the global batch is split."""
         return self.dp_replicate * self.dp_shard

@@ -5,9 +5,9 @@ to each expert, sums them over all ranks in one all-reduce (``L x E`` fp32, labe
 for the comm counter), and gives each router the sum for DeepSeek-V3's bias step, so that every
 replica of a router moves its bias alike. Each layer is counted by every rank that holds it:
 data- and context-parallel ranks see different tokens (their counts add up to the batch's), a
-pipeline stage's ranks hold only their layers (the others add zeros). Under full activation
-checkpointing each block's forward runs twice per micro-batch (the recompute routes the same tokens
-alike), so the counts are halved; under tensor parallel every tp rank routes (and counts) the same
+pipeline stage's ranks hold only their layers (the others add zeros). Where activation checkpointing
+runs a block's forward again in its backward (:func:`harness.parallel.activation_checkpoint.reruns_forward`)
+the recompute routes the same tokens alike, so that layer's counts are halved; under tensor parallel every tp rank routes (and counts) the same
 tokens, so the sum is divided by tp. The sum is kept per step for the record: tokens per expert, and
 how far the busiest expert is above the mean. Under expert parallel each step also keeps this rank's
 routed, sent-away and received rows (:meth:`ExpertLoad.ep_rows`).
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.comm_scope import comm_label
+from harness.parallel.activation_checkpoint import reruns_forward
 from workloads.moe import MoE
 from workloads.sizes import ModelSize
 
@@ -50,13 +51,15 @@ class ExpertLoad:
         self.layers = moe_layers(parts)
         self.shape = (size.n_layers, size.moe.n_experts)
         self.device = device
-        self.passes = 2 if ac == "full" else 1
+        self.passes = {i: 2 if reruns_forward(ac, i) else 1 for i, _ in self.layers}
+        """Forwards per micro-batch of each layer (its block index)."""
         self.tp = tp
         self.steps: list[torch.Tensor] = []
         """Every step's load, warmup included (the loss curve's steps, which parity compares)."""
         self.first = 0
         """The first measured step: the summary covers the measured window."""
-        self.dispatchers = [layer.dispatcher for _, layer in self.layers if hasattr(layer.dispatcher, "take_counts")]
+        self.dispatchers = [(i, layer.dispatcher) for i, layer in self.layers
+                            if hasattr(layer.dispatcher, "take_counts")]
         self.ep_steps: list[tuple[float, float, float]] = []
         """Expert parallel: every step's rows this rank routed, sent away and received (all its layers)."""
         for _, layer in self.layers:
@@ -67,7 +70,7 @@ class ExpertLoad:
     def step(self) -> None:
         load = torch.zeros(self.shape, device=self.device)
         for i, layer in self.layers:
-            load[i] = layer.router.take_load() / self.passes
+            load[i] = layer.router.take_load() / self.passes[i]
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm_label(MOE_LOAD_LABEL):
                 dist.all_reduce(load)
@@ -76,8 +79,8 @@ class ExpertLoad:
             layer.router.update_bias(load[i])
         self.steps.append(load)
         if self.dispatchers:
-            counts = [d.take_counts() for d in self.dispatchers]
-            self.ep_steps.append(tuple(sum(c[j] for c in counts) / self.passes for j in range(3)))
+            counts = [[n / self.passes[i] for n in d.take_counts()] for i, d in self.dispatchers]
+            self.ep_steps.append(tuple(sum(c[j] for c in counts) for j in range(3)))
 
     def ep_rows(self) -> dict[str, list[float]] | None:
         """Expert parallel only: this rank's routed rows per step (every layer's token x slot rows, forward

@@ -7,12 +7,7 @@ parallel hooks (FSDP's per-block unshard) outside it. Both AC and compile replac
 ``forward`` on the instance, never the module tree, so parameter names (and every record,
 probe and parity check keyed by them) are the same with a lever on or off.
 
-* ``ac full``: every block checkpointed (non-reentrant ``torch.utils.checkpoint``): only the
-  block's input is kept, the block is recomputed in backward.
-* ``ac selective``: the attention core of every block (q/k/v projections, SDPA and the
-  reshape, :meth:`workloads.model.Attention.core`) is recomputed; LayerNorms, the output
-  projection and the MLP keep their activations. This is Korthikanti et al.'s (2022) selective
-  recompute, which the memory model prices as dropping q, k, v and the attention output.
+* ``ac``: activation checkpointing, a policy (:mod:`harness.parallel.activation_checkpoint`).
 * ``compile on``: ``torch.compile`` of each block's forward (default inductor backend).
 * ``optimizer adamw-fused``: ``torch.optim.AdamW(fused=True)``; ``adamw`` is torch's default
   implementation (for-each over CUDA tensors, the per-tensor loop on CPU), as every cell ran before.
@@ -27,38 +22,14 @@ import shutil
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from harness.errors import UsageError
 from harness.records.record import FINGERPRINT_LEVERS
 
 COMPILE_MODES = ("off", "on")
-AC_MODES = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw-fused")
 LEVER_DEFAULTS = FINGERPRINT_LEVERS
 """Cell fields of the levers and their values when not pulled (records without them mean these)."""
-
-
-def _checkpointed(fn):
-    def run(*args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-
-    return run
-
-
-def apply_ac(part: nn.Module, mode: str) -> None:
-    """Activation checkpointing on every block of ``part`` (see the module docstring)."""
-    if mode == "none":
-        return
-    for block in part.blocks.values():
-        if mode == "full":
-            block.forward = _checkpointed(block.forward)
-        elif mode == "selective":
-            attn = block.attn
-            core = _checkpointed(attn.core)
-            attn.forward = lambda x, attn=attn, core=core: attn.out(core(x))
-        else:
-            raise ValueError(f"unknown activation checkpointing {mode!r}; choose from {', '.join(AC_MODES)}")
 
 
 def apply_compile(part: nn.Module) -> None:

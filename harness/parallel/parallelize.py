@@ -18,16 +18,19 @@ Order, and why:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
+from harness.parallel.activation_checkpoint import apply_ac
 from harness.parallel.cp import apply_cp
 from harness.parallel.data_parallel import apply_ddp, apply_fsdp
 from harness.parallel.dims import FSDP_SHARD_DIM
 from harness.parallel.ep import apply_ep, shard_experts
-from harness.parallel.levers import apply_ac, apply_compile
+from harness.parallel.levers import apply_compile
 from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module, stage_ids
 from harness.parallel.presets import Layout, stages_per_rank
 from harness.parallel.tp import apply_tp
@@ -46,10 +49,16 @@ class Parallelized:
     notes: list[str] = field(default_factory=list)
     sequence_parallel: bool = False
     """Whether replicated LayerNorm weights get partial gradients (:func:`harness.parallel.tp.reduce_partial_grads`)."""
+    loss_parallel: bool = False
+    """Whether the logits are vocabulary-sharded DTensors: the loss and its backward run in :meth:`loss_context`."""
 
     def parameters(self):
         for p in self.parts:
             yield from p.parameters()
+
+    def loss_context(self):
+        """Where the loss and its backward run: torch's vocabulary-parallel cross-entropy under loss parallel."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
 
 def parallelize(model: nn.Module, layout: Layout, device: torch.device, precision,
@@ -74,7 +83,7 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
     # 2. tensor parallel
     if dims.tp_enabled:
         for part in parts.values():
-            apply_tp(part, dims.mesh("tp"), dims.sequence_parallel)
+            apply_tp(part, dims.mesh("tp"), dims.sequence_parallel, dims.loss_parallel)
     if dims.cp_enabled:
         for part in parts.values():
             apply_cp(part, dims.mesh("cp"))
@@ -102,6 +111,6 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, precisio
         pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn,
                               stage_shapes)
         return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp,
-                            sequence_parallel=dims.sequence_parallel)
+                            sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel)
     return Parallelized(parts=[parts[0]], model=wrapped or parts[0], pipeline=None, data_parallel=dp,
-                        sequence_parallel=dims.sequence_parallel)
+                        sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel)

@@ -7,8 +7,10 @@ With sequence parallel (Korthikanti et al. 2022), the residual stream and LayerN
 sharded along the sequence: the all-reduces become all-gather + reduce-scatter pairs and
 activation memory outside the matmuls drops by ``tp``.
 
-Embeddings stay replicated (lookups, small at CPU sizes); the LM head is column-parallel with
-replicated logits so the loss needs no vocabulary-parallel cross entropy.
+Embeddings stay replicated (lookups, small at CPU sizes); the LM head is column-parallel. Its logits are
+gathered whole, or, under loss parallel (which goes with sequence parallel, as torchtitan pairs them), kept
+sharded over the vocabulary for torch's vocabulary-parallel cross-entropy
+(:func:`torch.distributed.tensor.parallel.loss_parallel`): each rank holds ``V / tp`` of every token's logits.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ expert parallel (:mod:`harness.parallel.ep`), its router replicated."""
 ROW_LINEARS = ("attn.out", "mlp.proj", "mlp.shared.proj")
 
 
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
-    """Shard ``model`` (a :class:`workloads.model.Decoder` or a pipeline stage of one) over ``tp_mesh``."""
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool = False) -> None:
+    """Shard ``model`` (a :class:`workloads.model.Decoder` or a pipeline stage of one) over ``tp_mesh``; with
+    ``loss_parallel`` the LM head's logits stay sharded over the vocabulary (a DTensor, for
+    :func:`torch.distributed.tensor.parallel.loss_parallel`'s cross-entropy)."""
     sp = sequence_parallel
     residual = Shard(1) if sp else Replicate()
     top: dict = {}
@@ -51,7 +55,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
     if model.head is not None:
-        top["head"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+        top["head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                      use_local_output=not loss_parallel)
     if top:
         parallelize_module(model, tp_mesh, top)
     if sp and model.embed is None:

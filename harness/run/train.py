@@ -6,6 +6,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from harness.parallel.expert_load import ExpertLoad
 from harness.parallel.parallelize import Parallelized
@@ -49,21 +50,27 @@ def _sync_context(par: Parallelized, sync: bool):
     return contextlib.nullcontext()
 
 
+def _value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor, detached: loss parallel's is a replicated DTensor."""
+    loss = loss.detach()
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
 def _forward_backward(ctx: StepContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     par, r = ctx.par, ctx.ranges
     if par.pipeline is not None:
-        with r.range("forward"), ctx.precision.autocast(ctx.device_kind):
+        with r.range("forward"), ctx.precision.autocast(ctx.device_kind), par.loss_context():
             # The schedule interleaves forward and backward of microbatches inside one call.
             losses = par.pipeline.step(x, y)
-        return torch.stack([l.detach().float() for l in losses]).mean() if losses else None
+        return torch.stack([_value(l).float() for l in losses]).mean() if losses else None
     total = torch.zeros((), device=x.device)
     for i, (xc, yc) in enumerate(zip(x.chunk(ctx.grad_accum), y.chunk(ctx.grad_accum))):
-        with _sync_context(par, i == ctx.grad_accum - 1):
+        with _sync_context(par, i == ctx.grad_accum - 1), par.loss_context():
             with r.range("forward"), ctx.precision.autocast(ctx.device_kind):
                 loss = lm_loss(par.model(xc), yc) / ctx.grad_accum
             with r.range("backward"):
                 (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
-        total += loss.detach()
+        total += _value(loss)
     return total
 
 

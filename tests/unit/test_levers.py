@@ -22,7 +22,8 @@ from harness.cli import build_parser, main, spec_from_args
 from harness.errors import UsageError
 from harness.measure.tensor_bytes import TensorBytes
 from harness.parallel import levers
-from harness.parallel.levers import AC_MODES, OPTIMIZERS, apply_ac, build_optimizer, check_levers
+from harness.parallel.activation_checkpoint import AC_POLICIES, apply_ac
+from harness.parallel.levers import OPTIMIZERS, build_optimizer, check_levers
 from harness.parallel.presets import STRATEGIES
 from harness.planner import expand
 from harness.records.record import fingerprint_fields, pulled_levers
@@ -41,14 +42,14 @@ def _plan(*args: str):
 def test_every_lever_composes_with_every_strategy_or_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
     cells = _plan("--gpus", "8", "--sizes", "tiny", "--strategies", ",".join(s for s in STRATEGIES if s != "single"),
-                  "--compile", "off,on", "--ac", ",".join(AC_MODES), "--optimizer", ",".join(OPTIMIZERS),
+                  "--compile", "off,on", "--ac", ",".join(AC_POLICIES), "--optimizer", ",".join(OPTIMIZERS),
                   "--force")
     by_strategy: dict[str, list] = {}
     for c in cells:
         by_strategy.setdefault(c.raw["strategy"], []).append(c)
     assert set(by_strategy) == set(STRATEGIES) - {"single"}
     for strategy, group in by_strategy.items():
-        assert len(group) == 2 * len(AC_MODES) * len(OPTIMIZERS), strategy
+        assert len(group) == 2 * len(AC_POLICIES) * len(OPTIMIZERS), strategy
         base_ok = next(c for c in group if not c.raw["compile"] and c.raw["ac"] == "none" and
                        c.raw["optimizer"] == "adamw").valid
         for c in group:
@@ -87,7 +88,8 @@ def test_compile_needs_a_cxx_compiler_and_a_warmup(monkeypatch):
 
 @pytest.mark.parametrize("flag,value,message", [
     ("--compile", "maybe", "--compile 'maybe': choose from off, on"),
-    ("--ac", "some", "--ac 'some': choose from none, selective, full"),
+    ("--ac", "some", "--ac: unknown activation checkpointing 'some'; choose from none, attn, op, layer2, full"),
+    ("--ac", "layer1", "--ac: unknown activation checkpointing 'layer1'"),
     ("--optimizer", "sgd", "--optimizer 'sgd': choose from adamw, adamw-fused"),
 ])
 def test_bad_lever_exits_2_with_one_line(flag, value, message, tmp_path, capsys, monkeypatch):
@@ -109,7 +111,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[flo
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, tracker.peak_bytes
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "attn", "op", "layer2", "selective"])
 def test_activation_checkpointing_changes_no_number_and_keeps_fewer_bytes(mode):
     size = replace(get_size("tiny"), seq_len=64)
     torch.manual_seed(0)

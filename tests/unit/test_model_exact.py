@@ -211,21 +211,21 @@ def test_calls_carry_their_dimension_group_and_overlap() -> None:
 
 def test_tp_sp_swaps_each_all_reduce_for_a_gather_scatter_pair() -> None:
     act = 8 * 128 * 128 * 4  # rows x S x d, fp32
-    logits = 8 * 128 * 256 * 4
-    # per layer 2 x (gather, scatter, gather, scatter); the head gathers its input and the logits and
-    # scatters its input gradient; the embedding output is gathered once. The LayerNorms' partial
-    # gradients (4 blocks x 2 norms + the final one, weight and bias) are summed in one all-reduce.
+    # per layer 2 x (gather, scatter, gather, scatter); the head gathers its input and scatters its input
+    # gradient; its logits stay sharded (loss parallel goes with sequence parallel: no logits gather); the
+    # embedding output is gathered once. The LayerNorms' partial gradients (4 blocks x 2 norms + the final
+    # one, weight and bias) are summed in one all-reduce.
     norm_grads = {"calls_per_step": 1, "bytes_per_step": (4 * 2 + 1) * 2 * 128 * 4}
     assert _summary(shape("tp-sp", 2)) == {
         "all_reduce": norm_grads,
-        "all_gather": {"calls_per_step": 8 * 2 + 2 + 1, "bytes_per_step": (8 * 2 + 2) * act + logits},
+        "all_gather": {"calls_per_step": 8 * 2 + 2, "bytes_per_step": (8 * 2 + 2) * act},
         "reduce_scatter": {"calls_per_step": 8 * 2 + 1, "bytes_per_step": (8 * 2 + 1) * act},
     }
     # bf16: the scattered/gathered matmul outputs halve, the fp32 residual stream does not.
     lo, hi = act // 2, act
     assert _summary(shape("tp-sp", 2, precision="bf16")) == {
         "all_reduce": norm_grads,  # fp32 parameters: fp32 gradients under autocast
-        "all_gather": {"calls_per_step": 19, "bytes_per_step": 8 * hi + 8 * lo + 2 * hi + logits // 2},
+        "all_gather": {"calls_per_step": 18, "bytes_per_step": 8 * hi + 8 * lo + 2 * hi},
         "reduce_scatter": {"calls_per_step": 17, "bytes_per_step": 8 * lo + 8 * hi + hi},
     }
 
@@ -246,14 +246,14 @@ def test_hybrids_issue_every_component_s_collectives() -> None:
     assert s["reduce_scatter"]["calls_per_step"] == 5
     # with sequence parallel (the default): per block and sub-layer an all-gather of the norm's output and a
     # reduce-scatter of the row-parallel output forward, the same two backward (4 blocks x 2 sub-layers: 16 and
-    # 16 act);
-    # the head's input and logits gathered, its input gradient reduce-scattered; the embedding's output
-    # gradient gathered; FSDP as above; the norms' weights and biases (2 x 4 + 1 LayerNorms) all-reduced one
-    # by one (FSDP2 redistributes each partial gradient), 128 fp32 each.
+    # 16 act); the head's input gathered (its logits stay sharded: loss parallel), its input gradient
+    # reduce-scattered; the embedding's output gradient gathered; FSDP as above; the norms' weights and biases
+    # (2 x 4 + 1 LayerNorms) all-reduced one by one (FSDP2 redistributes each partial gradient), 128 fp32 each.
     sp = _summary(shape("fsdp+tp", 4))
     assert sp["all_reduce"] == {"calls_per_step": 18, "bytes_per_step": 18 * 128 * 4}
-    fsdp_and_logits = s["all_gather"]["bytes_per_step"]  # the same FSDP gathers and the logits as without
-    assert sp["all_gather"] == {"calls_per_step": 16 + 3 + 9, "bytes_per_step": fsdp_and_logits + 18 * act}
+    logits = 4 * 128 * TINY.vocab_size * 4
+    fsdp = s["all_gather"]["bytes_per_step"] - logits  # the same FSDP gathers as without
+    assert sp["all_gather"] == {"calls_per_step": 16 + 2 + 9, "bytes_per_step": fsdp + 18 * act}
     assert sp["reduce_scatter"] == {"calls_per_step": 16 + 1 + 5,
                                     "bytes_per_step": s["reduce_scatter"]["bytes_per_step"] + 17 * act}
     pf = _summary(shape("pp+fsdp", 4, microbatches=4))

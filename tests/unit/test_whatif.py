@@ -187,7 +187,7 @@ def test_invalid_strategies_are_rows_with_the_reason():
     (dict(size_name="huge"), "--sizes: unknown gpt2 size 'huge'"),
     (dict(gpus=0), "--gpus 0: must be an integer >= 1"),
     (dict(efficiency=1.5), "--efficiency 1.5: must be a fraction of the datasheet peak in (0, 1]"),
-    (dict(recompute="some"), "--recompute 'some': choose from none, selective, full"),
+    (dict(recompute="some"), "--recompute: unknown activation checkpointing 'some'; choose from none, attn, op, layer2, full"),
     (dict(seq_len=4096), "--seq-len: seq_len (4096) exceeds xl's position table (1024)"),
 ])
 def test_bad_inputs_are_usage_errors(kwargs, message):

@@ -1,0 +1,59 @@
+"""The matmuls of one transformer block, in the order its forward runs them: what the ``op`` checkpointing
+policy keeps or recomputes (:class:`harness.parallel.activation_checkpoint.EveryOtherMatmul` keeps the 1st,
+3rd, 5th, ...), so memory and compute price the same list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workloads.sizes import ModelSize
+
+
+@dataclass(frozen=True)
+class Matmul:
+    name: str
+    k: int
+    """Input width (the weight's columns)."""
+    n: int
+    """Output width of the whole layer (the weight's rows)."""
+    rows: float
+    """Rows per local token: 1, or an expert's share of the routed rows."""
+    split: str
+    """Under tensor parallel: ``column`` (output sharded), ``row`` (input sharded, output whole and summed
+    over tp) or ``replicated`` (the router)."""
+
+    def output_bytes(self, tp: int, dtype_bytes: int) -> float:
+        """Bytes of its output per local token on one tp rank."""
+        return self.rows * (self.n / tp if self.split == "column" else self.n) * dtype_bytes
+
+    def flops(self, tp: int) -> float:
+        """Forward FLOPs per local token on one tp rank (2 per multiply-add)."""
+        return 2 * self.rows * self.k * self.n / (1 if self.split == "replicated" else tp)
+
+
+def block_matmuls(size: ModelSize, ep: int = 1) -> list[Matmul]:
+    """q, k, v and the attention's output projection; the MLP's column linears (gpt2's fc, SwiGLU's gate and up)
+    and its output; an MoE's router, then each of this rank's ``E / ep`` experts' gate, up and output over
+    its balanced share of the routed rows (``k ep / E`` per token), then the shared expert's three."""
+    d = size.d_model
+    out = [Matmul("q", d, size.q_dim, 1, "column"), Matmul("k", d, size.kv_dim, 1, "column"),
+           Matmul("v", d, size.kv_dim, 1, "column"), Matmul("out", size.q_dim, d, 1, "row")]
+    if size.moe is None:
+        names = ("gate", "up") if size.llama else ("fc",)
+        return out + [Matmul(n, d, size.d_ff, 1, "column") for n in names] + [Matmul("proj", size.d_ff, d, 1, "row")]
+    m = size.moe
+    out.append(Matmul("router", d, m.n_experts, 1, "replicated"))
+    rows = m.top_k * ep / m.n_experts
+    for e in range(m.n_experts // ep):
+        out += [Matmul(f"expert{e}.gate", d, m.d_ff, rows, "column"), Matmul(f"expert{e}.up", d, m.d_ff, rows, "column"),
+                Matmul(f"expert{e}.proj", m.d_ff, d, rows, "row")]
+    if m.n_shared:
+        f = m.n_shared * m.d_ff
+        out += [Matmul("shared.gate", d, f, 1, "column"), Matmul("shared.up", d, f, 1, "column"),
+                Matmul("shared.proj", f, d, 1, "row")]
+    return out
+
+
+def kept_by_op(matmuls: list[Matmul]) -> list[bool]:
+    """Which of a block's matmuls the ``op`` policy keeps: the 1st, 3rd, 5th, ..."""
+    return [i % 2 == 0 for i in range(len(matmuls))]
