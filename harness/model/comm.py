@@ -214,6 +214,8 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
     first, last = 0 in mine, stages - 1 in mine
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
     every, again = _tp_block_calls(c, hi, lo)
+    if c.recompute == "op":  # the op policy keeps the reduce-scatters' outputs: its rerun does not redo them
+        again = [call for call in again if call[0] != rs]
     per_pass = [call for i in layer_ids for call in every + (again if reruns_forward(c.recompute, i) else [])]
     if sp:
         if last:  # the head's input gathered (its gradient reduce-scattered); its logits gathered but under loss
@@ -298,20 +300,30 @@ def _forwards(c: CellShape) -> float:
     return 1 + sum(reruns_forward(c.recompute, i) for i in range(n)) / n
 
 
-def ep_bytes(c: CellShape, sent_rows: int, received_rows: int) -> int:
+def _rerun_rows(c: CellShape, rows: float, rerun: float | None) -> float:
+    """Rows of the layers whose forward ran again: as counted, or (older records) the layers' share."""
+    return rerun if rerun is not None else rows * (_forwards(c) - 1)
+
+
+def ep_bytes(c: CellShape, sent_rows: int, received_rows: int, rerun_sent: float | None = None,
+             rerun_received: float | None = None) -> int:
     """All-to-all bytes of one rank's optimizer step whose MoE layers sent ``sent_rows`` and received
-    ``received_rows`` routed rows in all (every layer and micro-step, the forward counted once)."""
-    forwards = _forwards(c)
-    counts = forwards * 8 * c.size.moe.n_experts * c.size.n_layers * c.grad_accum
-    return int(counts + (forwards + 1) * (sent_rows + received_rows) * c.size.d_model * c.residual_bytes)
+    ``received_rows`` routed rows in all (every layer and micro-step, the forward counted once), of which the
+    layers activation checkpointing ran again sent ``rerun_sent`` and received ``rerun_received``."""
+    counts = _forwards(c) * 8 * c.size.moe.n_experts * c.size.n_layers * c.grad_accum
+    moved = 2 * (sent_rows + received_rows) + _rerun_rows(c, sent_rows, rerun_sent) + \
+        _rerun_rows(c, received_rows, rerun_received)
+    return int(counts + moved * c.size.d_model * c.residual_bytes)
 
 
-def ep_tp_bytes(c: CellShape, received_rows: int) -> int:
+def ep_tp_bytes(c: CellShape, received_rows: int, rerun_received: float | None = None) -> int:
     """Bytes of the tp all-reduces of the experts' outputs and their rows' gradients (``fsdp+tp+ep``) of one
-    rank's optimizer step whose experts received ``received_rows`` routed rows (the forward counted once)."""
+    rank's optimizer step whose experts received ``received_rows`` routed rows (the forward counted once),
+    ``rerun_received`` of them in layers whose forward ran again."""
     if not c.dims.tp_enabled:
         return 0
-    return int(received_rows * c.size.d_model * (_forwards(c) * c.compute_bytes + c.residual_bytes))
+    forwards = received_rows + _rerun_rows(c, received_rows, rerun_received)
+    return int(c.size.d_model * (forwards * c.compute_bytes + received_rows * c.residual_bytes))
 
 
 def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
@@ -354,15 +366,21 @@ def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
     return calls
 
 
-def comm_for_routing(c: CellShape, sent_by_rank: list[int], received_by_rank: list[int]) -> list[dict]:
+def comm_for_routing(c: CellShape, ep: dict) -> list[dict]:
     """:func:`comm_by_rank` for the routing that happened: each rank's all-to-all bytes (and under tp the
     experts' all-reduce bytes) from the routed rows it sent and received in one step (a record's
-    ``metrics.moe.ep``), where the prediction assumed as many received as sent."""
+    ``metrics.moe.ep``, rerun layers' rows apart where it has them), where the prediction assumed as many
+    received as sent."""
     out = comm_by_rank(c)
-    for rank, sent, received in zip(out, sent_by_rank, received_by_rank, strict=True):
-        rank["all_to_all"]["bytes_per_step"] = ep_bytes(c, sent, received)
+    sent_by_rank, received_by_rank = ep["counted_step_rows_sent_by_rank"], ep["counted_step_rows_received_by_rank"]
+    n = len(sent_by_rank)
+    rerun_sent = ep.get("counted_step_rerun_rows_sent_by_rank") or [None] * n
+    rerun_received = ep.get("counted_step_rerun_rows_received_by_rank") or [None] * n
+    for rank, sent, received, rs, rr in zip(out, sent_by_rank, received_by_rank, rerun_sent, rerun_received,
+                                            strict=True):
+        rank["all_to_all"]["bytes_per_step"] = ep_bytes(c, sent, received, rs, rr)
         if c.dims.tp_enabled:
-            rank["all_reduce"]["bytes_per_step"] += ep_tp_bytes(c, received) - ep_tp_bytes(c, sent)
+            rank["all_reduce"]["bytes_per_step"] += ep_tp_bytes(c, received, rr) - ep_tp_bytes(c, sent)
     return out
 
 

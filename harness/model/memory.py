@@ -126,10 +126,15 @@ def _block_token_bytes(c: CellShape) -> float:
     per_layer = ln + (_attention_token_elements(c) + mlp * f / tp) * lo
     if size.moe is not None:  # k expert slots per token instead of one MLP
         per_layer += moe_token_bytes(c) - mlp * f / tp * lo
+    gqa_copy = size.kv_dim != size.q_dim and c.device_kind == "cpu"
+    if gqa_copy:
+        # grouped-query attention on CPU: SDPA's output is laid out (B, H, T, hd), so the output projection's
+        # input is a copy (saved beside SDPA's own output; measured with saved-tensor hooks on a llama3 block)
+        per_layer += size.q_dim / tp * lo
     if size.qk_norm:  # q and k normalised per head: saved as the layer norms are
         per_layer += (size.q_dim + size.kv_dim) / tp * (2 * 4 if composite_rms_norm(c) else lo)
-    if c.recompute == "attn":
-        per_layer -= _attention_token_elements(c) * lo
+    if c.recompute == "attn":  # q, k, v and SDPA's output recomputed; the output projection keeps its input
+        per_layer -= (_attention_token_elements(c) - (0 if gqa_copy else size.q_dim / tp)) * lo
     return per_layer
 
 

@@ -92,6 +92,16 @@ class EveryOtherMatmul:
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+PROFILER_OPS = (torch.ops.profiler._record_function_enter_new.default,
+                torch.ops.profiler._record_function_exit._RecordFunction)
+"""Annotations, not computation. FSDP2 brackets a sharded module's forward hooks in ``record_function``; for a
+module FSDP-sharded inside a block (an MoE's experts under expert parallel) its recompute runs more of them than
+its forward did, which selective checkpointing's replay takes for a different computation and refuses
+("invocation index 2 encountered during backward but not found in storage"). torch leaves such ops out of the
+replay (``SAC_IGNORED_OPS``); these join them."""
+torch.utils.checkpoint.SAC_IGNORED_OPS.update(PROFILER_OPS)
+
+
 def _op_contexts():
     return create_selective_checkpoint_contexts(EveryOtherMatmul())
 

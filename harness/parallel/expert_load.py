@@ -60,8 +60,9 @@ class ExpertLoad:
         """The first measured step: the summary covers the measured window."""
         self.dispatchers = [(i, layer.dispatcher) for i, layer in self.layers
                             if hasattr(layer.dispatcher, "take_counts")]
-        self.ep_steps: list[tuple[float, float, float]] = []
-        """Expert parallel: every step's rows this rank routed, sent away and received (all its layers)."""
+        self.ep_steps: list[tuple[float, ...]] = []
+        """Expert parallel: every step's rows this rank routed, sent away and received (all its layers), and the
+        rows it routed and received in the layers whose forward ran again in backward (activation checkpointing)."""
         for _, layer in self.layers:
             layer.router.routing = routing
             if ranges is not None:
@@ -79,16 +80,20 @@ class ExpertLoad:
             layer.router.update_bias(load[i])
         self.steps.append(load)
         if self.dispatchers:
-            counts = [[n / self.passes[i] for n in d.take_counts()] for i, d in self.dispatchers]
-            self.ep_steps.append(tuple(sum(c[j] for c in counts) for j in range(3)))
+            counts = [([n / self.passes[i] for n in d.take_counts()], self.passes[i] > 1) for i, d in self.dispatchers]
+            rows = [sum(c[j] for c, _ in counts) for j in range(3)]
+            rerun = [sum(c[j] for c, again in counts if again) for j in (0, 2)]
+            self.ep_steps.append((*rows, *rerun))
 
     def ep_rows(self) -> dict[str, list[float]] | None:
         """Expert parallel only: this rank's routed rows per step (every layer's token x slot rows, forward
-        once), the rows among them sent to another rank, and the rows its experts received."""
+        once), the rows among them sent to another rank, the rows its experts received, and the routed and
+        received rows of the layers whose forward ran again (``rerun_routed``, ``rerun_received``)."""
         if not self.dispatchers:
             return None
-        routed, left, received = (list(x) for x in zip(*self.ep_steps)) if self.ep_steps else ([], [], [])
-        return {"routed": routed, "left": left, "received": received}
+        keys = ("routed", "left", "received", "rerun_routed", "rerun_received")
+        columns = list(zip(*self.ep_steps)) if self.ep_steps else [()] * len(keys)
+        return {k: list(v) for k, v in zip(keys, columns, strict=True)}
 
     def window_start(self) -> None:
         """The measured window starts at the next step: the summary covers it."""

@@ -119,7 +119,8 @@ class MoeMetrics(TypedDict, total=False):
     ``ep``: ``tokens_left_rank_share`` (routed rows sent to another rank's experts over all routed rows,
     measured steps, every rank) and ``counted_step_rows_sent_by_rank`` / ``..._received_by_rank`` (the
     rows of the step the comm counter counted, from which :func:`harness.model.comm.ep_bytes` gives its
-    all-to-all bytes)."""
+    all-to-all bytes), with ``counted_step_rerun_rows_sent_by_rank`` / ``..._received_by_rank`` the rows of
+    the layers whose forward activation checkpointing ran again (their all-to-alls ran twice)."""
 
 
 class WorkerMetrics(TimingMetrics, ThroughputMetrics, MfuMetrics, MemoryMetrics, CommMetrics, LossMetrics,

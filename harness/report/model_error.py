@@ -69,8 +69,7 @@ def comm_exact(record: dict[str, Any]) -> str:
         return "yes"
     ep = (measured.get("moe") or {}).get("ep")
     if ep and measured.get("comm_by_rank") == comm_for_routing(CellShape.of(CellConfig.from_record(record["config"])),
-                                                               ep["counted_step_rows_sent_by_rank"],
-                                                               ep["counted_step_rows_received_by_rank"]):
+                                                               ep):
         return "routed"
     return "no"
 

@@ -219,7 +219,9 @@ def _ep_metrics(by_rank: list[dict[str, list[float]]], warmup: int) -> dict[str,
     left = sum(sum(r["left"][measured]) for r in by_rank)
     return {"tokens_left_rank_share": left / routed if routed else None,
             "counted_step_rows_sent_by_rank": [r["routed"][-1] for r in by_rank],
-            "counted_step_rows_received_by_rank": [r["received"][-1] for r in by_rank]}
+            "counted_step_rows_received_by_rank": [r["received"][-1] for r in by_rank],
+            "counted_step_rerun_rows_sent_by_rank": [r["rerun_routed"][-1] for r in by_rank],
+            "counted_step_rerun_rows_received_by_rank": [r["rerun_received"][-1] for r in by_rank]}
 
 
 def parity_key(cfg: dict) -> tuple:

@@ -108,9 +108,10 @@ def _check_ep_model(results: dict) -> None:
         shape = CellShape.of(CellConfig.from_dict(res["config"]))
         sent, received = ep["counted_step_rows_sent_by_rank"], ep["counted_step_rows_received_by_rank"]
         assert sent != received, f"{cid}: learned routing moved no rows between ranks unevenly"
-        assert res["metrics"]["comm_by_rank"] == comm_for_routing(shape, sent, received), cid
+        assert res["metrics"]["comm_by_rank"] == comm_for_routing(shape, ep), cid
         # the rest of the check with the model's own (balanced) rows in place of the routing's
-        results[cid] = {**res, "metrics": {**res["metrics"], "comm_by_rank": comm_for_routing(shape, sent, sent)}}
+        balanced = {"counted_step_rows_sent_by_rank": sent, "counted_step_rows_received_by_rank": sent}
+        results[cid] = {**res, "metrics": {**res["metrics"], "comm_by_rank": comm_for_routing(shape, balanced)}}
     _check_model(results)
 
 

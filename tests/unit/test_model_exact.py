@@ -42,10 +42,11 @@ def test_tiny_inventory_is_what_the_model_builds() -> None:
 @pytest.mark.parametrize("strategy, world, kw, expected", [
     # rows x S tokens x layers x per-layer bytes per token
     ("single", 1, {}, 8 * 128 * 4 * (16 * 128 + 48 * 128)),  # fp32: 4d*4 + 12d*4 = 64 d bytes
-    ("single", 1, {"recompute": "selective"}, 8 * 128 * 4 * (64 - 16) * 128),
+    # attn (named selective before): q, k, v recomputed (3 d x 4); the output projection keeps its input
+    ("single", 1, {"recompute": "selective"}, 8 * 128 * 4 * (64 - 12) * 128),
     ("single", 1, {"recompute": "full"}, 8 * 128 * 4 * 128 * 4),  # each block's input only
     ("single", 1, {"precision": "bf16"}, 8 * 128 * 4 * (4 * 128 * 4 + 12 * 128 * 2)),
-    ("single", 1, {"precision": "bf16", "recompute": "selective"}, 8 * 128 * 4 * (4 * 128 * 4 + 8 * 128 * 2)),
+    ("single", 1, {"precision": "bf16", "recompute": "attn"}, 8 * 128 * 4 * (4 * 128 * 4 + 9 * 128 * 2)),
     ("single", 1, {"grad_accum": 2}, 4 * 128 * 4 * 64 * 128),  # one micro-step of 4 rows
     ("ddp", 2, {}, 4 * 128 * 4 * 64 * 128),  # 4 local rows
     ("tp", 2, {}, 8 * 128 * 4 * (4 * 128 * 4 + 12 * 128 * 4 // 2)),
@@ -319,8 +320,8 @@ def test_activation_bytes_last_stage_and_tp_variants() -> None:
     assert memory.activation_bytes(shape("pp", 2, microbatches=4), 1) == 2 * 128 * 1 * (2 * 64 * 128)
     # tp 2 without SP, full: each block's fp32 input whole (d x 4 bytes), 8 rows x 128 tokens x 4 layers
     assert memory.activation_bytes(shape("tp", 2, recompute="full")) == 8 * 128 * 4 * 128 * 4
-    # tp 2 selective, fp32: 4 d x 4 (LayerNorms) + 12 d x 4 / 2 - 4 d x 4 / 2 = 16 d + 24 d - 8 d = 32 d
-    assert memory.activation_bytes(shape("tp", 2, recompute="selective")) == 8 * 128 * 4 * 32 * 128
+    # tp 2 attn, fp32: 4 d x 4 (LayerNorms) + 12 d x 4 / 2 - 3 d x 4 / 2 (q, k, v) = 16 d + 24 d - 6 d = 34 d
+    assert memory.activation_bytes(shape("tp", 2, recompute="attn")) == 8 * 128 * 4 * 34 * 128
 
 
 def test_grads_live_in_forward_from_two_micro_steps() -> None:
