@@ -200,7 +200,7 @@ class Settings(dict):
         return f"{self.file}: {key}" if key in self.from_file else f"--{key.replace('_', '-')}"
 
 
-WHATIF_KEYS = ("recompute", "efficiency", "error_from")
+WHATIF_KEYS = ("recompute", "efficiency", "error_from", "device_mem", "power_cap")
 """Keys a sweep file may also hold for ``harness plan --device PRESET``."""
 
 

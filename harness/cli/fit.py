@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints, seq_lens_arg, workload_keys
+from harness.cli.device_arg import device_from_file
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.fit_cells import RECORDS, fit_all
@@ -33,19 +34,23 @@ DEFAULTS = {"cpu": dict(sizes="tiny", precision="fp32"), "cuda": dict(sizes="sma
 
 
 def device_mem_arg(value: str | None, device_kind: str) -> tuple[float, str]:
-    """``--device-mem``: GiB (> 0) or a preset's HBM; default the local device's memory. (GiB, where from)."""
+    """``--device-mem``: GiB (> 0), a preset's HBM or a device file's (:mod:`harness.cli.device_arg`); default the
+    local device's memory. (GiB, where from)."""
     if value is None:
         if device_kind == "cuda":
             return torch.cuda.get_device_properties(0).total_memory / GIB, f"{torch.cuda.get_device_name(0)} memory"
         return psutil.virtual_memory().total / GIB, "this host's RAM"
+    if value.strip().endswith(".toml"):
+        dev = device_from_file(Path(value.strip()))
+        return dev.hbm_gib, f"--device-mem {value.strip()} ({dev.product}, {dev.hbm_gib:g} GiB)"
     name = value.strip().lower()
     if name in DEVICES:
         return DEVICES[name].hbm_gib, f"--device-mem {name} ({DEVICES[name].product} HBM)"
     try:
         gib = float(name)
     except ValueError:
-        raise UsageError(f"--device-mem {value!r}: not a number of GiB nor a preset; give GiB > 0 (e.g. 80) or "
-                         f"one of {', '.join(DEVICES)}") from None
+        raise UsageError(f"--device-mem {value!r}: not a number of GiB nor a preset; give GiB > 0 (e.g. 80), "
+                         f"one of {', '.join(DEVICES)} or a device file (DEVICE.toml)") from None
     if not gib > 0:
         raise UsageError(f"--device-mem {value!r}: must be > 0 GiB, e.g. 80 (H100) or a preset: {', '.join(DEVICES)}")
     return gib, f"--device-mem {gib:g} GiB"

@@ -17,15 +17,19 @@ from harness.cli.args import (
     int_arg,
     ints,
     merged,
+    positive_float,
     seq_lens_arg,
     spec_from_args,
     workload_keys,
 )
+from harness.cli.device_arg import device_arg
 from harness.errors import UsageError
 from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
-from harness.model.hardware import get_device
-from harness.model.whatif import plan_at_scale, scenario
+from harness.model.whatif import CompileGain, plan_at_scale, scenario
+from harness.parallel.levers import COMPILE_MODES
 from harness.planner import expand
+from harness.records.reader import load_records
+from harness.report.lever_gains import compile_speedup
 from harness.report.model_error import model_error
 from harness.report.plan_text import plan_table
 from harness.report.whatif_text import BANNER, assumptions_lines, error_line, whatif_table
@@ -35,22 +39,32 @@ FIT_BANNER = ("PREDICTIONS from the analytic model (harness/model), except peak 
               "it (--fit-from; noted per row): nothing here ran on the named hardware.")
 
 WHATIF_DEFAULT_SIZE = {"gpt2": "xl", "llama3": "8b", "moe": "mixtral-8x7b"}
-ERROR_FROM = Path("results/reference/model-cpu-tiny-mini-w2-w4-r5")
+ERROR_FROM = Path("results/reference/rounds-cpu-tiny-mini-w2-w4-C")
+"""The rounds reference the model is judged on (results/reference/README.md)."""
 
 
 def add_whatif_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("what-if (--device h100|h100-pcie|h200|a100: predict, do not run)")
+    g = p.add_argument_group("what-if (--device h100|h100-pcie|h200|a100 or a device file DEVICE.toml: predict, "
+                             "do not run; harness/cli/device_arg.py documents the file)")
     g.add_argument("--recompute", default=None,
                    help="activation checkpointing policy, as --ac takes it: none (default), attn, op, layerN, full")
     g.add_argument("--efficiency", help="compute rate as a fraction of the datasheet peak, in (0, 1] "
                                         "(default: MAMF x kernel efficiency measured on one H200)")
     g.add_argument("--error-from", type=Path, default=None,
                    help="run directory whose records carry predictions, for the model's measured error "
-                        "(default results/reference/model-cpu-tiny-mini-w2-w4-r5)")
+                        "(default results/reference/rounds-cpu-tiny-mini-w2-w4-C, the rounds reference)")
     g.add_argument("--moe-imbalance", default=None,
                    help="--arch moe: the busiest expert's load over the mean, e.g. a record's "
                         "metrics.moe.imbalance_max_over_mean (default 1: balanced); scales expert-parallel "
                         "ranks' expert compute")
+    g.add_argument("--device-mem", default=None,
+                   help="the device's memory in GiB, overriding the preset's (e.g. --device h100 --device-mem 96)")
+    g.add_argument("--power-cap", default=None,
+                   help="a power limit in W below the preset's board power: compute peaks x (cap / board power) ** "
+                        "(1/3), HBM and links unscaled (e.g. --device h100 --power-cap 500)")
+    g.add_argument("--compile-from", type=Path, default=None,
+                   help="with --compile on: run directories whose compiled cells beside eager ones on the device's "
+                        "product price the gain (default results/gpu); none there: compile is not priced, and said")
     g.add_argument("--fit-from", type=Path, default=None,
                    help="harness fit run directory: its measured peaks replace the predicted ones where a record "
                         "matches (size, strategy, N, precision, global batch)")
@@ -66,10 +80,32 @@ def _imbalance(label: str, text: str) -> float:
     return value
 
 
+COMPILE_FROM = Path("results/gpu")
+
+
+def _compile_gain(v, device, where: Path | None) -> CompileGain | None:
+    """``--compile on``: the gain measured on this device's product in ``--compile-from`` (records of compiled
+    cells beside their eager counterparts), or a gain of None with the reason; None with compile off."""
+    modes = choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES)
+    if len(modes) > 1:
+        raise UsageError(f"{v.label('compile')} {','.join(modes)}: a what-if prices one; give on or off")
+    if modes[0] == "off":
+        return None
+    where = where or COMPILE_FROM
+    records = [r for path in sorted(where.rglob("records.jsonl")) for r in load_records(path)] if where.is_dir() else []
+    speedup, pairs = compile_speedup(records, device.product)
+    if speedup is None:
+        return CompileGain(None, f"no measurement on this device: no compiled cell beside its eager one on "
+                                 f"{device.product} in {where}")
+    return CompileGain(speedup, f"{pairs} pair(s) on {device.product} in {where}")
+
+
 def cmd_plan_whatif(args: argparse.Namespace) -> int:
     """``harness plan --device PRESET``: rank strategies by predicted tokens/s per device."""
     v = merged(args)
-    device = get_device(v["device"])
+    device = device_arg(str(v["device"]),
+                        mem_gib=positive_float(v.label("device_mem"), v["device_mem"]) if "device_mem" in v else None,
+                        power_cap_w=positive_float(v.label("power_cap"), v["power_cap"]) if "power_cap" in v else None)
     if "nnodes" in v:
         raise UsageError(f"--nnodes {v['nnodes']}: the what-if takes --gpus as the total and fills nodes of "
                          f"{device.gpus_per_node} ({device.name}); drop --nnodes")
@@ -90,6 +126,7 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
                 grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")),
                 moe_imbalance=_imbalance(v.label("moe_imbalance"), v["moe_imbalance"]) if "moe_imbalance" in v else 1.0)
     sps = tuple(x == "on" for x in choices(v.label("sp"), v.get("sp", "on"), SP_MODES))
+    opts["compile"] = _compile_gain(v, device, args.compile_from)
     # one ranking per (size, sequence length, precision, device count): strategies compete at fixed work
     sections = [(size, seq, prec, gpus) for size in sizes for seq in seq_lens
                 for prec in csv_list(v.get("precision", "bf16")) for gpus in ints(v.label("gpus"), v["gpus"])]
@@ -117,7 +154,8 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     if merged(args).get("device", "auto") not in RUN_DEVICES:
         return cmd_plan_whatif(args)
-    for flag in ("recompute", "efficiency", "error_from", "fit_from", "moe_imbalance"):
+    for flag in ("recompute", "efficiency", "error_from", "fit_from", "moe_imbalance", "device_mem", "power_cap",
+                 "compile_from"):
         if getattr(args, flag, None) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
                              f"(or h100-pcie, h200, a100)")

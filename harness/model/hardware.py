@@ -31,7 +31,7 @@ not modelled; at this harness's message sizes (MB to GB) the bandwidth term domi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.errors import UsageError
 from harness.measure.comm_counter import BUS_FACTOR
@@ -95,31 +95,75 @@ class Device:
     intra: Interconnect
     inter: Interconnect
     source: str
+    tdp_w: float = 0.0
+    """Board power at which the datasheet peaks hold (0: not stated; a power cap is then refused)."""
+    power_cap_w: float | None = None
+    """A power limit below the board power (``--power-cap``): the compute peaks scale by :attr:`compute_scale`."""
+    peaks: tuple[tuple[str, float], ...] | None = None
+    """Dense peaks by dtype given in a device file, in place of the datasheet table's for :attr:`product`."""
+    overrides: tuple[str, ...] = ()
+    """What differs from the preset, in words, for the what-if's header."""
+
+    @property
+    def compute_scale(self) -> float:
+        """What a power cap leaves of the compute peaks: ``(cap / board power) ** (1/3)``. Dynamic power goes as
+        frequency x voltage squared and the voltage follows the frequency, so power ~ frequency cubed, and a
+        capped part runs its matmuls at the clock the cap sustains. HBM and link bandwidths are not scaled."""
+        if self.power_cap_w is None:
+            return 1.0
+        return (self.power_cap_w / self.tdp_w) ** (1 / 3)
 
     @property
     def peak_tflops(self) -> dict[str, float]:
-        """Dense datasheet peaks by compute dtype (the one table in :mod:`harness.measure.peaks`)."""
-        peaks = datasheet_peaks(self.product)
+        """Dense peaks by compute dtype: the datasheet table's (:mod:`harness.measure.peaks`) or a device file's.
+        MFU divides by these, as published MFUs do, capped or not; the compute runs at :attr:`compute_scale` of them."""
+        peaks = dict(self.peaks) if self.peaks is not None else datasheet_peaks(self.product)
         if peaks is None:  # a preset must name a product the peak table has; a test holds this
             raise ValueError(f"device preset {self.name}: {self.product!r} is not in harness/measure/peaks.py")
         return peaks
 
 
+def with_overrides(device: Device, *, hbm_gib: float | None = None, power_cap_w: float | None = None) -> Device:
+    """A preset with its memory or its power limit changed (``--device-mem``, ``--power-cap``); the header says
+    what changed. A cap above the board power changes nothing and is refused, as is a cap on a part whose
+    board power is not stated."""
+    changes: dict = {}
+    said = list(device.overrides)
+    if hbm_gib is not None:
+        if not hbm_gib > 0:
+            raise UsageError(f"--device-mem {hbm_gib!r}: must be > 0 GiB, e.g. 96")
+        changes["hbm_gib"] = hbm_gib
+        said.append(f"memory {hbm_gib:g} GiB (preset {device.hbm_gib:.1f})")
+    if power_cap_w is not None:
+        if not device.tdp_w:
+            raise UsageError(f"--power-cap {power_cap_w:g}: {device.name} states no board power to scale from; "
+                             f"give tdp_w in a device file")
+        if not 0 < power_cap_w <= device.tdp_w:
+            raise UsageError(f"--power-cap {power_cap_w:g} W: must be in (0, {device.tdp_w:g}] W, {device.name}'s board "
+                             f"power (a higher limit changes nothing)")
+        changes["power_cap_w"] = power_cap_w
+        capped = replace(device, power_cap_w=power_cap_w)
+        said.append(f"power cap {power_cap_w:g} W of {device.tdp_w:g} W: compute peaks x {capped.compute_scale:.3f} "
+                    f"(cube root of the power ratio; HBM and links unscaled)")
+    return replace(device, **changes, overrides=tuple(said)) if changes else device
+
+
 DEVICES: dict[str, Device] = {d.name: d for d in (
-    # H100 SXM5 datasheet: 80 GB HBM3, 3.35 TB/s; nvidia-smi reports 81,559 MiB. DGX H100: 8 GPUs, NVSwitch, 8 x NDR.
+    # H100 SXM5 datasheet: 80 GB HBM3, 3.35 TB/s, up to 700 W; nvidia-smi reports 81,559 MiB. DGX H100: 8 GPUs,
+    # NVSwitch, 8 x NDR. Board powers below from the same datasheets: H100 PCIe 350 W, H200 SXM 700 W, A100 SXM 400 W.
     Device("h100", "NVIDIA H100 80GB HBM3", 81559 * MIB / GIB, 3350.0, 8, NVLINK4, IB_NDR,
-           "NVIDIA H100 datasheet (SXM5); DGX H100 user guide"),
+           "NVIDIA H100 datasheet (SXM5); DGX H100 user guide", tdp_w=700.0),
     # H100 PCIe datasheet: 80 GB HBM2e, 2.0 TB/s; no NVLink bridge assumed (GPU-GPU over PCIe Gen5);
     # 8 GPUs and one NDR NIC per GPU per node assumed; memory total assumed equal to the SXM part's.
     Device("h100-pcie", "NVIDIA H100 PCIe", 81559 * MIB / GIB, 2000.0, 8, PCIE5, IB_NDR,
-           "NVIDIA H100 PCIe product brief PB-11133-001"),
+           "NVIDIA H100 PCIe product brief PB-11133-001", tdp_w=350.0),
     # H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s; 143,771 MiB measured by nvidia-smi on the lent H200
     # (results/gpu/nvidia-smi.csv). DGX H200: 8 GPUs, NVLink 4, 8 x NDR.
     Device("h200", "NVIDIA H200", 143771 * MIB / GIB, 4800.0, 8, NVLINK4, IB_NDR,
-           "NVIDIA H200 datasheet; results/gpu/nvidia-smi.csv"),
+           "NVIDIA H200 datasheet; results/gpu/nvidia-smi.csv", tdp_w=700.0),
     # A100 80GB SXM datasheet: 80 GB HBM2e, 2,039 GB/s; CUDA reports 85,056,798,720 bytes. DGX A100: 8 GPUs, 8 x HDR.
     Device("a100", "NVIDIA A100-SXM4-80GB", 85_056_798_720 / GIB, 2039.0, 8, NVLINK3, IB_HDR,
-           "NVIDIA A100 datasheet (80GB SXM); DGX A100 user guide"),
+           "NVIDIA A100 datasheet (80GB SXM); DGX A100 user guide", tdp_w=400.0),
 )}
 
 

@@ -58,6 +58,17 @@ def default_strategies(size: ModelSize) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class CompileGain:
+    """What ``torch.compile`` bought on the what-if's device, measured: None when nothing was (then the rows
+    are priced eager, and say so)."""
+
+    speedup: float | None
+    """Median step-time ratio eager / compiled over the measured pairs."""
+    source: str
+    """Where the pairs were measured, or why there are none."""
+
+
+@dataclass(frozen=True)
 class Scenario:
     """What is held fixed across the strategies of one what-if."""
 
@@ -79,6 +90,8 @@ class Scenario:
     """Busiest expert over the mean load (:attr:`harness.model.shape.CellShape.moe_imbalance`)."""
     sequence_parallel: bool = True
     """Sequence parallel wherever a layout has tensor parallel (:func:`harness.parallel.presets.sp_of`)."""
+    compile: CompileGain | None = None
+    """``--compile on``: its measured gain on this device, or None when compile is off."""
 
     @property
     def peak_tflops(self) -> float:
@@ -93,7 +106,7 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
              global_batch: int | None = None, seq_len: int | None = None, recompute: str = "none",
              microbatches: int | None = None, efficiency: float | None = None, pp_schedule: str = "1f1b",
              grad_accum: int = 1, degrees: dict | None = None, moe_imbalance: float = 1.0,
-             sequence_parallel: bool = True) -> Scenario:
+             sequence_parallel: bool = True, compile: CompileGain | None = None) -> Scenario:
     """Validate the inputs (UsageError naming the value and the fix) and fix the defaults."""
     dev = get_device(device) if isinstance(device, str) else device
     try:
@@ -123,7 +136,7 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
         size = replace(size, seq_len=seq_len)
     return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
                     recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
-                    degrees=degrees, moe_imbalance=moe_imbalance, sequence_parallel=sequence_parallel)
+                    degrees=degrees, moe_imbalance=moe_imbalance, sequence_parallel=sequence_parallel, compile=compile)
 
 
 def default_global_batch(seq_len: int, world: int, cp: int) -> int:
@@ -148,8 +161,11 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
 
 def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
     """Roofline rates at ``peak x efficiency`` and the HBM bandwidth, scaled for recomputation."""
-    r = roofline_rates(c, s.peak_tflops * s.efficiency, mem_gbps=s.device.hbm_gbps)
-    return with_recompute(r, c)
+    r = with_recompute(roofline_rates(c, s.peak_tflops * s.device.compute_scale * s.efficiency,
+                                      mem_gbps=s.device.hbm_gbps), c)
+    if s.compile is not None and s.compile.speedup:  # the measured gain, on the compute only
+        r = replace(r, beta_s_per_row=r.beta_s_per_row / s.compile.speedup)
+    return r
 
 
 def predict_row(s: Scenario, strategy: str) -> dict:
@@ -183,6 +199,8 @@ def predict_row(s: Scenario, strategy: str) -> dict:
     if not fits:
         row["reason"] = (f"predicted peak {peak:.1f} GiB > {s.device.hbm_gib:.1f} GiB per GPU; shard more "
                          f"(fsdp, tp, pp), --recompute full or a smaller --batch")
+    if s.compile is not None and not s.compile.speedup:
+        row["notes"].append(f"compile: not priced ({s.compile.source})")
     same = _same_size_dims(dims, where)
     if same:
         row["notes"].append(f"{' and '.join(same)} have the same size: their collectives are priced at the "

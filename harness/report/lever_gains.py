@@ -76,6 +76,15 @@ def lever_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+def compile_speedup(records: Sequence[dict[str, Any]], device_name: str) -> tuple[float | None, int]:
+    """The median speedup of ``torch.compile`` over the compiled cells measured on ``device_name`` beside their eager
+    counterparts (:func:`lever_frame`), and how many pairs; (None, 0) when there are none."""
+    on_device = [r for r in records if get(r, "env", "device_name") == device_name]
+    df = lever_frame(on_device)
+    gains = df[(df["lever"] == "compile") & df["speedup"].notna()]["speedup"]
+    return (float(gains.median()), len(gains)) if len(gains) else (None, 0)
+
+
 def levers_section(df: pd.DataFrame) -> str:
     """``## What each lever bought`` from :func:`lever_frame` (empty when no lever was measured beside
     its counterpart)."""

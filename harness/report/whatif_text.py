@@ -42,9 +42,10 @@ def assumptions_lines(s: Scenario) -> list[str]:
                      f"fraction of their peak (fp32 xl on the H200: 73% of 67 TFLOP/s, results/gpu/); "
                      f"pass --efficiency")
     return lines + [
-        f"device: {d.product} (--device {d.name}), {nodes}; {d.hbm_gib:.1f} GiB HBM at {d.hbm_gbps:,.0f} GB/s",
-        f"compute: {s.peak_tflops * s.efficiency:.1f} TFLOP/s per GPU = {s.precision} datasheet peak "
-        f"{s.peak_tflops:g} x {eff}",
+        f"device: {d.product} (--device {d.name}), {nodes}; {d.hbm_gib:.1f} GiB HBM at {d.hbm_gbps:,.0f} GB/s" +
+        (f"; overridden: {'; '.join(d.overrides)}" if d.overrides else ""),
+        f"compute: {s.peak_tflops * d.compute_scale * s.efficiency:.1f} TFLOP/s per GPU = {s.precision} datasheet peak "
+        f"{s.peak_tflops:g}" + (f" x power cap {d.compute_scale:.3f}" if d.compute_scale != 1 else "") + f" x {eff}",
         f"interconnect: {d.intra.name} {d.intra.gbps:g} GB/s/direction ({d.intra.latency_s * 1e6:g} us) in a node; "
         f"{d.inter.name} {d.inter.gbps:g} GB/s per GPU NIC ({d.inter.latency_s * 1e6:g} us) across nodes; "
         f"tp innermost on NVLink, a group spanning nodes at min(NVLink, its GPUs per node x NIC)",
@@ -54,9 +55,18 @@ def assumptions_lines(s: Scenario) -> list[str]:
         f"{s.size.flops_per_token() / 1e9:,.2f} GFLOP (torchtitan counts {s.size.flops_per_token_torchtitan() / 1e9:,.2f}), "
         f"and by {FLOP_CONVENTION_LABEL['megatron']} = {s.size.flops_per_token_megatron() / 1e9:,.2f} GFLOP "
         f"(Megatron-Bridge's count); recompute not counted{total}",
-    ] + ([f"expert load: {'balanced (every expert the mean)' if s.moe_imbalance == 1 else f'the busiest expert at {s.moe_imbalance:.3g}x the mean (--moe-imbalance)'}; "
+    ] + _compile_lines(s) + ([f"expert load: {'balanced (every expert the mean)' if s.moe_imbalance == 1 else f'the busiest expert at {s.moe_imbalance:.3g}x the mean (--moe-imbalance)'}; "
           f"under expert parallel the busiest rank's expert compute scales with it; all-to-all priced as "
           f"if each rank receives as many routed rows as it sends"] if moe else [])
+
+
+def _compile_lines(s: Scenario) -> list[str]:
+    if s.compile is None:
+        return []
+    if not s.compile.speedup:
+        return [f"compile: not priced ({s.compile.source}); the rows are eager"]
+    return [f"compile: the compute {s.compile.speedup:.3f}x faster, the median gain measured on this device "
+            f"({s.compile.source})"]
 
 
 def _num(x: float, decimals: int = 1) -> str:

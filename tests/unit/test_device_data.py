@@ -1,0 +1,117 @@
+"""The device as data: a preset with overrides, a device file, a power cap's rule, and compile priced only from a
+measurement on the device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.cli import main
+from harness.cli.device_arg import device_arg, device_from_file
+from harness.errors import UsageError
+from harness.model.hardware import get_device, with_overrides
+from harness.model.whatif import CompileGain, plan_at_scale, scenario
+from harness.report.lever_gains import compile_speedup
+
+
+def test_a_power_cap_scales_compute_by_the_cube_root_of_the_power_ratio():
+    """500 W of the H100 SXM's 700 W: (5/7) ** (1/3) = 0.89390 (by hand: 0.714286 ** 0.333333); MFU still divides
+    by the datasheet's 989.5."""
+    capped = with_overrides(get_device("h100"), power_cap_w=500)
+    assert capped.compute_scale == pytest.approx(0.893904, abs=1e-6)
+    assert capped.peak_tflops["bf16"] == 989.5
+    assert any("power cap 500 W of 700 W" in o for o in capped.overrides)
+    eager = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], global_batch=16, recompute="op")[0]
+    slower = plan_at_scale("llama3-8b", capped, 8, ["fsdp"], global_batch=16, recompute="op")[0]
+    assert slower["compute_s"] == pytest.approx(eager["compute_s"] / 0.893904, rel=1e-5)
+
+
+def test_memory_override_decides_fits():
+    """Llama-3-8B fsdp at local batch 3, op: between 80 and 96 GiB, so the override turns the verdict."""
+    kw = dict(global_batch=24, recompute="op")
+    (row80,) = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], **kw)
+    (row96,) = plan_at_scale("llama3-8b", with_overrides(get_device("h100"), hbm_gib=96), 8, ["fsdp"], **kw)
+    assert 79.6 < row80["peak_mem_gib_per_rank"] <= 96
+    assert row80["fits"] is False and row96["fits"] is True
+
+
+@pytest.mark.parametrize("cap, message", [
+    (800, r"--power-cap 800 W: must be in \(0, 700\] W, h100's board power"),
+    (0, r"--power-cap 0 W: must be in \(0, 700\]"),
+])
+def test_bad_power_caps_are_refused_with_the_range(cap, message):
+    with pytest.raises(UsageError, match=message):
+        with_overrides(get_device("h100"), power_cap_w=cap)
+
+
+def test_a_device_file_names_the_part(tmp_path):
+    f = tmp_path / "h100-96.toml"
+    f.write_text('base = "h100"\nname = "h100-96gb"\nproduct = "NVIDIA H100 96GB HBM2e"\nhbm_gib = 95.6\n'
+                 'hbm_gbps = 2400\npower_cap_w = 500\n[peak_tflops]\nbf16 = 989.5\n')
+    dev = device_from_file(f)
+    assert (dev.name, dev.hbm_gib, dev.hbm_gbps, dev.tdp_w, dev.power_cap_w) == ("h100-96gb", 95.6, 2400, 700, 500)
+    assert dev.peak_tflops == {"bf16": 989.5} and dev.intra == get_device("h100").intra
+    assert device_arg(str(f), mem_gib=80).hbm_gib == 80  # the flag over the file
+    s = scenario("llama3-8b", dev, 8)
+    assert s.peak_tflops == 989.5
+
+
+@pytest.mark.parametrize("body, message", [
+    ('base = "h100"\nhbm_gb = 96\n', "unknown key 'hbm_gb'; did you mean 'hbm_gib'?"),
+    ('base = "h100"\nhbm_gib = -1\n', "hbm_gib = -1 must be a number > 0"),
+    ('name = "x"\n', "without base = \"<preset>\" it needs product, hbm_gib"),
+    ('base = "h100"\nproduct = "Mystery GPU"\n', "product 'Mystery GPU' is not in the datasheet table; give [peak_tflops]"),
+])
+def test_a_bad_device_file_is_one_line_naming_the_key(tmp_path, body, message):
+    f = tmp_path / "d.toml"
+    f.write_text(body)
+    with pytest.raises(UsageError) as e:
+        device_from_file(f)
+    assert message in str(e.value) and str(f) in str(e.value)
+
+
+def test_plan_header_says_what_was_overridden(capsys):
+    rc = main(["plan", "--arch", "llama3", "--sizes", "8b", "--gpus", "8", "--device", "h100", "--device-mem", "96",
+               "--power-cap", "500", "--strategies", "fsdp"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "overridden: memory 96 GiB (preset 79.6); power cap 500 W of 700 W: compute peaks x 0.894" in out
+    assert "bf16 datasheet peak 989.5 x power cap 0.894 x" in out
+
+
+def _record(cell: str, compile_on: bool, median: float, device: str) -> dict:
+    config = dict(size="tiny", strategy="fsdp", precision="bf16", world_size=8, compile=compile_on, ac="none",
+                  optimizer="adamw")
+    return {"kind": "cell", "status": "ok", "cell_id": cell, "run_id": "r", "config": config,
+            "env": {"device_name": device}, "metrics": {"step_time_s": {"median": median}}, "predicted": {}}
+
+
+def test_compile_is_priced_from_the_measured_gain_on_the_device_and_said_unpriced_otherwise(tmp_path):
+    """An eager cell at 1.2 s beside its compiled twin at 1.0 s on the device's product: a gain of 1.2, the compute
+    priced 1.2x faster; the same pair on another product leaves compile unpriced."""
+    h100 = get_device("h100").product
+    records = [_record("a", False, 1.2, h100), _record("a-compile", True, 1.0, h100)]
+    assert compile_speedup(records, h100) == (pytest.approx(1.2), 1)
+    assert compile_speedup(records, "NVIDIA H200") == (None, 0)
+    kw = dict(global_batch=16, recompute="op")
+    eager = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], **kw)[0]
+    fast = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], compile=CompileGain(1.2, "test"), **kw)[0]
+    assert fast["compute_s"] == pytest.approx(eager["compute_s"] / 1.2, rel=1e-9)
+    unpriced = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], compile=CompileGain(None, "no measurement"), **kw)[0]
+    assert unpriced["compute_s"] == eager["compute_s"]
+    assert "compile: not priced (no measurement)" in unpriced["notes"]
+    run = tmp_path / "gpu" / "run"
+    run.mkdir(parents=True)
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rc = main(["plan", "--arch", "llama3", "--sizes", "8b", "--gpus", "8", "--device", "h100", "--strategies",
+               "fsdp", "--compile", "on", "--compile-from", str(tmp_path / "gpu")])
+    assert rc == 0
+
+
+def test_plan_without_compile_measurements_says_so(capsys):
+    rc = main(["plan", "--arch", "llama3", "--sizes", "8b", "--gpus", "8", "--device", "h100", "--strategies",
+               "fsdp", "--compile", "on"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "compile: not priced (no measurement on this device" in out
+    assert out.count("compile: not priced") >= 2  # the header and the row's note
