@@ -12,11 +12,11 @@ import psutil
 import torch
 
 from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints, seq_lens_arg, workload_keys
-from harness.cli.device_arg import device_from_file
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.fit_cells import RECORDS, fit_all
 from harness.fit.role_process import COMPUTE
+from harness.model.device_file import device_from_file
 from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
 from harness.parallel.presets import degree_variants
@@ -34,7 +34,7 @@ DEFAULTS = {"cpu": dict(sizes="tiny", precision="fp32"), "cuda": dict(sizes="sma
 
 
 def device_mem_arg(value: str | None, device_kind: str) -> tuple[float, str]:
-    """``--device-mem``: GiB (> 0), a preset's HBM or a device file's (:mod:`harness.cli.device_arg`); default the
+    """``--device-mem``: GiB (> 0), a preset's HBM or a device file's (:mod:`harness.model.device_file`); default the
     local device's memory. (GiB, where from)."""
     if value is None:
         if device_kind == "cuda":

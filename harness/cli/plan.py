@@ -22,9 +22,9 @@ from harness.cli.args import (
     spec_from_args,
     workload_keys,
 )
-from harness.cli.device_arg import device_arg
 from harness.errors import UsageError
 from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
+from harness.model.device_file import device_arg
 from harness.model.whatif import CompileGain, plan_at_scale, scenario
 from harness.parallel.levers import COMPILE_MODES
 from harness.planner import expand
@@ -45,7 +45,7 @@ ERROR_FROM = Path("results/reference/rounds-cpu-tiny-mini-w2-w4-C")
 
 def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what-if (--device h100|h100-pcie|h200|a100 or a device file DEVICE.toml: predict, "
-                             "do not run; harness/cli/device_arg.py documents the file)")
+                             "do not run; harness.model.device_file.py documents the file)")
     g.add_argument("--recompute", default=None,
                    help="activation checkpointing policy, as --ac takes it: none (default), attn, op, layerN, full")
     g.add_argument("--efficiency", help="compute rate as a fraction of the datasheet peak, in (0, 1] "

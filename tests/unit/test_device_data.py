@@ -8,8 +8,8 @@ import json
 import pytest
 
 from harness.cli import main
-from harness.cli.device_arg import device_arg, device_from_file
 from harness.errors import UsageError
+from harness.model.device_file import device_arg, device_from_file
 from harness.model.hardware import get_device, with_overrides
 from harness.model.whatif import CompileGain, plan_at_scale, scenario
 from harness.report.lever_gains import compile_speedup

@@ -1,4 +1,4 @@
-"""``--device`` for a what-if: a hardware preset with overrides (``--device-mem``, ``--power-cap``), or a TOML file.
+"""A device as data: a hardware preset with overrides (``--device-mem``, ``--power-cap``), or a TOML file.
 
 A device file names the part a published run used when no preset does (torchtitan's 96 GB HBM2e H100s held to
 500 W, say)::
