@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the issues in one pass on a single GPU (run on a lent H200).
-#   bash scripts/gpu_checks.sh OUTDIR            # the open issues' checks only (issue 30: ~3 minutes)
+#   bash scripts/gpu_checks.sh OUTDIR            # the open issues' checks only (issues 30, 42: ~5 minutes)
 #   PHASES=all bash scripts/gpu_checks.sh OUTDIR # also issues 2-5, 13 and 14, measured already (results/gpu)
 # Writes each phase's run directory under OUTDIR/runs and copies what matters to OUTDIR.
 set -uo pipefail
@@ -13,6 +13,15 @@ COMMON="--device cuda --gpus 1 --batch 8 --steps 8 --warmup 2 --no-calibrate --c
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv | tee "$OUT/nvidia-smi.csv"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 command -v nsys || echo "nsys: not on PATH"
+# First: `make bench GPUS=1`'s default sweep through the fork server on CUDA (nothing has run on CUDA since the
+# fork server, fp8, NCCL all-to-all and CP landed).
+$H bench --device cuda --gpus 1 --no-calibrate --cell-timeout 240 --out "$R/default"
+cp "$R/default/summary.md" "$OUT/summary-default.md"
+# Issue 42: every activation checkpointing policy on llama3 1b (bf16, one GPU, 2 sequences of 8,192): the CUDA
+# allocator's peak against the model's prediction (summary.md's "Predicted vs measured").
+$H bench $COMMON --strategies single --arch llama3 --sizes 1b --precision bf16 --batch 2 \
+    --ac none,attn,op,layer2,full --out "$R/ac-policies"
+cp "$R/ac-policies/summary.md" "$OUT/summary-ac-policies.md"
 # Issue 30: llama3 1b (Llama 3.2 1B's shape, untied head) bf16 on one GPU with compile and fused AdamW at
 # the largest batch that fits at its 8,192-token sequence; the summary states MFU (PaLM's count) and
 # `harness workloads` lists the other conventions.

@@ -129,8 +129,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arch", help="architecture families: gpt2,llama3,moe (default gpt2); each size is looked up in each")
     g.add_argument("--moe-routing", help="an MoE's routing: learned (the router's top-k, default) or balanced (round "
                                          "robin: equal expert load, the best case); a list sweeps both")
-    g.add_argument("--strategies", help=",".join(STRATEGIES))
-    g.add_argument("--precision", help=",".join(PRECISIONS))
+    g.add_argument("--strategies", help=", ".join(STRATEGIES))
+    g.add_argument("--precision", help=", ".join(PRECISIONS))
     g.add_argument("--sp", help="on,off: sequence parallel wherever a layout has tensor parallel (default on, as "
                                 "torchtitan and Megatron run it; the tp and tp-sp presets say it by name)")
     g.add_argument("--scaling", help="strong (fixed global batch) or weak (fixed per-device batch)")

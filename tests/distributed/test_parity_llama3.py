@@ -49,6 +49,10 @@ def world2_rest(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     cells = [_cell(s, 4, global_batch=16, **_pp_kw(s, 4)) for s in W4]
+    # sequence parallel by default in the tp hybrids: fsdp+tp above runs it, here without it, and pipeline
+    # stages that send their sequence shards (with loss parallel on the last)
+    cells += [_cell("fsdp+tp", 4, global_batch=16, sequence_parallel=False),
+              _cell("pp+fsdp+tp", 4, global_batch=16, degrees={"pp": 2, "tp": 2}, microbatches=4)]
     return run_cells(cells, 4, tmp_path_factory.mktemp("llama3-w4"))
 
 
