@@ -183,7 +183,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    b = sub.add_parser("bench", help="run a sweep: one torchrun job per cell -> records, summary, plots")
+    b = sub.add_parser("bench", help="run a sweep: each cell's ranks forked by a server that imported torch once -> records, summary, plots")
     add_sweep_args(b)
     b.add_argument("--out", type=Path, help="run directory (default results/<run-id>); never overwritten")
     b.add_argument("--resume", type=Path, help="finish an interrupted run: re-run cells without an ok record")

@@ -40,7 +40,7 @@ from harness.model.inventory import (
     rank_params,
 )
 from harness.model.shape import CellShape
-from harness.parallel.activation_checkpoint import checkpointed_layer
+from harness.parallel.activation_checkpoint import checkpointed_layer, reruns_forward
 
 ADAM_STATE_BYTES = 8
 """exp_avg and exp_avg_sq in fp32."""
@@ -256,7 +256,11 @@ def transient_param_bytes(c: CellShape, pp_rank: int = 0) -> int:
         return 0
     root, blocks = _gathered_groups(c, pp_rank)
     if c.reshard_after_forward:
-        return root + sum(blocks[:2])  # current block and the prefetched next one
+        # current block and the prefetched next one; a block whose forward reruns in backward gathers for that
+        # rerun while the next backward's block is already prefetched: three
+        rerun = any(reruns_forward(c.recompute, i) for i in rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual,
+                                                                           pp_rank))
+        return root + sum(blocks[:3 if rerun else 2])
     return root + sum(blocks)
 
 

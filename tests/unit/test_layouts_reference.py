@@ -62,8 +62,27 @@ def test_the_model_predicts_the_peak_within_5_percent_on_mean(cells):
 
 
 def test_sequence_parallel_lowers_the_peak_per_rank(cells):
+    """Under every policy but ``op``, by 7% or more (9-19% in the reference). ``op`` keeps the reduce-scatters' outputs (d / tp each, two a
+    block) beside the block's sequence-sharded input, which at tp 2 outweighs what sequence parallel saves of the
+    input (d / 2 against d): there the peaks are within 5% of each other, either way."""
     peak = {r["cell_id"]: r["metrics"]["peak_tensor_gib"] for r in _multi(cells)}
     pairs = [(cid, cid.replace("-nosp", "")) for cid in peak if "-nosp" in cid]
-    assert len(pairs) >= 12
+    assert len(pairs) == 16
     for off, on in pairs:
-        assert peak[on] < peak[off], (on, peak[on], off, peak[off])
+        if "-ac-op" in on:
+            assert abs(peak[on] / peak[off] - 1) <= 0.05, (on, peak[on], off, peak[off])
+        else:
+            assert peak[on] < 0.93 * peak[off], (on, peak[on], off, peak[off])
+
+
+def test_fit_of_8b_and_70b_under_fsdp_tp_with_sp_and_op():
+    """``harness fit`` at 8 and 64 ranks (results/reference/fit-llama3-8b-70b-w8-w64-sp): every role's model states
+    equal the model's to the byte, its measured peak within 3% of the model's."""
+    fits = latest_per_cell(load_records(REFERENCE / "fit-llama3-8b-70b-w8-w64-sp" / "fit.jsonl"))[0]
+    assert {(r["config"]["size"], r["config"]["world_size"]) for r in fits} == {
+        (s, n) for s in ("llama3-8b", "llama3-70b") for n in (8, 64)}
+    for r in fits:
+        assert r["config"]["degrees"]["sp"] == 1 and r["config"]["ac"] == "op"
+        for role in r["metrics"]["roles"]:
+            assert role["model_state_exact"] and role["model_state_bytes"] == role["predicted_model_state_bytes"]
+            assert abs(role["peak_error_pct"]) <= 3.0, (r["cell_id"], role["peak_error_pct"])
