@@ -107,7 +107,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
             experts = moe.n_experts if moe else None
             for cell_degrees in (None if degrees else degree_variants(strategy, g * nnodes, experts)) or [degrees]:
                 cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq, mbs,
-                                           args.pp_schedule, nnodes, cell_degrees, ac))
+                                           args.pp_schedule, nnodes, cell_degrees, ac, compute[size]))
     out = args.out or Path("results") / f"fit-{new_run_id()}"
     if (out / RECORDS).exists():
         raise UsageError(f"--out {out}: already holds {RECORDS}; choose a new directory")
@@ -119,7 +119,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     records = []
     run_id = new_run_id()
     for size in sizes:
-        records += fit_all([c for c in cells if c.size == size], out, run_id, steps, compute[size], mem_gib, auto,
+        records += fit_all([c for c in cells if c.size == size], out, run_id, steps, mem_gib, auto,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     table = _tables(records)
     print(table)

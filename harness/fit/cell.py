@@ -50,7 +50,10 @@ class FitCell:
     degrees: dict | None = None
     device_kind: str = "cpu"
     ac: str = "none"
-    """Activation checkpointing (:mod:`harness.parallel.levers`): the memory a user trades for recompute."""
+    """Activation checkpointing (:mod:`harness.parallel.activation_checkpoint`): memory traded for recompute."""
+    compute: str = "real"
+    """``real`` or ``fake`` (FakeTensorMode): how the roles run, which decides the attention kernel the model
+    prices (:attr:`harness.model.shape.CellShape.fake_compute`)."""
 
     @property
     def global_batch(self) -> int:
@@ -80,13 +83,13 @@ class FitCell:
         gb = self.micro_batch * dims.dp * (self.microbatches if dims.pp_enabled else 1)
         return CellShape(size=size, dims=dims, strategy=self.strategy, precision=self.precision, global_batch=gb,
                          microbatches=self.microbatches, pp_schedule=self.pp_schedule, device_kind=self.device_kind,
-                         recompute=self.ac)
+                         recompute=self.ac, fake_compute=self.compute == "fake")
 
-    def role_spec(self, role: Role, steps: int, compute: str) -> RoleSpec:
+    def role_spec(self, role: Role, steps: int) -> RoleSpec:
         return RoleSpec(size=self.size, strategy=self.strategy, precision=self.precision, world_size=self.world_size,
                         rank=role.rank, micro_batch=self.micro_batch, seq_len=self.seq_len,
                         microbatches=self.microbatches, pp_schedule=self.pp_schedule, steps=steps,
-                        device_kind=self.device_kind, compute=compute, degrees=self.degrees, ac=self.ac)
+                        device_kind=self.device_kind, compute=self.compute, degrees=self.degrees, ac=self.ac)
 
 
 def plan_layout(strategy: str, world: int, degrees: dict | None, size, precision: str, pp_schedule: str,
@@ -99,7 +102,7 @@ def plan_layout(strategy: str, world: int, degrees: dict | None, size, precision
 
 def plan_fit_cell(size_name: str, strategy: str, precision: str, world: int, micro_batch: int, device_kind: str,
                   seq_len: int | None = None, microbatches: int | None = None, pp_schedule: str = "1f1b",
-                  nnodes: int = 1, degrees: dict | None = None, ac: str = "none") -> FitCell:
+                  nnodes: int = 1, degrees: dict | None = None, ac: str = "none", compute: str = "real") -> FitCell:
     """A validated cell; UsageError (naming the value and the fix) when the strategy cannot run at ``world``."""
     size = get_size(size_name)
     seq = seq_len or size.seq_len
@@ -108,7 +111,7 @@ def plan_fit_cell(size_name: str, strategy: str, precision: str, world: int, mic
                               microbatches, 1, world * (microbatches or 2 * world))
     return FitCell(size=size_name, strategy=strategy, precision=precision, world_size=world, micro_batch=micro_batch,
                    seq_len=seq, microbatches=mb if layout.dims.pp_enabled else 1, pp_schedule=pp_schedule,
-                   nnodes=nnodes, degrees=degrees, device_kind=device_kind, ac=ac)
+                   nnodes=nnodes, degrees=degrees, device_kind=device_kind, ac=ac, compute=compute)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class RoleOutcome:
     error: str | None = None
 
 
-def run_roles(cell: FitCell, work_dir: Path, steps: int, compute: str) -> list[RoleOutcome]:
+def run_roles(cell: FitCell, work_dir: Path, steps: int) -> list[RoleOutcome]:
     """Every role of the cell, each in its own process, one after another."""
     work_dir.mkdir(parents=True, exist_ok=True)
     out = []
@@ -128,7 +131,7 @@ def run_roles(cell: FitCell, work_dir: Path, steps: int, compute: str) -> list[R
         tag = f"{cell.cell_id}-rank{role.rank}"
         spec_path, result_path, log_path = (work_dir / f"{tag}.spec.json", work_dir / f"{tag}.result.json",
                                             work_dir / f"{tag}.log")
-        write_json_atomic(spec_path, cell.role_spec(role, steps, compute).to_dict())
+        write_json_atomic(spec_path, cell.role_spec(role, steps).to_dict())
         result_path.unlink(missing_ok=True)
         rc = run_job([sys.executable, "-m", "harness.fit.role_process", "--spec", str(spec_path), "--out", str(result_path)],
                      log_path, ROLE_TIMEOUT_S)
@@ -154,7 +157,7 @@ def pct_error(predicted: float, measured: float) -> float | None:
 
 
 def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_mem_gib: float, steps: int,
-               compute: str, batch_search: dict | None = None) -> dict:
+               batch_search: dict | None = None) -> dict:
     """The cell's ``kind: "fit"`` record: measured roles, the model beside them, fits or not (and, for
     ``--batch auto``, every micro-batch tried)."""
     shape = cell.shape
@@ -185,7 +188,7 @@ def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_m
     fits = (peak <= device_mem_gib) if peak is not None else (False if status == "oom" else None)
     metrics = {
         "collectives": "fake: no time or throughput is measured",
-        "compute": compute,
+        "compute": cell.compute,
         "steps": steps,
         "roles": roles,
         "peak_mem_gib": peak,
@@ -198,7 +201,7 @@ def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_m
     }
     if batch_search is not None:
         metrics["batch_search"] = batch_search
-    config = {**asdict(cell), "global_batch": cell.global_batch, "steps": steps, "compute": compute}
+    config = {**asdict(cell), "global_batch": cell.global_batch, "steps": steps}
     predicted = {"model": "harness.model", "peak_mem_gib": predicted_peak / GIB,
                  "model_state_bytes_per_rank": max(s.total for s in states),
                  "peak_error_pct": pct_error(predicted_peak, peak * GIB) if peak else None}

@@ -15,12 +15,12 @@ AUTO_LIMIT = 4096
 """The largest micro-batch ``--batch auto`` tries."""
 
 
-def fit_cell(cell: FitCell, out_dir: Path, run_id: str, steps: int, compute: str, device_mem_gib: float) -> dict:
-    outcomes = run_roles(cell, out_dir / "cells" / cell.cell_id, steps, compute)
-    return fit_record(run_id, cell, outcomes, device_mem_gib, steps, compute)
+def fit_cell(cell: FitCell, out_dir: Path, run_id: str, steps: int, device_mem_gib: float) -> dict:
+    outcomes = run_roles(cell, out_dir / "cells" / cell.cell_id, steps)
+    return fit_record(run_id, cell, outcomes, device_mem_gib, steps)
 
 
-def fit_auto(cell: FitCell, out_dir: Path, run_id: str, steps: int, compute: str, device_mem_gib: float) -> dict:
+def fit_auto(cell: FitCell, out_dir: Path, run_id: str, steps: int, device_mem_gib: float) -> dict:
     """The record at the largest micro-batch whose every role fits (the smallest tried when none does),
     with ``metrics.batch_search`` listing each micro-batch tried and whether it fit."""
     outcomes: dict[int, list[RoleOutcome]] = {}
@@ -28,19 +28,19 @@ def fit_auto(cell: FitCell, out_dir: Path, run_id: str, steps: int, compute: str
 
     def fits(mb: int) -> bool:
         at = replace(cell, micro_batch=mb)
-        outcomes[mb] = run_roles(at, out_dir / "cells" / at.cell_id, steps, compute)
-        fitted[mb] = fit_record(run_id, at, outcomes[mb], device_mem_gib, steps, compute)["metrics"]["fits"]
+        outcomes[mb] = run_roles(at, out_dir / "cells" / at.cell_id, steps)
+        fitted[mb] = fit_record(run_id, at, outcomes[mb], device_mem_gib, steps)["metrics"]["fits"]
         return bool(fitted[mb])
 
     best = largest_passing(fits, start=1, limit=AUTO_LIMIT)
     mb = best if best is not None else 1
     search = {"largest_fitting_micro_batch": best, "tried": {str(m): f for m, f in sorted(fitted.items())},
               "method": "doubling from 1, then bisection (harness/search.py)"}
-    return fit_record(run_id, replace(cell, micro_batch=mb), outcomes[mb], device_mem_gib, steps, compute,
+    return fit_record(run_id, replace(cell, micro_batch=mb), outcomes[mb], device_mem_gib, steps,
                       batch_search=search)
 
 
-def fit_all(cells: list[FitCell], out_dir: Path, run_id: str, steps: int, compute: str, device_mem_gib: float,
+def fit_all(cells: list[FitCell], out_dir: Path, run_id: str, steps: int, device_mem_gib: float,
             auto: bool, progress=print) -> list[dict]:
     """Fit each cell in turn, appending its record to ``out_dir/fit.jsonl`` as it lands."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -48,7 +48,7 @@ def fit_all(cells: list[FitCell], out_dir: Path, run_id: str, steps: int, comput
     for i, cell in enumerate(cells, 1):
         progress(f"[{i}/{len(cells)}] {cell.cell_id}{' (batch auto)' if auto else ''}")
         fn = fit_auto if auto else fit_cell
-        record = fn(cell, out_dir, run_id, steps, compute, device_mem_gib)
+        record = fn(cell, out_dir, run_id, steps, device_mem_gib)
         append_record(out_dir / RECORDS, record)
         records.append(record)
     return records

@@ -40,7 +40,7 @@ from harness.model.inventory import (
     rank_params,
 )
 from harness.model.shape import CellShape
-from harness.parallel.activation_checkpoint import checkpointed_layer, reruns_forward
+from harness.parallel.activation_checkpoint import checkpointed_layer
 
 ADAM_STATE_BYTES = 8
 """exp_avg and exp_avg_sq in fp32."""
@@ -126,10 +126,11 @@ def _block_token_bytes(c: CellShape) -> float:
     per_layer = ln + (_attention_token_elements(c) + mlp * f / tp) * lo
     if size.moe is not None:  # k expert slots per token instead of one MLP
         per_layer += moe_token_bytes(c) - mlp * f / tp * lo
-    gqa_copy = size.kv_dim != size.q_dim and c.device_kind == "cpu"
+    gqa_copy = size.kv_dim != size.q_dim and c.device_kind == "cpu" and not c.fake_compute
     if gqa_copy:
         # grouped-query attention on CPU: SDPA's output is laid out (B, H, T, hd), so the output projection's
-        # input is a copy (saved beside SDPA's own output; measured with saved-tensor hooks on a llama3 block)
+        # input is a copy (saved beside SDPA's own output; measured with saved-tensor hooks on a llama3 block).
+        # A GPU's fused kernel, and fit's fake compute which stands for it, lay it out (B, T, H, hd): no copy
         per_layer += size.q_dim / tp * lo
     if size.qk_norm:  # q and k normalised per head: saved as the layer norms are
         per_layer += (size.q_dim + size.kv_dim) / tp * (2 * 4 if composite_rms_norm(c) else lo)
@@ -256,11 +257,7 @@ def transient_param_bytes(c: CellShape, pp_rank: int = 0) -> int:
         return 0
     root, blocks = _gathered_groups(c, pp_rank)
     if c.reshard_after_forward:
-        # current block and the prefetched next one; a block whose forward reruns in backward gathers for that
-        # rerun while the next backward's block is already prefetched: three
-        rerun = any(reruns_forward(c.recompute, i) for i in rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual,
-                                                                           pp_rank))
-        return root + sum(blocks[:3 if rerun else 2])
+        return root + sum(blocks[:2])  # current block and the prefetched next one
     return root + sum(blocks)
 
 

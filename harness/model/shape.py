@@ -27,6 +27,9 @@ class CellShape:
     device_kind: str = "cpu"
     recompute: str = "none"
     """The activation checkpointing policy (:mod:`harness.parallel.activation_checkpoint`)."""
+    fake_compute: bool = False
+    """``harness fit``'s fake compute (FakeTensorMode), which runs SDPA as the fused GPU kernel it stands for
+    (:func:`harness.fit.role_process._fused_attention`) even on a CPU."""
     moe_imbalance: float = 1.0
     """The busiest expert's load over the mean (a record's ``metrics.moe.imbalance_max_over_mean``; 1: balanced).
     Under expert parallel the rank holding it computes that much more of the experts' FLOPs."""

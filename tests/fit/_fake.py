@@ -12,9 +12,9 @@ from harness.fit.roles import rank_roles
 from harness.jobs import job_env, new_tag
 
 
-def run_fake_roles(cells: list[FitCell], tmp: Path, steps: int, compute: str) -> dict[tuple[str, int], dict]:
-    """(cell id, rank) -> that role's result, for every role of every cell."""
-    specs = [c.role_spec(r, steps, compute).to_dict() for c in cells for r in rank_roles(c.shape)]
+def run_fake_roles(cells: list[FitCell], tmp: Path, steps: int) -> dict[tuple[str, int], dict]:
+    """(cell id, rank) -> that role's result, for every role of every cell (each with its cell's compute)."""
+    specs = [c.role_spec(r, steps).to_dict() for c in cells for r in rank_roles(c.shape)]
     keys = [(c.cell_id, r.rank) for c in cells for r in rank_roles(c.shape)]
     spec_path, out = tmp / "specs.json", tmp / "results.json"
     spec_path.write_text(json.dumps(specs))

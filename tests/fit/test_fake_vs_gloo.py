@@ -49,7 +49,7 @@ def cells():
 def gloo(cells, tmp_path_factory):
     """rank -> [result per cell], from one real 4-rank gloo group running every cell in turn."""
     out = tmp_path_factory.mktemp("gloo")
-    specs = [c.role_spec(rank_roles(c.shape)[0], STEPS, "real").to_dict() for c in cells]
+    specs = [c.role_spec(rank_roles(c.shape)[0], STEPS).to_dict() for c in cells]
     mp.start_processes(_gloo_main, args=(WORLD, _free_port(), specs, str(out)), nprocs=WORLD, start_method="spawn")
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}
 
@@ -66,7 +66,7 @@ def worker_states(cells, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fake(cells, tmp_path_factory):
-    return run_fake_roles(cells, tmp_path_factory.mktemp("fake"), steps=STEPS, compute="real")
+    return run_fake_roles(cells, tmp_path_factory.mktemp("fake"), steps=STEPS)
 
 
 def test_model_states_equal_the_real_run_exactly(cells, gloo, worker_states, fake):

@@ -25,7 +25,7 @@ def _cells(size: str):
     for n in WORLDS:
         for s in STRATEGIES:
             try:
-                valid.append(plan_fit_cell(size, s, "fp32", n, 1, "cpu", seq_len=SEQ))
+                valid.append(plan_fit_cell(size, s, "fp32", n, 1, "cpu", seq_len=SEQ, compute="fake"))
             except UsageError as e:
                 invalid[(s, n)] = str(e)
     return valid, invalid
@@ -39,7 +39,7 @@ def _cells(size: str):
 def test_model_states_per_role_equal_the_model_exactly(size, expect_invalid, tmp_path):
     cells, invalid = _cells(size)
     assert set(invalid) == expect_invalid, invalid
-    _assert_states_exact(cells, run_fake_roles(cells, tmp_path, steps=1, compute="fake"))
+    _assert_states_exact(cells, run_fake_roles(cells, tmp_path, steps=1))
 
 
 def _assert_states_exact(cells, results) -> None:
@@ -62,8 +62,8 @@ def test_moe_model_states_per_role_equal_the_model_exactly(tmp_path):
     parallel without expert parallel is refused with its reason, for fit as for bench."""
     grid = [(s, 8, None) for s in ("ddp", "fsdp", "zero2", "hsdp", "pp+fsdp")] + [("fsdp", 64, None)]
     grid += [("fsdp+ep", 8, {"dp_shard": 8, "ep": 4}), ("fsdp+tp+ep", 8, {"dp_shard": 4, "tp": 2, "ep": 2})]
-    cells = [plan_fit_cell("moe-mini", s, "fp32", n, 1, "cpu", seq_len=SEQ, degrees=d) for s, n, d in grid]
-    _assert_states_exact(cells, run_fake_roles(cells, tmp_path, steps=1, compute="fake"))
+    cells = [plan_fit_cell("moe-mini", s, "fp32", n, 1, "cpu", seq_len=SEQ, degrees=d, compute="fake") for s, n, d in grid]
+    _assert_states_exact(cells, run_fake_roles(cells, tmp_path, steps=1))
     with pytest.raises(UsageError, match=r"tp \(2\) with --arch moe needs expert parallel"):
         plan_fit_cell("moe-mini", "fsdp+tp", "fp32", 8, 1, "cpu", seq_len=SEQ)
 
@@ -71,9 +71,9 @@ def test_moe_model_states_per_role_equal_the_model_exactly(tmp_path):
 def test_activation_checkpointing_keeps_the_states_and_lowers_each_role_peak(tmp_path):
     """``harness fit --ac full``: the same model states per role (exact), a lower measured peak in
     every role, and the model predicting the lower peak too (FakeTensorMode roles, tiny at N = 8)."""
-    cells = [plan_fit_cell("tiny", s, "fp32", 8, 2, "cpu", seq_len=SEQ, ac=ac) for s in ("fsdp", "pp+fsdp")
+    cells = [plan_fit_cell("tiny", s, "fp32", 8, 2, "cpu", seq_len=SEQ, ac=ac, compute="fake") for s in ("fsdp", "pp+fsdp")
              for ac in ("none", "full")]
-    results = run_fake_roles(cells, tmp_path, steps=1, compute="fake")
+    results = run_fake_roles(cells, tmp_path, steps=1)
     for eager, full in zip(cells[::2], cells[1::2]):
         assert full.cell_id == eager.cell_id.replace(f"-s{SEQ}", f"-ac-full-s{SEQ}")  # the length's part comes last
         assert peak_bytes(full.shape, 0.0) < peak_bytes(eager.shape, 0.0)
@@ -91,9 +91,9 @@ def test_llama3_peak_within_10_percent_of_the_model_on_mean(precision, tmp_path)
     in the fit references and the parity tests) against FakeTensorMode roles at N = 8, micro-batch 2, seq 128: each cell's
     highest role (the model predicts the peak over ranks) within 10% of the model on mean, as the
     issue holds the CPU reference to (the same cells of gpt2 tiny: 12% at seq 64)."""
-    cells = [plan_fit_cell("llama3-tiny", s, precision, 8, 2, "cpu", seq_len=128, ac=ac)
+    cells = [plan_fit_cell("llama3-tiny", s, precision, 8, 2, "cpu", seq_len=128, ac=ac, compute="fake")
              for s in ("fsdp", "fsdp+tp", "pp+fsdp", "ddp") for ac in ("none", "full")]
-    results = run_fake_roles(cells, tmp_path, steps=1, compute="fake")
+    results = run_fake_roles(cells, tmp_path, steps=1)
     errors = {}
     for cell in cells:
         measured = max(results[(cell.cell_id, role.rank)]["peak_bytes"] for role in rank_roles(cell.shape))

@@ -120,8 +120,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
 
 def test_a_fit_role_that_printed_nothing_leaves_no_log(tmp_path):
     """Each role runs in its own process with a log; a role that printed nothing leaves its spec and result only."""
-    cell = plan_fit_cell("tiny", "fsdp", "fp32", 2, 1, "cpu")
-    (outcome,) = run_roles(cell, tmp_path, steps=1, compute="fake")
+    cell = plan_fit_cell("tiny", "fsdp", "fp32", 2, 1, "cpu", compute="fake")
+    (outcome,) = run_roles(cell, tmp_path, steps=1)
     assert outcome.status == "ok", outcome.error
     files = sorted(f.name for f in tmp_path.iterdir())
     assert files == [f"{cell.cell_id}-rank0.result.json", f"{cell.cell_id}-rank0.spec.json"]
