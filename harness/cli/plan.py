@@ -92,7 +92,7 @@ def _compile_gain(v, device, where: Path | None) -> CompileGain | None:
     if modes[0] == "off":
         return None
     where = where or COMPILE_FROM
-    records = [r for path in sorted(where.rglob("records.jsonl")) for r in load_records(path)] if where.is_dir() else []
+    records = [r for path in sorted(where.rglob("records.jsonl*")) for r in load_records(path)] if where.is_dir() else []
     speedup, pairs = compile_speedup(records, device.product)
     if speedup is None:
         return CompileGain(None, f"no measurement on this device: no compiled cell beside its eager one on "

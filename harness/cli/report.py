@@ -9,14 +9,14 @@ from tabulate import tabulate
 
 from harness.cli.args import choices
 from harness.errors import UsageError
-from harness.records.reader import RECORDS_FILENAME
+from harness.records.reader import records_file
 from harness.report import write_report
 from workloads.data import MarkovData
 from workloads.sizes import ARCHS, FAMILIES, FLOP_CONVENTION_LABEL, FLOP_CONVENTIONS
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    if not (args.dir / RECORDS_FILENAME).exists():
+    if records_file(args.dir) is None:
         raise UsageError(f"{args.dir}: no records.jsonl there; pass a run directory written by harness bench")
     print(write_report(args.dir))
     return 0

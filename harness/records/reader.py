@@ -8,6 +8,7 @@ raises :class:`harness.errors.UsageError` with one line naming the file, the lin
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import statistics
@@ -24,13 +25,24 @@ from harness.records.fingerprint import digest
 from harness.records.record import SCHEMA_VERSION
 
 RECORDS_FILENAME = "records.jsonl"
+CLOSED_RECORDS_FILENAME = RECORDS_FILENAME + ".gz"
+"""A closed run's records, gzip-compressed (committed references: a tenth of the bytes); read like the plain file,
+never appended to."""
+
+
+def records_file(run_dir: str | Path) -> Path | None:
+    """A run directory's records file: ``records.jsonl``, else ``records.jsonl.gz``; None when it has neither."""
+    for name in (RECORDS_FILENAME, CLOSED_RECORDS_FILENAME):
+        if (Path(run_dir) / name).is_file():
+            return Path(run_dir) / name
+    return None
 
 
 def resolve_records_path(path: str | Path) -> Path:
-    """Return the records.jsonl for ``path``: the file itself or ``<dir>/records.jsonl``."""
+    """Return the records file for ``path``: the file itself or its run directory's (:func:`records_file`)."""
     p = Path(path)
     if p.is_dir():
-        p = p / RECORDS_FILENAME
+        p = records_file(p) or p / RECORDS_FILENAME
     if not p.is_file():
         raise UsageError(
             f"{p}: no such records file; pass a records.jsonl or a run directory containing one"
@@ -66,7 +78,7 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], TornTail | Non
     UsageError naming the file, the line and the fix. Records are never skipped silently.
     """
     p = resolve_records_path(path)
-    data = p.read_bytes()
+    data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
     lines = data.splitlines(keepends=True)
     records: list[dict[str, Any]] = []
     offset = 0

@@ -25,7 +25,7 @@ from tabulate import tabulate
 
 from harness.model.comm import comm_for_routing
 from harness.model.shape import CellShape
-from harness.records.reader import RECORDS_FILENAME, calibration_medians, latest_per_cell, load_records
+from harness.records.reader import calibration_medians, latest_per_cell, load_records, records_file
 from harness.report.frame import get, num
 from harness.spec import CellConfig
 from harness.text import fmt_or
@@ -169,7 +169,7 @@ def model_error(run_dir: Path) -> dict:
     Returns ``{"n", "mean_pct", "max_pct", "worst_cell", "device_kind"}``, or ``{"reason"}`` when
     there is nothing to compare.
     """
-    if not (Path(run_dir) / RECORDS_FILENAME).is_file():
+    if records_file(run_dir) is None:
         return {"reason": f"no measured sweep with predictions at {run_dir}"}
     records = load_records(run_dir)
     s = error_summary(model_frame(records))

@@ -12,7 +12,7 @@ from harness.records.reader import load_records
 from harness.report.frame import cells_frame
 
 REPO = Path(__file__).resolve().parents[2]
-RUNS = sorted(p.parent for p in (REPO / "results").rglob("records.jsonl"))
+RUNS = sorted(p.parent for p in (REPO / "results").rglob("records.jsonl*"))
 ROW = re.compile(r"^\| `(\w+)` \| (\w+) \| (worker|sweep) \|", re.M)
 
 

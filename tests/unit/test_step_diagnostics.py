@@ -296,7 +296,7 @@ class _Collect(HTMLParser):
 def test_report_html_is_self_contained(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    shutil.copy(BASE / "records.jsonl", run / "records.jsonl")
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in load_records(BASE)))
     write_report(run)
     parser = _Collect()
     parser.feed((run / "report.html").read_text())
