@@ -8,6 +8,7 @@ None when it has no data; :mod:`harness.report.plot_files` saves them.
 from __future__ import annotations
 
 import math
+import textwrap
 
 import matplotlib
 
@@ -18,7 +19,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from harness.measure.step_composition import PARTS  # noqa: E402
-from harness.report.frame import device_title  # noqa: E402
+from harness.report.frame import device_title, text  # noqa: E402
 
 PART_COLOURS = {
     "matmul": "#4C72B0", "attention": "#64B5CD", "other_compute": "#55A868", "compute": "#55A868",
@@ -125,31 +126,111 @@ def predicted_vs_measured_figure(model: pd.DataFrame) -> Figure | None:
     return fig
 
 
+MEMORY_PANELS = {
+    "tensor": ("live tensor bytes at the rank's peak (GiB)",
+               "CPU: live tensor bytes at each rank's peak (process base left out): model states (exact) "
+               "+ the rest (activations, buffers)", ""),
+    "tensor_max": ("GiB (bars: per rank; line: max over ranks)",
+                   "CPU: model states per rank; line: tensor peak, max over ranks (per-rank tensor bytes "
+                   "not recorded)", ""),
+    "rss": ("process RSS peak per rank (GiB)",
+            "CPU: process RSS per rank, includes the process base (record without tensor bytes)",
+            "RSS peak (with the process base)"),
+    "cuda_allocated": ("CUDA allocator peak per rank (GiB)", "GPU: CUDA allocator peak per rank",
+                       "allocator peak"),
+}
+"""Per panel of the memory plot: y label, title and bar label (the tensor panels label their parts);
+a kind not named here gets the recorded peak of its kind."""
+
+
+def _panel(row: pd.Series) -> str:
+    """A row's panel: its tensor basis on CPU, else the kind of its recorded peak."""
+    basis = text(row.get("basis"))
+    return basis if basis in ("tensor", "tensor_max") else text(row.get("kind")) or "unknown kind"
+
+
+def _rank_axis(ax, part: pd.DataFrame) -> tuple[np.ndarray, dict[str, tuple[float, float]]]:
+    """x of each row (a cell's ranks side by side, one empty slot between cells, at least three slots
+    a cell so that the labels of one-rank cells do not run into each other), the ranks as tick
+    labels and the cells as labels below them; returns the x and each cell's (first, last) x."""
+    x: list[float] = []
+    spans: dict[str, tuple[float, float]] = {}
+    at = 0.0
+    for cell in dict.fromkeys(part["cell_id"]):
+        n = int((part["cell_id"] == cell).sum())
+        pad = max(0, 2 - n) / 2
+        x += list(at + pad + np.arange(n))
+        spans[cell] = (at + pad, at + pad + n - 1)
+        at += max(n, 2) + 1
+    xs = np.asarray(x, dtype=float)
+    ax.set_xticks(xs, [f"r{r:.0f}" for r in part["rank"]], fontsize=6, rotation=90 if len(xs) > 60 else 0)
+    # a cell's label sits under its ranks' labels; its tick may fall on a rank's (odd world size)
+    ax.xaxis.remove_overlapping_locs = False
+    ax.set_xticks([(a + b) / 2 for a, b in spans.values()], [_cell_tick(c) for c in spans], minor=True, fontsize=7)
+    ax.tick_params(axis="x", which="minor", length=0, pad=12)
+    ax.set_xlim(-0.75, at - 1.25)
+    return xs, spans
+
+
 def memory_figure(mem: pd.DataFrame) -> Figure | None:
-    """Peak memory of every rank per cell, with the device capacity where it is known (GPU)."""
+    """Memory of every rank at its peak, one panel per basis and size
+    (:func:`harness.report.frame.memory_rank_frame`).
+
+    CPU cells with tensor bytes: model states (``model_state_gib``) stacked under the rest of the
+    live tensor peak (``tensor_gib - model_state_gib``), the quantity ``predicted.peak_tensor_gib``
+    predicts (drawn as a dashed line, the model's max over ranks); the process base is left out.
+    Only the max over ranks recorded: model states per rank and the max as a line. GPU cells: the
+    allocator's peak per rank, with the device capacity. Other records: the recorded peak (RSS
+    on CPU, which includes the process base).
+    """
     if mem.empty:
         return None
-    cells = list(dict.fromkeys(mem["cell_id"]))
-    fig = Figure(figsize=(max(6.0, 2.0 + 1.2 * len(cells)), 4.5), layout="constrained")
-    ax = fig.subplots()
-    width = 0.8
-    for i, cell in enumerate(cells):
-        part = mem[mem["cell_id"] == cell]
-        n = len(part)
-        offsets = (np.arange(n) - (n - 1) / 2) * width / max(n, 1)
-        ax.bar(i + offsets, part["peak_mem_gib"], width=width / max(n, 1), color="C0")
-        cap = part["capacity_gib"].iloc[0]
-        if math.isfinite(cap):
-            ax.hlines(cap, i - width / 2, i + width / 2, color="C3", linestyle="--",
-                      label="device capacity" if i == 0 else None)
-    ax.set_xticks(range(len(cells)), [_cell_tick(c) for c in cells], fontsize=7)
-    ax.set_ylabel("peak memory per rank (GiB)")
-    kind = ", ".join(sorted(str(k) for k in mem["kind"].dropna().unique()))
-    note = "" if np.isfinite(mem["capacity_gib"]).any() else " (capacity unknown: CPU ranks share host RAM)"
-    if np.isfinite(mem["capacity_gib"]).any():
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Peak memory per rank, {kind}{note}")
+    keys = pd.Series([_panel(row) for _, row in mem.iterrows()], index=mem.index)
+    sizes = mem["size"].map(text) if "size" in mem else pd.Series("", index=mem.index)
+    panels = dict(iter(mem.groupby([keys, sizes], sort=False)))
+    rank = {k: i for i, k in enumerate(MEMORY_PANELS)}
+    order = sorted(panels, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1]))
+    slots = max(sum(max(n, 2) + 1 for n in p.groupby("cell_id").size()) for p in panels.values())
+    width_in = min(30.0, max(8.0, 2.5 + 0.3 * slots))
+    fig = Figure(figsize=(width_in, 4.2 * len(order)), layout="constrained")
+    for ax, (key, size) in zip(fig.subplots(len(order), 1, squeeze=False)[:, 0], order):
+        part = panels[(key, size)]
+        ylabel, title, bar_label = MEMORY_PANELS.get(
+            key, (f"peak per rank (GiB, {key})", f"Recorded peak per rank ({key})", f"peak ({key})"))
+        x, spans = _rank_axis(ax, part)
+        if key == "tensor":
+            states = part["model_state_gib"].to_numpy(float)
+            ax.bar(x, states, color="C0", label="model states (exact)")
+            ax.bar(x, part["tensor_gib"].to_numpy(float) - states, bottom=states, color="C1",
+                   label="rest of the tensor peak")
+        elif key == "tensor_max":
+            ax.bar(x, part["model_state_gib"], color="C0", label="model states (exact, per rank)")
+            _cell_lines(ax, part, spans, "tensor_gib", "tensor peak, max over ranks", "C1", "-")
+        else:
+            ax.bar(x, part["peak_mem_gib"], color="C0", label=bar_label)
+        if key in ("tensor", "tensor_max"):
+            _cell_lines(ax, part, spans, "predicted_tensor_gib", "model: predicted tensor peak (max over ranks)",
+                        "black", "--")
+        _cell_lines(ax, part, spans, "capacity_gib", "device capacity", "C3", "--")
+        ax.set_ylabel(ylabel)
+        # about 10 characters of 9-point text per inch of the axes (the legend takes ~3 inches)
+        ax.set_title(textwrap.fill(f"size {size}: {title}" if size else title, int(10 * (width_in - 3))),
+                     fontsize=9)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("Memory per rank at its peak")
     return fig
+
+
+def _cell_lines(ax, part: pd.DataFrame, spans: dict[str, tuple[float, float]], column: str, label: str,
+                colour: str, style: str) -> None:
+    """One horizontal line per cell across its ranks at the cell's ``column`` (finite values only)."""
+    if column not in part:
+        return
+    value = part.groupby("cell_id", sort=False)[column].first()
+    cells = [c for c in spans if math.isfinite(float(value.get(c, math.nan)))]
+    if cells:
+        ax.hlines([float(value[c]) for c in cells], [spans[c][0] - 0.4 for c in cells],
+                  [spans[c][1] + 0.4 for c in cells], colors=colour, linestyles=style, label=label)
 
 
 def scaling_curves_figure(df: pd.DataFrame) -> Figure | None:

@@ -17,7 +17,7 @@ from harness.measure.intervals import median_spread
 from harness.parallel.presets import SP_NAMED
 from harness.records.reader import latest_per_cell
 from harness.records.record import pulled_levers
-from harness.units import MIB
+from harness.units import GIB, MIB
 from workloads.sizes import size_label
 
 TIME_USE = {
@@ -185,17 +185,47 @@ def device_title(df: pd.DataFrame) -> str:
     return ", ".join(names) if names else "unknown"
 
 
+MEMORY_RANK_COLUMNS = ["cell_id", "rank", "peak_mem_gib", "kind", "capacity_gib", "size", "basis", "tensor_gib",
+                       "model_state_gib", "predicted_tensor_gib"]
+
+
 def memory_rank_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
-    """One row per (ok cell, rank): ``peak_mem_gib`` of the rank, ``kind`` (cuda_allocated / rss) and
-    ``capacity_gib`` (device memory, from ``mem_capacity_pct``; NaN on CPU, where ranks share host RAM)."""
+    """One row per (ok cell, rank): ``peak_mem_gib`` of the rank, ``kind`` (cuda_allocated / rss),
+    ``capacity_gib`` (device memory, from ``mem_capacity_pct``; NaN on CPU, where ranks share host RAM), and what
+    memory_per_rank.png draws of the rank (:func:`harness.report.figures.memory_figure`):
+
+    ``size`` (each its own panel and scale); ``basis``: ``tensor`` (CPU with ``metrics.peak_tensor_gib_per_rank``),
+    ``tensor_max`` (CPU with only the max over ranks, ``metrics.peak_tensor_gib``) or ``peak`` (GPU, or a record
+    from before tensor bytes: the recorded ``peak_mem_gib`` of its ``kind``); ``tensor_gib``: the rank's live
+    tensor peak (the cell's max under ``tensor_max``); ``model_state_gib``: ``metrics.model_state_bytes_by_rank``
+    (exact); ``predicted_tensor_gib``: ``predicted.peak_tensor_gib``, the model's max over ranks. The tensor
+    columns are NaN under ``peak``."""
     rows = []
     for r in latest_per_cell(list(records))[0]:
-        m = r.get("metrics") or {}
+        m, cfg = r.get("metrics") or {}, r.get("config") or {}
         per_rank = m.get("peak_mem_gib_per_rank")
         if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not per_rank:
             continue
         pct, peak = num(m.get("mem_capacity_pct")), num(m.get("peak_mem_gib"))
         capacity = peak / pct * 100.0 if pct > 0 else math.nan
+        basis, tensors, states = _memory_basis(cfg, m, len(per_rank))
+        predicted = num((r.get("predicted") or {}).get("peak_tensor_gib")) if basis != "peak" else math.nan
         rows += [{"cell_id": r.get("cell_id"), "rank": rank, "peak_mem_gib": num(v), "kind": m.get("peak_mem_kind"),
-                  "capacity_gib": capacity} for rank, v in enumerate(per_rank)]
-    return pd.DataFrame(rows, columns=["cell_id", "rank", "peak_mem_gib", "kind", "capacity_gib"])
+                  "capacity_gib": capacity, "size": cfg.get("size"), "basis": basis,
+                  "tensor_gib": num(tensors[rank]) if basis != "peak" else math.nan,
+                  "model_state_gib": num(states[rank]) / GIB if basis != "peak" else math.nan,
+                  "predicted_tensor_gib": predicted} for rank, v in enumerate(per_rank)]
+    return pd.DataFrame(rows, columns=MEMORY_RANK_COLUMNS)
+
+
+def _memory_basis(cfg: dict[str, Any], m: dict[str, Any], n: int) -> tuple[str, list, list]:
+    """What a cell's per-rank memory is drawn from: ``(basis, tensor GiB per rank, model-state bytes per rank)``."""
+    states = m.get("model_state_bytes_by_rank") or []
+    tensors = m.get("peak_tensor_gib_per_rank") or []
+    if cfg.get("device_kind") == "cuda" or m.get("peak_mem_kind") == "cuda_allocated" or len(states) != n:
+        return "peak", [], []
+    if len(tensors) == n:
+        return "tensor", tensors, states
+    if math.isfinite(num(m.get("peak_tensor_gib"))):
+        return "tensor_max", [m["peak_tensor_gib"]] * n, states
+    return "peak", [], []

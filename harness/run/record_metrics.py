@@ -17,6 +17,7 @@ from harness.measure.compile_stats import DynamoCounts, compile_metrics
 from harness.measure.parity_probe import merge
 from harness.measure.step_stats import Stats
 from harness.parallel.presets import expected_bubble, stages_per_rank
+from harness.precision import PrecisionPlan
 from harness.records.record import pulled_levers
 from harness.records.schema import (
     CalibratedMfuMetrics,
@@ -40,6 +41,8 @@ from harness.run.formulas import (
     steps_to_target,
     throughput,
 )
+from harness.run.measurement import CellRun, RankMeasurement
+from harness.spec import CellConfig
 from harness.units import GIB
 
 DEFAULT_TARGET_MARGIN = 0.5
@@ -81,9 +84,9 @@ ddp with grad_accum 2); bf16 <= 2.2e-4 and <= 3.9e-3. fp8 (against an fp8 single
 measured yet (no FP8 device here): bf16's, until a GPU run measures it."""
 
 
-def _memory(gathered: list[dict], threads: int | None) -> MemoryMetrics:
-    mems = [g["mem"] for g in gathered]
-    states = [g["state_bytes"]["total"] for g in gathered]
+def _memory(gathered: list[RankMeasurement], threads: int | None) -> MemoryMetrics:
+    mems = [g.mem for g in gathered]
+    states = [g.state_bytes["total"] for g in gathered]
     m: MemoryMetrics = {
         "threads_per_rank": threads,
         "peak_mem_gib": max(x["peak_mem_gib"] for x in mems),
@@ -91,7 +94,7 @@ def _memory(gathered: list[dict], threads: int | None) -> MemoryMetrics:
         "peak_mem_kind": mems[0]["peak_mem_kind"],
         "model_state_bytes_per_rank": max(states),
         "model_state_bytes_by_rank": states,
-        "model_state_breakdown_rank0": gathered[0]["state_bytes"],
+        "model_state_breakdown_rank0": gathered[0].state_bytes,
     }
     if "peak_tensor_bytes" in mems[0]:  # CPU ranks: live tensor storages on an untimed step
         m["peak_tensor_gib"] = max(x["peak_tensor_bytes"] for x in mems) / GIB
@@ -102,11 +105,11 @@ def _memory(gathered: list[dict], threads: int | None) -> MemoryMetrics:
     return m
 
 
-def _comm(gathered: list[dict]) -> CommMetrics:
-    comm = gathered[0]["comm"]
-    out = {"comm": comm, "comm_by_rank": [g["comm"] for g in gathered],
-           "comm_bytes_per_step": sum(v["bytes_per_step"] for v in comm.values())}
-    cp = gathered[0].get("comm_cp")
+def _comm(gathered: list[RankMeasurement]) -> CommMetrics:
+    comm = gathered[0].comm
+    out: CommMetrics = {"comm": comm, "comm_by_rank": [g.comm for g in gathered],
+                        "comm_bytes_per_step": sum(v["bytes_per_step"] for v in comm.values())}
+    cp = gathered[0].comm_cp
     if cp:  # context parallel's K/V all-gathers and gradient reduce-scatters, also counted in comm
         out.update(comm_cp=cp, cp_comm_bytes_per_step=sum(v["bytes_per_step"] for v in cp.values()))
     return out
@@ -122,16 +125,18 @@ def _loss(cfg, losses: list[float], all_steps: list[float], entropy_floor: float
             "lr": cfg.lr}
 
 
-def _gns(gathered, g_big, local_batch, cfg, dims) -> dict:
-    smalls = [g["g_small"] for g in gathered if g["g_small"] is not None]
+def _gns(gathered: list[RankMeasurement], g_big: list[float], cfg: CellConfig) -> dict:
+    dims = cfg.layout.dims
+    smalls = [g.g_small for g in gathered if g.g_small is not None]
     if not smalls or dims.dp < 2:
         return {"b_simple": None, "reason": "n/a: needs data-parallel replicas (ddp) to compare local and global gradients"}
     g_small = [sum(col) / len(col) for col in zip(*smalls)]
-    return gns.b_simple(g_small, g_big, float(local_batch), float(cfg.global_batch))
+    return gns.b_simple(g_small, g_big, float(cfg.global_batch // dims.dp), float(cfg.global_batch))
 
 
-def _instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace: dict | None) -> InstrumentMetrics:
-    m: InstrumentMetrics = {"gns": _gns(gathered, g_big, local_batch, cfg, dims)}
+def _instruments(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRun) -> InstrumentMetrics:
+    dims, monitor_result = cfg.layout.dims, run.monitor
+    m: InstrumentMetrics = {"gns": _gns(gathered, run.g_big, cfg)}
     if dims.pp_enabled:
         v = stages_per_rank(cfg.pp_schedule)
         m["pipeline"] = {"stages": dims.pp * v, "virtual_per_rank": v, "microbatches": cfg.microbatches,
@@ -143,27 +148,24 @@ def _instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace:
         energy = monitor_result.summary.get("energy_j")
         if energy is not None:
             m["energy_j_per_token"] = energy / (cfg.tokens_per_step * cfg.steps)
-    if trace is not None:
-        m["trace"] = trace
+    if run.trace is not None:
+        m["trace"] = run.trace
     return m
 
 
-def _compile(gathered: list[dict], warmup_s: list[float], median_s: float) -> dict:
+def _compile(gathered: list[RankMeasurement], warmup_s: list[float], median_s: float) -> dict:
     """Compile time and dynamo's counts, each the most any rank saw (a rank that recompiled flags the cell)."""
-    per_rank = [g["dynamo"] for g in gathered if g.get("dynamo")]
+    per_rank = [g.dynamo for g in gathered if g.dynamo]
     most = {phase: DynamoCounts(**{k: max(r[phase][k] for r in per_rank) for k in per_rank[0][phase]})
             for phase in ("warmup", "measured")}
     return compile_metrics(warmup_s, median_s, most["warmup"], most["measured"])
 
 
-def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: list[dict], g_big: list[float],
-                   skipped: int, scaler, entropy_floor: float, local_batch: int, threads: int, device_name: str,
-                   monitor_result, trace: dict | None, worker_wall_s: float,
-                   phase_marks: dict[str, float], nvtx: dict | None = None,
-                   moe: dict | None = None) -> tuple[WorkerMetrics, dict[str, Any]]:
-    """Rank 0's metrics and raw samples from every rank's measurements (``gathered``); ``moe``: the
-    expert load's summary (:class:`harness.parallel.expert_load.ExpertLoad`)."""
-    per_rank_times = [g["times"] for g in gathered]
+def worker_metrics(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRun
+                   ) -> tuple[WorkerMetrics, dict[str, Any]]:
+    """Rank 0's metrics and raw samples from every rank's measurements and its own facts of the run."""
+    size, precision = cfg.model_size, PrecisionPlan(cfg.precision)
+    per_rank_times = [g.times for g in gathered]
     all_steps = slowest_per_step(per_rank_times)
     measured = all_steps[cfg.warmup:]
     stats = Stats.of(measured)
@@ -173,38 +175,38 @@ def worker_metrics(cfg, size, dims, precision, data_parallel: str, gathered: lis
     tput = throughput(stats, cfg.tokens_per_step, cfg.world_size, size.flops_per_token())
     m: WorkerMetrics = {
         **timing, **tput,
-        **mfu_fields(tput["tflops_per_device"], cfg.device_kind, device_name, precision.compute_dtype),
-        **_memory(gathered, threads if cfg.device_kind == "cpu" else None),
+        **mfu_fields(tput["tflops_per_device"], cfg.device_kind, run.device_name, precision.compute_dtype),
+        **_memory(gathered, run.threads if cfg.device_kind == "cpu" else None),
         **_comm(gathered),
-        **_loss(cfg, global_loss([g["losses"] for g in gathered]), all_steps, entropy_floor),
-        "precision": precision.describe(data_parallel),
-        **_instruments(cfg, dims, gathered, g_big, local_batch, monitor_result, trace),
-        "worker_wall_s": worker_wall_s,
+        **_loss(cfg, global_loss([g.losses for g in gathered]), all_steps, run.entropy_floor),
+        "precision": precision.describe(cfg.layout.data_parallel),
+        **_instruments(cfg, gathered, run),
+        "worker_wall_s": run.worker_wall_s,
     }
-    if nvtx is not None and nvtx["enabled"]:
-        m["nvtx"] = nvtx
-    moe = dict(moe or {})
+    if run.nvtx is not None and run.nvtx["enabled"]:
+        m["nvtx"] = run.nvtx
+    moe = dict(run.moe or {})
     per_step = moe.pop("per_step", None)
     if size.moe is not None:
         total = tput["tflops_per_device"] * size.flops_per_token_total() / size.flops_per_token()
         m["moe"] = {"routing": cfg.moe_routing, **moe, "tflops_per_device_total_params": total,
-                    "mfu_total_params_pct": mfu_fields(total, cfg.device_kind, device_name,
+                    "mfu_total_params_pct": mfu_fields(total, cfg.device_kind, run.device_name,
                                                        precision.compute_dtype)["mfu_pct"]}
     if cfg.compile:
         m["compile"] = _compile(gathered, all_steps[: cfg.warmup], stats.median)
-    step1 = merge([g["probe"] for g in gathered])
+    step1 = merge([g.probe for g in gathered])
     m["grad_norm_step1"] = step1["grad_norm"]
     m["param_norm_step1"] = step1["param_norm"]
-    if scaler is not None:
-        m["fp16_skipped_steps"] = skipped
-        m["fp16_final_scale"] = scaler.get_scale()
+    if run.final_scale is not None:
+        m["fp16_skipped_steps"] = run.skipped
+        m["fp16_final_scale"] = run.final_scale
     samples = {"step_time_s": measured, "warmup_step_time_s": all_steps[: cfg.warmup],
                "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times],
                "param_norms_step1": step1["param_norms"], "grad_norms_step1": step1["grad_norms"],
-               "phase_marks": phase_marks}
+               "phase_marks": run.phase_marks}
     if per_step is not None:
         samples["moe_load_per_step"] = per_step
-    ep_rows = [g.get("moe_ep_rows") for g in gathered]
+    ep_rows = [g.moe_ep_rows for g in gathered]
     if ep_rows[0] is not None:
         m["moe"]["ep"] = _ep_metrics(ep_rows, cfg.warmup)
         samples["moe_ep_rows_per_step_by_rank"] = ep_rows

@@ -14,8 +14,9 @@ import resource
 import sys
 import time
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -26,7 +27,7 @@ from harness.measure import gns
 from harness.measure.comm_counter import CommCounter
 from harness.measure.compile_stats import dynamo_counts
 from harness.measure.monitor import make_monitor
-from harness.measure.nvtx_ranges import PhaseAnnotations, Ranges
+from harness.measure.nvtx_ranges import PhaseAnnotations
 from harness.measure.parity_probe import tensor_sq_norms
 from harness.measure.phases import PhaseMarks
 from harness.measure.rank_memory import model_state_bytes, peak_memory, reset_peak
@@ -34,23 +35,17 @@ from harness.measure.step_composition import PHASE_PREFIX, composition_from_fram
 from harness.measure.tensor_bytes import holding_tracker
 from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_frames, load_trace
-from harness.parallel.cp import CP_LABEL, shard_sequence
-from harness.parallel.expert_load import ExpertLoad
-from harness.parallel.levers import build_optimizer
-from harness.parallel.parallelize import parallelize
-from harness.parallel.pipeline import static_shapes
-from harness.precision import PrecisionPlan
+from harness.parallel.cp import CP_LABEL
 from harness.records.atomic import write_json_atomic
 from harness.records.env import capture
 from harness.records.record import clean
 from harness.run import train
+from harness.run.cell_build import Batches, BuiltCell, Placement, build_cell, place
 from harness.run.heartbeat import Heartbeat
+from harness.run.measurement import CellRun, RankMeasurement
 from harness.run.record_metrics import worker_metrics
-from harness.scaling import lr_at
-from harness.spec import CellConfig, threads_per_rank
+from harness.spec import CellConfig
 from harness.units import GIB
-from workloads.data import MarkovData
-from workloads.model import Decoder, lm_loss
 
 PROFILE_WARMUP = 1  # after the measured window: 1 profiler warmup step + 3 recorded steps
 PROFILE_STEPS = 4
@@ -70,17 +65,6 @@ def _gather_json(obj, device: torch.device) -> list:
     return [json.loads(bytes(b[: int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes)]
 
 
-def _threads_per_rank() -> int:
-    return threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def _dp_coordinate(dims) -> int:
-    """This rank's index along the flattened (dp_replicate, dp_shard) dimensions."""
-    rep = dims.mesh("dp_replicate").get_local_rank()
-    shard = dims.mesh("dp_shard").get_local_rank()
-    return rep * dims.dp_shard + shard
-
-
 def _apply_mem_cap(cfg: CellConfig) -> None:
     """Cap address-space growth so an over-budget CPU cell fails with MemoryError (status oom)."""
     if cfg.mem_cap_gib is None:
@@ -93,155 +77,124 @@ def _apply_mem_cap(cfg: CellConfig) -> None:
 def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) -> dict | None:
     """Run one cell on the initialised process group; rank 0 returns the result payload.
 
-    ``marks``: the phases this process has already been through (the entry point's); the cell's
-    phases are marked on it (:mod:`harness.measure.phases`)."""
+    Named steps: place the rank, build the cell, measure its window (warmup, then the measured steps), the extra
+    untimed steps (comm count, tensor bytes, the profiler), gather every rank's :class:`RankMeasurement`, and on
+    rank 0 summarise them. ``marks``: the phases this process has already been through (the entry point's); the
+    cell's phases are marked on it (:mod:`harness.measure.phases`)."""
     t0 = time.perf_counter()
     marks = marks if marks is not None else PhaseMarks()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != cfg.world_size:
-        raise RuntimeError(f"cell needs world size {cfg.world_size}, process group has {world}")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cfg.device_kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(_threads_per_rank())
-    threads = torch.get_num_threads()
-
-    size = cfg.model_size
-    layout = cfg.layout  # validated by the planner (resolve_cell) before the cell was launched
-    dims = layout.dims
-    dims.build_mesh(device.type)
-    precision = PrecisionPlan(cfg.precision)
-    precision.configure_backends(cfg.device_kind)
-
-    torch.manual_seed(cfg.seed)
-    with torch.device(device):
-        model = Decoder(size)
-    gns_state = None
-    if layout.data_parallel == "ddp":
-        gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group())
-    # An MoE's stages are static: runtime shape inference would route an uninitialised tensor on later
-    # stages and count its load towards the balancing step.
-    shapes = static_shapes(dims, cfg.global_batch // dims.dp // cfg.microbatches, cfg.seq_len,
-                           size.d_model, size.vocab_size, precision.autocast_dtype, layout.fsdp) if size.moe else None
-    par = parallelize(model, layout, device, precision, cfg.pp_schedule, cfg.microbatches,
-                      loss_fn=lm_loss, ddp_comm_hook=gns.local_norm_allreduce_hook if gns_state else None,
-                      ddp_comm_state=gns_state, ac=cfg.ac, compiled=cfg.compile, stage_shapes=shapes)
-    params = [p for p in par.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg.optimizer, cfg.lr)
-    ranges = Ranges(enabled=cfg.nvtx)
-    moe = ExpertLoad(par.parts, size, cfg.moe_routing, cfg.ac, device, ranges, dims.tp) if size.moe else None
-    ctx = train.StepContext(par=par, optimizer=optimizer, precision=precision,
-                            scaler=precision.grad_scaler(cfg.device_kind), device_kind=cfg.device_kind,
-                            grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges, moe=moe)
+    where = place(cfg)
+    cell = build_cell(cfg, where.device)
     marks.mark("build")
+    batches = Batches(cfg, cell, where.device)
+    window = _measure(cfg, cell, batches, out_dir, where, marks)
+    local = _extra_steps(cfg, cell, batches, window, out_dir, where, marks)
+    gathered = [RankMeasurement.from_json(g) for g in _gather_json(local.to_json(), where.device)]
+    if where.rank != 0:
+        return None
+    env = capture(cfg.device_kind)
+    if window.monitor is not None:
+        window.monitor.save_csv(out_dir / "monitor.csv")
+    trace = _analyse_traces(gathered, out_dir)
+    marks.mark("result")
+    run = CellRun(g_big=window.g_big, skipped=window.skipped,
+                  final_scale=cell.ctx.scaler.get_scale() if cell.ctx.scaler is not None else None,
+                  entropy_floor=batches.data.entropy_floor, threads=where.threads, device_name=env["device_name"],
+                  monitor=window.monitor, trace=trace, worker_wall_s=time.perf_counter() - t0,
+                  phase_marks=marks.marks, nvtx=cell.ranges.describe(), moe=window.moe_load)
+    metrics, samples = worker_metrics(cfg, gathered, run)
+    return {"metrics": metrics, "samples": samples, "env": env, "degrees": cell.dims.degrees(),
+            "workload": {**cell.size.as_dict(), "params": cell.size.params}}
 
-    data = MarkovData(size.vocab_size, cfg.seq_len, seed=cfg.seed)
-    dp_rank = _dp_coordinate(dims)
-    local_batch = cfg.global_batch // dims.dp
-    cp_rank = dims.mesh("cp").get_local_rank()
 
-    def batch(step: int):
-        with ranges.range("data"):
-            x, y = data.batch(step, cfg.global_batch)
-            sl = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
-            x, y = x[sl], y[sl]
-            if dims.cp_enabled:  # this rank's head and tail chunks of each sequence (harness.parallel.cp)
-                x, y = shard_sequence(x, cp_rank, dims.cp), shard_sequence(y, cp_rank, dims.cp)
-            return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+@dataclass
+class Window:
+    """What the warmup and measured steps left on this rank."""
 
+    times: list[float] = field(default_factory=list)
+    losses: list[float | None] = field(default_factory=list)
+    skipped: int = 0
+    g_big: list[float] = field(default_factory=list)
+    probe: dict = field(default_factory=dict)
+    monitor: Any = None
+    dynamo: dict | None = None
+    moe_load: dict | None = None
+
+    @property
+    def total(self) -> int:
+        """Steps run so far: the extra steps continue the data stream from here."""
+        return len(self.times)
+
+
+def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, where: Placement,
+             marks: PhaseMarks) -> Window:
+    """Warmup steps, then the measured ones: each step timed alone, the monitor, NVTX window and heartbeat
+    around the measured ones only; step 1's norms probed after its clock stopped."""
+    ctx, ranges, moe, w = cell.ctx, cell.ranges, cell.moe, Window()
     timer = StepTimer(cfg.device_kind)
-    total = cfg.warmup + cfg.steps
-    times, losses, skipped, g_big = [], [], 0, []
-    probe: dict = {}
-    monitor = None
     reset_peak(cfg.device_kind)
     dynamo = {"start": dynamo_counts()} if cfg.compile else {}
-    beat = Heartbeat(out_dir, rank)
-    for step in range(total):
+    beat = Heartbeat(out_dir, where.rank)
+    for step in range(cfg.warmup + cfg.steps):
         if step == cfg.warmup:
             if cfg.compile:
                 dynamo["window"] = dynamo_counts()
             marks.mark("warmup")
-            monitor = _start_monitor(cfg, local_rank, device)
+            w.monitor = _start_monitor(cfg, where.local_rank, where.device)
             beat.open_window()
-            ranges.window_start(rank)  # the payload says which process of a shared nsys report is which rank
+            ranges.window_start(where.rank)  # the payload says which process of a shared nsys report is which rank
             if moe is not None:
                 moe.window_start()
-        x, y = batch(step)
-        lr = _lr(cfg, step)
+        x, y = batches(step)
         scale = ctx.scaler.get_scale() if ctx.scaler is not None else 1.0
         with ranges.range("step", payload=step), ranges.train_step(step):
             timer.start()
-            loss, was_skipped = train.train_step(ctx, x, y, lr)
-            times.append(timer.stop())
+            loss, was_skipped = train.train_step(ctx, x, y, batches.lr(step))
+            w.times.append(timer.stop())
         if step >= cfg.warmup:
             beat.beat()
         if step == 0:  # after the clock stopped: the probe's gathers are never timed
-            probe = tensor_sq_norms(par.parts)
-        skipped += int(was_skipped)
-        losses.append(float(loss) if loss is not None else None)
-        if gns_state is not None:
+            w.probe = tensor_sq_norms(ctx.par.parts)
+        w.skipped += int(was_skipped)
+        w.losses.append(float(loss) if loss is not None else None)
+        if cell.gns_state is not None:
             # The hook saw the loss-scaled local gradient; the optimizer step unscaled p.grad in place.
-            gns_state.take(scale=scale)
-            g_big.append(gns.grad_sq_norm(params) if not was_skipped else float("nan"))
+            cell.gns_state.take(scale=scale)
+            w.g_big.append(gns.grad_sq_norm(cell.params) if not was_skipped else float("nan"))
     ranges.window_stop()
-    moe_load = {**moe.summary(), "per_step": moe.per_step()} if moe is not None else None
+    w.moe_load = {**moe.summary(), "per_step": moe.per_step()} if moe is not None else None
     marks.mark("measured")
     beat.close_window()
-    monitor_result = monitor.stop() if monitor is not None else None
-    compiled = {"warmup": asdict(dynamo["window"].since(dynamo["start"])),
+    w.monitor = w.monitor.stop() if w.monitor is not None else None
+    w.dynamo = {"warmup": asdict(dynamo["window"].since(dynamo["start"])),
                 "measured": asdict(dynamo_counts().since(dynamo["window"]))} if cfg.compile else None
+    return w
 
-    # Communication: counted on one extra, untimed step (collectives are the same every step,
-    # and a dispatch-mode counter would tax every op of the timed ones).
+
+def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, out_dir: Path, where: Placement,
+                 marks: PhaseMarks) -> RankMeasurement:
+    """Untimed steps after the window (what would tax a timed one), and this rank's measurement of the cell.
+
+    Communication is counted on one extra step (collectives are the same every step, and a dispatch-mode counter
+    would tax every op of the timed ones); on CPU the live tensor bytes on one more; ``--profile`` last."""
+    ctx, total = cell.ctx, w.total
     counter = CommCounter()
     with counter:
-        train.train_step(ctx, *batch(total), _lr(cfg, total))
-    comm = counter.per_step(1)
-    comm_cp = counter.per_step_labelled(CP_LABEL, 1)
-    ep_rows = moe.ep_rows() if moe is not None else None  # its last step is the counted one
-    state_bytes = model_state_bytes(par.parts, optimizer)
+        train.train_step(ctx, *batches(total), batches.lr(total))
+    ep_rows = cell.moe.ep_rows() if cell.moe is not None else None  # its last step is the counted one
     mem = peak_memory(cfg.device_kind)
     if cfg.device_kind == "cpu":  # RSS cannot tell a shard from the whole: count tensor bytes on one more step
-        mem["peak_tensor_bytes"] = _tensor_peak_bytes(ctx, *batch(total + 1), _lr(cfg, total + 1))
-
+        mem["peak_tensor_bytes"] = _tensor_peak_bytes(ctx, *batches(total + 1), batches.lr(total + 1))
     marks.mark("extra_steps")
-    trace_paths, profiled_times = _profile(cfg, ctx, batch, timer, total + 2, out_dir, rank) if cfg.profile \
-        else ({}, [])
+    trace_paths, profiled = _profile(cfg, ctx, batches, total + 2, out_dir, where.rank) if cfg.profile else ({}, [])
     if cfg.profile:
         marks.mark("profile")
-    local = {
-        "rank": rank,
-        "times": times,
-        "losses": None if all(l is None for l in losses) else losses,
-        "g_small": gns_state.history if gns_state else None,
-        "mem": mem,
-        "state_bytes": state_bytes,
-        "comm": comm,
-        "comm_cp": comm_cp,
-        "moe_ep_rows": ep_rows,
-        "trace": trace_paths,
-        "profiled_times": profiled_times,
-        "probe": probe,
-        "dynamo": compiled,
-    }
-    gathered = _gather_json(local, device if cfg.device_kind == "cuda" else torch.device("cpu"))
-    if rank != 0:
-        return None
-    env = capture(cfg.device_kind)
-    if monitor_result is not None:
-        monitor_result.save_csv(out_dir / "monitor.csv")
-    trace = _analyse_traces(gathered, out_dir)
-    marks.mark("result")
-    metrics, samples = worker_metrics(cfg, size, dims, precision, layout.data_parallel, gathered, g_big, skipped,
-                                      ctx.scaler, data.entropy_floor, local_batch, threads, env["device_name"],
-                                      monitor_result, trace, worker_wall_s=time.perf_counter() - t0,
-                                      phase_marks=marks.marks, nvtx=ranges.describe(), moe=moe_load)
-    return {"metrics": metrics, "samples": samples, "env": env, "degrees": dims.degrees(),
-            "workload": {**size.as_dict(), "params": size.params}}
+    return RankMeasurement(
+        rank=where.rank, times=w.times, losses=None if all(x is None for x in w.losses) else w.losses,
+        g_small=cell.gns_state.history if cell.gns_state else None, mem=mem,
+        state_bytes=model_state_bytes(ctx.par.parts, ctx.optimizer), comm=counter.per_step(1),
+        comm_cp=counter.per_step_labelled(CP_LABEL, 1), moe_ep_rows=ep_rows, trace=trace_paths,
+        profiled_times=profiled, probe=w.probe, dynamo=w.dynamo)
 
 
 def _tensor_peak_bytes(ctx: train.StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) -> int:
@@ -253,10 +206,6 @@ def _tensor_peak_bytes(ctx: train.StepContext, x: torch.Tensor, y: torch.Tensor,
     with tracker:
         train.train_step(ctx, x, y, lr)
     return tracker.peak_bytes
-
-
-def _lr(cfg: CellConfig, step: int) -> float:
-    return lr_at(step, cfg.lr, cfg.lr_warmup_steps)
 
 
 def _start_monitor(cfg: CellConfig, local_rank: int, device: torch.device):
@@ -281,7 +230,7 @@ def _local_pids() -> list[int]:
             if any(m in " ".join(c.cmdline()) for m in ("harness.run.worker", "harness.run.fork_server"))] or [me.pid]
 
 
-def _profile(cfg: CellConfig, ctx, batch, timer: StepTimer, first_step: int, out_dir: Path,
+def _profile(cfg: CellConfig, ctx: train.StepContext, batches: Batches, first_step: int, out_dir: Path,
              rank: int) -> tuple[dict, list[float]]:
     """Extra steps after the measured window under torch.profiler, so profiling never taxes timed steps.
 
@@ -299,12 +248,13 @@ def _profile(cfg: CellConfig, ctx, batch, timer: StepTimer, first_step: int, out
         prof.start()
     # harness:<phase> profiler annotations in these steps only: the step composition reads them.
     annotated = replace(ctx, ranges=PhaseAnnotations(ctx.ranges))
+    timer = StepTimer(cfg.device_kind)
     times = []
     for i in range(PROFILE_STEPS):
         timer.start()
         with record_function(f"{PHASE_PREFIX}data"):
-            x, y = batch(first_step + i)
-        train.train_step(annotated, x, y, _lr(cfg, first_step + i))
+            x, y = batches(first_step + i)
+        train.train_step(annotated, x, y, batches.lr(first_step + i))
         times.append(timer.stop())
         if prof is not None:
             prof.step()
@@ -317,16 +267,16 @@ def _profile(cfg: CellConfig, ctx, batch, timer: StepTimer, first_step: int, out
             times[PROFILE_WARMUP:])
 
 
-def _analyse_traces(gathered: list[dict], out_dir: Path) -> dict | None:
+def _analyse_traces(gathered: list[RankMeasurement], out_dir: Path) -> dict | None:
     """The profiler traces' aggregate (``metrics.trace``), with the per-rank table beside the result."""
-    traces = {int(k): Path(v) for g in gathered for k, v in g["trace"].items()}
+    traces = {int(k): Path(v) for g in gathered for k, v in g.trace.items()}
     if not traces:
         return None
     frames = {rank: load_trace(path) for rank, path in sorted(traces.items())}  # each trace read once
     df, agg = analyse_frames(frames)
     df.to_csv(out_dir / "trace_ranks.csv", index=False)
     if agg["steps"]:  # else agg["reason"] says why there is no per-step split
-        timed = {int(g["rank"]): g["profiled_times"] for g in gathered if g["profiled_times"]}
+        timed = {g.rank: g.profiled_times for g in gathered if g.profiled_times}
         agg.update(composition_from_frames(frames, timed))
     return agg
 

@@ -148,7 +148,9 @@ def test_step_cost_bound_fails_with_an_extra_forward_pass(benchmark):
 
 # ---- the whole path: the launcher's `single` cell against a bare loop --------------------------
 
-E2E_STEPS, E2E_WARMUP, E2E_ROUNDS = 30, 3, 4
+E2E_STEPS, E2E_WARMUP, E2E_ROUNDS = 20, 3, 3
+"""Three rounds of 20 steps (issue 43: four of 30 took 130 s): the judged bound is the CI's upper end >= 0.95,
+which the bare/harness medians of a healthy launcher (0.97-1.02, results/reference/harness-cost) clear."""
 E2E_CELL = ["--device", "cpu", "--gpus", "1", "--sizes", bare_loop.SIZE, "--strategies", "single",
             "--seq-len", str(bare_loop.SEQ_LEN), "--batch", str(bare_loop.BATCH), "--steps", str(E2E_STEPS),
             "--warmup", str(E2E_WARMUP), "--no-calibrate"]
