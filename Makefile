@@ -46,11 +46,13 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
-# ruff (style, imports, no function-level imports but for heavy/optional dependencies) and
-# import-linter (the one-way layers and no cycles; contracts in pyproject.toml).
+# ruff (style, imports, no function-level imports but for heavy/optional dependencies),
+# import-linter (the one-way layers and no cycles; contracts in pyproject.toml) and mypy (types;
+# [tool.mypy] in pyproject.toml: every module checked, the typed packages strict).
 lint: setup
 	$(BIN)/ruff check harness workloads tests scripts
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # Test tiers (README "Tests"): `make test` is the fast tier, `make test-slow` the rest (statistical
 # benchmarks, faults, long end-to-end runs, world size 4), `make test-all` both, as CI runs them.
@@ -117,4 +119,4 @@ mutate: setup
 	$(BIN)/python scripts/mutation_score.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks mutants
+	rm -rf $(VENV) .pytest_cache .mypy_cache .benchmarks mutants

@@ -10,6 +10,7 @@ against it as records land).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import product
 
@@ -88,7 +89,8 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
         if arch != "moe" and routing != "learned":  # a dense family has no routing to vary
             continue
         for degrees in _degrees_of(spec, strat, gpus * spec.nnodes, get_size(size, arch)):
-            cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus, levers, arch, seq_len=seq, routing=routing,
+            cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus=gpus, levers=levers, arch=arch, seq_len=seq,
+                             routing=routing,
                              degrees=degrees)
             cell.reference_only = added_reference and strat == "single"
             cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
@@ -103,7 +105,7 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
     return predict_cells(ordered, force=spec.force)
 
 
-def _degrees_of(spec: SweepSpec, strategy: str, world: int, size) -> list[dict | None]:
+def _degrees_of(spec: SweepSpec, strategy: str, world: int, size) -> Sequence[dict | None]:
     """The sweep's ``--degrees``; without them an expert-parallel preset on an MoE runs at every ep that
     divides its shards and experts (ep 2 and 4 at 4 ranks), as ``plan`` and ``fit`` rank them."""
     if strategy == "single":
@@ -119,8 +121,8 @@ def _levers(spec: SweepSpec) -> list[dict]:
             for c, a, o, sp in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels)]
 
 
-def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str,
-              gpus: int, levers: dict, arch: str, *, seq_len: int | None, routing: str = "learned",
+def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str, *,
+              gpus: int, levers: dict, arch: str, seq_len: int | None, routing: str = "learned",
               degrees: dict | None = None) -> PlannedCell:
     """One cell at ``seq_len`` tokens per sequence (None: the size's own), its MoE tokens routed by ``routing``,
     at ``degrees`` (None: the strategy's preset)."""
@@ -145,7 +147,8 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
             raise UsageError(seq_error)
         PrecisionPlan(precision).check_device(spec.device_kind)
         layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], replace(size, seq_len=seq), precision,
-                                                   spec.pp_schedule, spec.microbatches, spec.grad_accum, gb,
+                                                   pp_schedule=spec.pp_schedule, microbatches=spec.microbatches,
+                                                   grad_accum=spec.grad_accum, global_batch=gb,
                                                    sequence_parallel=levers["sequence_parallel"])
         check_levers(spec.device_kind, layout.dims.tp_enabled, spec.warmup, levers["compile"], levers["ac"],
                      levers["optimizer"])
@@ -193,9 +196,11 @@ def predict_cells(cells: list[PlannedCell], force: bool = False) -> list[Planned
         if not c.valid:
             out.append(c)
             continue
-        cal = calibration_inputs(c.config)
-        c = replace(c, predicted=_predict(c.config, cal), calibrated_tflops=cal.matmul_tflops)
-        keep = force or c.fits is not False or c.config.batch_auto  # auto: the trials find what fits
+        cfg = c.config
+        assert cfg is not None, f"valid cell {c.cell_id} has no config"
+        cal = calibration_inputs(cfg)
+        c = replace(c, predicted=_predict(cfg, cal), calibrated_tflops=cal.matmul_tflops)
+        keep = force or c.fits is not False or cfg.batch_auto  # auto: the trials find what fits
         out.append(c if keep else replace(c, valid=False, reason=_unfit_reason(c)))
     return out
 
@@ -228,8 +233,10 @@ def _predict(cfg: CellConfig, cal: CalibrationInputs) -> dict:
 
 
 def _unfit_reason(c: PlannedCell) -> str:
-    where = ("GPU memory" if c.config.device_kind == "cuda" else
-             f"available RAM / {max(1, c.config.world_size // c.config.nnodes)} rank(s) on the node")
+    cfg = c.config
+    assert cfg is not None, f"valid cell {c.cell_id} has no config"
+    where = ("GPU memory" if cfg.device_kind == "cuda" else
+             f"available RAM / {max(1, cfg.world_size // cfg.nnodes)} rank(s) on the node")
     return (f"predicted {c.est_mem_gib:.3g} GiB per rank > {c.capacity_gib:.3g} GiB available ({where}); "
             f"use a smaller size or batch, more ranks, or --force to run it anyway")
 

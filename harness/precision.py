@@ -89,7 +89,7 @@ class PrecisionPlan:
         return torch.amp.GradScaler(device_kind) if self.loss_scaling else None
 
     def describe(self, data_parallel: str) -> dict:
-        d = {
+        d: dict[str, object] = {
             "mode": self.mode,
             "autocast_dtype": str(self.autocast_dtype).replace("torch.", "") if self.autocast_dtype else None,
             "master_weights": "float32",

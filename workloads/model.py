@@ -92,7 +92,7 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             cos, sin = rope_angles(positions_of(self.seq_shard, t, x.device), self.head_dim, self.rope_theta, x.device)

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ ROUTINGS = ("learned", "balanced")
 
 
 class Router(nn.Module):
+    expert_bias: torch.Tensor  # buffers, registered in __init__ (nn.Module's __getattr__ types them loosely)
+    load: torch.Tensor
+
     def __init__(self, d_model: int, spec: MoESpec) -> None:
         super().__init__()
         self.n_experts, self.top_k = spec.n_experts, spec.top_k
@@ -51,6 +55,7 @@ class Router(nn.Module):
         every expert's scores (N, E) in fp32 and the tokens each expert got (E,)."""
         probs = self.score(x).float().softmax(dim=-1)
         if self.routing == "balanced":
+            assert positions is not None, "balanced routing needs the tokens' positions"
             slots = positions.unsqueeze(-1) * self.top_k + torch.arange(self.top_k, device=x.device)
             choice = slots % self.n_experts
         else:
@@ -118,6 +123,18 @@ def even_split(rows: int, parts: int) -> list[int]:
     return [q + 1] * r + [q] * (parts - r)
 
 
+class Dispatch(Protocol):
+    """What an MoE layer's ``dispatcher`` does: :class:`LocalDispatch` here, an all-to-all under expert parallel."""
+
+    def dispatch(self, grouped: torch.Tensor, counts: torch.Tensor, even: bool) -> tuple[torch.Tensor, list[int], Any]:
+        """The rows for this rank's experts, how many each gets, and the state :meth:`combine` takes."""
+        ...
+
+    def combine(self, y: torch.Tensor, state: Any) -> torch.Tensor:
+        """The experts' outputs back in ``grouped``'s order."""
+        ...
+
+
 class LocalDispatch:
     """Every expert on this rank: the grouped rows stay where they are."""
 
@@ -147,7 +164,7 @@ class MoE(nn.Module):
         self.experts = Experts(spec.n_experts, d_model, spec.d_ff)
         self.shared = SwiGLU(d_model, spec.n_shared * spec.d_ff) if spec.n_shared else None
         self.ranges = lambda name: contextlib.nullcontext()
-        self.dispatcher = LocalDispatch()
+        self.dispatcher: Dispatch = LocalDispatch()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape

@@ -29,6 +29,7 @@ parameter except the embedding tables (lookups: no FLOPs), L layers, d model wid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 ARCHS = ("gpt2", "llama3", "moe")
 DEFAULT_ARCH = "gpt2"
@@ -299,45 +300,41 @@ _GPT2 = (
 # Llama 3.1; 128,256-token vocabulary). tiny and mini keep the block (GQA, RoPE, SwiGLU rounding)
 # at CPU scale. Default sequence: Llama 3's 8,192-token pre-training context.
 _LLAMA_VOCAB = 128_256
-_LLAMA3 = tuple(
-    ModelSize(name, arch="llama3", vocab_size=vocab, **shape)
-    for name, vocab, shape in (
-        ("tiny", 256, dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, multiple_of=32, seq_len=128,
-                           device_kind="cpu")),
-        ("mini", 1024, dict(n_layers=6, d_model=256, n_heads=8, n_kv_heads=4, multiple_of=64, seq_len=256,
-                            device_kind="cpu")),
-        ("1b", _LLAMA_VOCAB, dict(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-                                  multiple_of=256, seq_len=8192, device_kind="gpu", tied_published=True)),
-        ("3b", _LLAMA_VOCAB, dict(n_layers=28, d_model=3072, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-                                  multiple_of=256, seq_len=8192, device_kind="gpu", tied_published=True)),
-        ("8b", _LLAMA_VOCAB, dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                                  multiple_of=1024, seq_len=8192, device_kind="gpu")),
-        ("70b", _LLAMA_VOCAB, dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                                   multiple_of=4096, seq_len=8192, device_kind="plan")),
-        ("405b", _LLAMA_VOCAB, dict(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8,
-                                    ffn_dim_multiplier=1.2, multiple_of=4096, seq_len=8192, device_kind="plan")),
-    )
+_LLAMA3_SHAPES: tuple[tuple[str, int, dict[str, Any]], ...] = (
+    ("tiny", 256, dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, multiple_of=32, seq_len=128,
+                       device_kind="cpu")),
+    ("mini", 1024, dict(n_layers=6, d_model=256, n_heads=8, n_kv_heads=4, multiple_of=64, seq_len=256,
+                        device_kind="cpu")),
+    ("1b", _LLAMA_VOCAB, dict(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                              multiple_of=256, seq_len=8192, device_kind="gpu", tied_published=True)),
+    ("3b", _LLAMA_VOCAB, dict(n_layers=28, d_model=3072, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
+                              multiple_of=256, seq_len=8192, device_kind="gpu", tied_published=True)),
+    ("8b", _LLAMA_VOCAB, dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                              multiple_of=1024, seq_len=8192, device_kind="gpu")),
+    ("70b", _LLAMA_VOCAB, dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                               multiple_of=4096, seq_len=8192, device_kind="plan")),
+    ("405b", _LLAMA_VOCAB, dict(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8,
+                                ffn_dim_multiplier=1.2, multiple_of=4096, seq_len=8192, device_kind="plan")),
 )
+_LLAMA3 = tuple(ModelSize(name, arch="llama3", vocab_size=vocab, **shape) for name, vocab, shape in _LLAMA3_SHAPES)
 
 # Mixtures of experts on the llama3 block. tiny and mini run on a CPU (8 experts, top-2; mini adds a
 # shared expert); mixtral-8x7b is Mistral's Mixtral-8x7B (46.7B total, 12.9B active; 32k-token
 # vocabulary, RoPE theta 1e6); qwen3-30b-a3b is Qwen3-30B-A3B (30.5B total, 3.3B active: 128 experts
 # of width 768, top-8, 128-wide heads at d 2,048, q/k norms). Both are for plan and fit, at the 4,096
 # tokens of Megatron-Bridge's MoE rows.
-_MOE = tuple(
-    ModelSize(name, arch="moe", vocab_size=vocab, moe=moe, **shape)
-    for name, vocab, moe, shape in (
-        ("tiny", 256, MoESpec(8, 2, 128), dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, seq_len=128,
-                                                device_kind="cpu")),
-        ("mini", 1024, MoESpec(8, 2, 256, n_shared=1), dict(n_layers=6, d_model=256, n_heads=8, n_kv_heads=4,
-                                                            seq_len=256, device_kind="cpu")),
-        ("mixtral-8x7b", 32_000, MoESpec(8, 2, 14_336), dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
-                                                           rope_theta=1e6, seq_len=4096, device_kind="plan")),
-        ("qwen3-30b-a3b", 151_936, MoESpec(128, 8, 768), dict(n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4,
-                                                             attn_head_dim=128, qk_norm=True, rope_theta=1e6,
-                                                             norm_eps=1e-6, seq_len=4096, device_kind="plan")),
-    )
+_MOE_SHAPES: tuple[tuple[str, int, MoESpec, dict[str, Any]], ...] = (
+    ("tiny", 256, MoESpec(8, 2, 128), dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, seq_len=128,
+                                            device_kind="cpu")),
+    ("mini", 1024, MoESpec(8, 2, 256, n_shared=1), dict(n_layers=6, d_model=256, n_heads=8, n_kv_heads=4,
+                                                        seq_len=256, device_kind="cpu")),
+    ("mixtral-8x7b", 32_000, MoESpec(8, 2, 14_336), dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+                                                       rope_theta=1e6, seq_len=4096, device_kind="plan")),
+    ("qwen3-30b-a3b", 151_936, MoESpec(128, 8, 768), dict(n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4,
+                                                         attn_head_dim=128, qk_norm=True, rope_theta=1e6,
+                                                         norm_eps=1e-6, seq_len=4096, device_kind="plan")),
 )
+_MOE = tuple(ModelSize(name, arch="moe", vocab_size=vocab, moe=moe, **shape) for name, vocab, moe, shape in _MOE_SHAPES)
 
 FAMILIES: dict[str, dict[str, ModelSize]] = {"gpt2": {s.name: s for s in _GPT2}, "llama3": {s.name: s for s in _LLAMA3},
                                              "moe": {s.name: s for s in _MOE}}

@@ -88,7 +88,8 @@ def bandwidths(collective: str, world_size: int, nbytes: int, time_s: float) -> 
 def sizes(min_bytes: int, max_bytes: int, world_size: int) -> list[int]:
     """x2 steps from min to max, each rounded up to a multiple of ``4 * world_size`` (fp32, exact splits)."""
     quantum = 4 * world_size
-    out, s = [], min_bytes
+    out: list[int] = []
+    s = min_bytes
     while s <= max_bytes:
         r = -(-s // quantum) * quantum
         if not out or r != out[-1]:
@@ -262,6 +263,10 @@ def measure_sync_cost(dev: torch.device, calls: int = 30, trials: int = 3) -> fl
         for _ in range(reps):
             a @ a
 
+    def burst_then_collective() -> None:
+        burst()
+        ar()
+
     one = _timed(burst, 5, cuda) / 5  # size the burst to about SYNC_BURST_S
     reps = max(1, int(SYNC_BURST_S / max(one, 1e-9)))
     out = []
@@ -271,7 +276,7 @@ def measure_sync_cost(dev: torch.device, calls: int = 30, trials: int = 3) -> fl
         dist.barrier()
         coll = _timed(ar, calls, cuda)
         dist.barrier()
-        both = _timed(lambda: (burst(), ar()), calls, cuda)
+        both = _timed(burst_then_collective, calls, cuda)
         out.append(_max_over_ranks((both - compute - coll) / calls, dev))
     return max(0.0, sorted(out)[len(out) // 2])
 

@@ -94,7 +94,7 @@ def search(rate: Callable[[Shape], float], plan: SearchPlan, max_rep_s: float = 
             measured[shape] = rate(shape)
         return measured[shape]
 
-    for shape in sorted(product(plan.dims, repeat=3), key=lambda s: (flops(s), s)):
+    for shape in sorted(product(plan.dims, plan.dims, plan.dims), key=lambda s: (flops(s), s)):
         get(shape)
     best = max(measured, key=measured.__getitem__)
     top = max(plan.dims)

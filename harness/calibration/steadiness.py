@@ -60,10 +60,12 @@ def judge(repeats: dict[str, list[float]] | None, order: Iterable[tuple[str, str
     limit = MAX_SPREAD if limit is None else limit
     hit = worst(repeats or {})
     if hit is not None and hit[1]["spread"] > limit:
-        name, s = hit
-        return (f"{name} repeats spread {s['spread']:.2g}x over {s['n']} ({s['min']:.3g}-{s['max']:.3g} s) "
+        name, st = hit
+        return (f"{name} repeats spread {st['spread']:.2g}x over {st['n']} ({st['min']:.3g}-{st['max']:.3g} s) "
                 f"> {limit:g}x")
     for fast, slow in order:
+        # pairs to check but no repeats at all: a caller's error (it raised a TypeError here before this check)
+        assert repeats is not None, f"judge: probe pair ({fast}, {slow}) given without repeats"
         if fast in repeats and slow in repeats:
             f, s = statistics.median(repeats[fast]), statistics.median(repeats[slow])
             if s * limit < f:

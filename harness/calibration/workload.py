@@ -320,7 +320,7 @@ def check_fits(size: str, seq_len: int, dtype: str, device_kind: str, concurrent
                          f"its cells are predicted from the matmul peak instead")
 
 
-def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, concurrent: int = 1,
+def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, *, concurrent: int = 1,
                        cache: Path | None = None, force: bool = False, compiled: bool = False) -> dict:
     """Measure (or reuse) the workload rates and keep them in the calibration store.
 

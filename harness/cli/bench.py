@@ -36,7 +36,7 @@ def check_valid_any(cells: list[PlannedCell]) -> None:
     """Nothing is launched when no cell the user asked for is valid (the parity reference doesn't count)."""
     asked = [c for c in cells if not c.reference_only]
     if not any(c.valid for c in asked):
-        by_reason: dict[str, list[str]] = {}
+        by_reason: dict[str | None, list[str]] = {}
         for c in asked:
             by_reason.setdefault(c.reason, []).append(c.cell_id)
         if len(asked) == 1:

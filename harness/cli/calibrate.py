@@ -157,7 +157,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         for dt in csv_list(args.dtype):
             th = threads if device == "cpu" else 0
             stored = lookup_workload(device, name, seq, dt, th, concurrent, compiled=args.compile)
-            e = calibrate_workload(device, name, seq, dt, th, concurrent, force="workload" in forced,
+            e = calibrate_workload(device, name, seq, dt, th, concurrent=concurrent, force="workload" in forced,
                                    compiled=args.compile)
             _said_forced("workload", stored, forced)
             _print_workload(e, threads, _origin(stored, "workload" in forced, e))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Sequence
 from itertools import product
 from pathlib import Path
 
@@ -105,9 +106,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
                                                   csv_list(args.strategies), acs):
             moe = get_size(size).moe
             experts = moe.n_experts if moe else None
-            for cell_degrees in (None if degrees else degree_variants(strategy, g * nnodes, experts)) or [degrees]:
-                cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq, mbs,
-                                           args.pp_schedule, nnodes, cell_degrees, ac, compute[size]))
+            variants: Sequence[dict | None] = (None if degrees else degree_variants(strategy, g * nnodes, experts)) \
+                or [degrees]
+            for cell_degrees in variants:
+                cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq_len=seq,
+                                           microbatches=mbs, pp_schedule=args.pp_schedule, nnodes=nnodes,
+                                           degrees=cell_degrees, ac=ac, compute=compute[size]))
     out = args.out or Path("results") / f"fit-{new_run_id()}"
     if (out / RECORDS).exists():
         raise UsageError(f"--out {out}: already holds {RECORDS}; choose a new directory")

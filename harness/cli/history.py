@@ -6,6 +6,7 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 from harness.compare.run_history import Run, find_changes, history_frame, history_markdown
 from harness.errors import UsageError
@@ -37,7 +38,8 @@ def order_runs(runs: list[Run], order: str) -> list[Run]:
     if missing:
         raise UsageError(f"--order git: commit of {', '.join(missing)} is not in this checkout's history; "
                          "fetch it or use --order time")
-    return sorted(runs, key=lambda r: (positions[r.git_sha], r.run_id))
+    # every run's commit is in positions, checked above
+    return sorted(runs, key=lambda r: (positions[cast(str, r.git_sha)], r.run_id))
 
 
 def cmd_history(args: argparse.Namespace) -> int:

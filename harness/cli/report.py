@@ -35,7 +35,10 @@ def _workload_rows(arch: str) -> tuple[list[list], list[str]]:
     for s in FAMILIES[arch].values():
         floor = MarkovData(s.vocab_size, s.seq_len).entropy_floor if s.vocab_size <= 4096 else None
         flops = s.flops_by_convention()
-        experts = [s.moe.n_experts, s.moe.top_k, s.moe.n_shared, s.moe.balancing] if moe else []
+        experts: list = []
+        if moe:
+            assert s.moe is not None, f"{s.key}: an moe size without its MoESpec"
+            experts = [s.moe.n_experts, s.moe.top_k, s.moe.n_shared, s.moe.balancing]
         active = [f"{s.params_active:,}", f"{s.params_active_nonembedding:,}"] if moe else []
         total_flops = [f"{s.flops_per_token_total() / 1e6:,.1f}"] if moe else []
         rows.append([s.name, s.device_kind, s.n_layers, s.d_model, s.n_heads, s.kv_heads, *experts, s.d_ff, s.seq_len,

@@ -269,6 +269,7 @@ def verdict_summary(df: pd.DataFrame) -> str:
 def run_compare(
     base: str,
     cand: str,
+    *,
     threshold: float = 0.05,
     alpha: float = 0.05,
     normalize: str = "none",

@@ -13,6 +13,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from harness.fit.role_process import RoleSpec
 from harness.fit.roles import Role, rank_roles
@@ -67,9 +68,10 @@ class FitCell:
             parts.append(f"{self.pp_schedule}-m{self.microbatches}")
         if self.ac != "none":
             parts.append(f"ac-{self.ac}")
+        degrees = self.degrees or {}
         for dim in ("cp", "ep"):  # a context- or expert-parallel preset is fitted at every degree
-            if (self.degrees or {}).get(dim, 1) > 1:
-                parts.append(f"{dim}{self.degrees[dim]}")
+            if degrees.get(dim, 1) > 1:
+                parts.append(f"{dim}{degrees[dim]}")
         if self.seq_len != get_size(self.size).seq_len:  # the size's own length keeps the id it always had
             parts.append(f"s{self.seq_len}")
         return "-".join(parts)
@@ -95,20 +97,20 @@ class FitCell:
 def plan_layout(strategy: str, world: int, degrees: dict | None, size, precision: str, pp_schedule: str,
                 microbatches: int):
     """The planner's checks (:func:`harness.parallel.presets.resolve_cell`) at a batch that always splits."""
-    layout, _ = resolve_cell(strategy, world, degrees, size, precision, pp_schedule, microbatches, 1,
-                             world * microbatches)
+    layout, _ = resolve_cell(strategy, world, degrees, size, precision, pp_schedule=pp_schedule,
+                             microbatches=microbatches, grad_accum=1, global_batch=world * microbatches)
     return layout
 
 
-def plan_fit_cell(size_name: str, strategy: str, precision: str, world: int, micro_batch: int, device_kind: str,
+def plan_fit_cell(size_name: str, strategy: str, precision: str, world: int, micro_batch: int, device_kind: str, *,
                   seq_len: int | None = None, microbatches: int | None = None, pp_schedule: str = "1f1b",
                   nnodes: int = 1, degrees: dict | None = None, ac: str = "none", compute: str = "real") -> FitCell:
     """A validated cell; UsageError (naming the value and the fix) when the strategy cannot run at ``world``."""
     size = get_size(size_name)
     seq = seq_len or size.seq_len
     PrecisionPlan(precision).check_device(device_kind)
-    layout, mb = resolve_cell(strategy, world, degrees, replace(size, seq_len=seq), precision, pp_schedule,
-                              microbatches, 1, world * (microbatches or 2 * world))
+    layout, mb = resolve_cell(strategy, world, degrees, replace(size, seq_len=seq), precision, pp_schedule=pp_schedule,
+                              microbatches=microbatches, grad_accum=1, global_batch=world * (microbatches or 2 * world))
     return FitCell(size=size_name, strategy=strategy, precision=precision, world_size=world, micro_batch=micro_batch,
                    seq_len=seq, microbatches=mb if layout.dims.pp_enabled else 1, pp_schedule=pp_schedule,
                    nnodes=nnodes, degrees=degrees, device_kind=device_kind, ac=ac, compute=compute)
@@ -164,12 +166,13 @@ def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_m
     states = state_bytes_by_rank(shape)
     predicted_peak = peak_bytes(shape, 0.0)
     stage_of = [k.pp for k in coords(shape.dims)]
-    roles = []
+    roles: list[dict[str, Any]] = []
     for o in outcomes:
         role_peak = stage_peak_bytes(shape, stage_of[o.role.rank])  # a pipeline stage's own, not the largest
-        row = {"role": o.role.name, "rank": o.role.rank, "ranks": len(o.role.ranks), "status": o.status,
-               "error": o.error, "predicted_model_state_bytes": states[o.role.rank].total,
-               "predicted_peak_mem_gib": role_peak / GIB}
+        row: dict[str, Any] = {"role": o.role.name, "rank": o.role.rank, "ranks": len(o.role.ranks),
+                               "status": o.status, "error": o.error,
+                               "predicted_model_state_bytes": states[o.role.rank].total,
+                               "predicted_peak_mem_gib": role_peak / GIB}
         if o.result is not None:
             peak = o.result["peak_bytes"]
             row.update(peak_mem_gib=peak / GIB, peak_mem_kind=o.result["peak_kind"],

@@ -103,7 +103,7 @@ def _reduced_in_place(state, bucket):  # no annotations: DDP checks them, and th
     """DDP's comm hook under the fake backend: the bucket as if all-reduced. The fake all_reduce's
     future carries no tensor, which DDP's reducer rejects ("expected the hook result is either a
     Tensor or a TensorList found None"); the buckets themselves, what memory counts, are DDP's own."""
-    fut = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
 
@@ -121,7 +121,8 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
     with torch.device("meta" if on_meta else device):
         model = Decoder(size)
     fake_group = dist.get_backend() == "fake"
-    par = parallelize(model, layout, device, precision, spec.pp_schedule, spec.microbatches, loss_fn=lm_loss,
+    par = parallelize(model, layout, device, precision, pp_schedule=spec.pp_schedule, microbatches=spec.microbatches,
+                      loss_fn=lm_loss,
                       stage_shapes=_stage_shapes(spec, size, layout, precision), ac=spec.ac,
                       ddp_comm_hook=_reduced_in_place if fake_group and layout.data_parallel == "ddp" else None)
     for _, layer in moe_layers(par.parts):  # fake tensors have no counts to read: an even (balanced) split

@@ -39,7 +39,8 @@ class Role:
 
 
 def _ranges(xs: tuple[int, ...]) -> str:
-    out, start = [], xs[0]
+    out: list[str] = []
+    start: int | None = xs[0]  # None after the last run, where the loop ends
     for a, b in zip(xs, xs[1:] + (None,)):
         if b != a + 1:
             out.append(str(start) if start == a else f"{start}-{a}")

@@ -21,6 +21,7 @@ reduce_scatter, all_to_all ``(n-1)/n``; broadcast, reduce, send/recv (and the ri
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,7 +41,7 @@ BUS_FACTOR = {
 }
 
 # op name (without namespace/overload) -> (collective, which argument's bytes count)
-_C10D = {
+_C10D: dict[str, tuple[str, int | Literal["out"]]] = {
     "allreduce_": ("all_reduce", 0),
     "allreduce_coalesced_": ("all_reduce", 0),
     "allgather_": ("all_gather", 0),
@@ -60,7 +61,7 @@ _C10D = {
     "gather_": ("gather", 1),
     "scatter_": ("scatter", 0),
 }
-_FUNCOL = {
+_FUNCOL: dict[str, tuple[str, int | Literal["out"]]] = {
     "all_reduce": ("all_reduce", 0),
     "all_reduce_": ("all_reduce", 0),
     "all_reduce_coalesced": ("all_reduce", 0),

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 
@@ -62,7 +63,7 @@ def b_simple(g_small_sq: list[float], g_big_sq: list[float], b_small: float, b_b
 class LocalGradNorm:
     """DDP comm-hook state: squared norm of this rank's gradient before the all-reduce."""
 
-    process_group: object
+    process_group: dist.ProcessGroup
     sq: torch.Tensor | None = None
     history: list[float] = field(default_factory=list)
 

@@ -126,6 +126,7 @@ class _StepRange(_Range):
     __slots__ = ()
 
     def __enter__(self) -> _StepRange:
+        assert self._payload is not None, "a step range's payload is its step"
         self._handle = self._ranges.start_step(int(self._payload))
         return self
 
@@ -235,7 +236,7 @@ class Ranges:
         """Start a process-wide range (``nvtxDomainRangeStartEx``); returns its handle."""
         if not self._live:
             return 0
-        return self._domain.start_range(self._attrs_for(phase, payload))  # type: ignore[no-any-return]
+        return self._domain.start_range(self._attrs_for(phase, payload))
 
     def end(self, handle: int) -> None:
         """End the range ``handle`` returned by ``start``, from any thread."""
@@ -256,7 +257,7 @@ class Ranges:
         attrs = self._domain.get_event_attributes(
             message=f"{STEP_RANGE_PREFIX}{step}", color=PHASE_COLORS["step"], category="step"
         )
-        return self._domain.start_range(attrs)  # type: ignore[no-any-return]
+        return self._domain.start_range(attrs)
 
     def train_step(self, step: int) -> _StepRange | _NullRange:
         """Context manager for the ``train_step_<step>`` range (beside the ``step`` phase range)."""

@@ -15,6 +15,7 @@ once, after the first step's timer has stopped.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -55,9 +56,11 @@ def merge(per_rank: list[dict[str, list[float | None]]]) -> dict:
     for report in per_rank:
         for name, v in report.items():
             names.setdefault(name, v)
+    params = {name: cast(float, p) for name, (p, _) in names.items()}  # a parameter always has its norm
     grads = [g for _, g in names.values()]
-    grad_norm = math.sqrt(sum(grads)) if grads and all(g is not None for g in grads) else None
+    present = [g for g in grads if g is not None]
+    grad_norm = math.sqrt(sum(present)) if grads and len(present) == len(grads) else None
     return {"grad_norm": grad_norm,
-            "param_norm": math.sqrt(sum(p for p, _ in names.values())),
-            "param_norms": {name: math.sqrt(p) for name, (p, _) in sorted(names.items())},
+            "param_norm": math.sqrt(sum(params.values())),
+            "param_norms": {name: math.sqrt(params[name]) for name in sorted(params)},
             "grad_norms": {name: None if g is None else math.sqrt(g) for name, (_, g) in sorted(names.items())}}

@@ -222,7 +222,8 @@ def compose_rank(df: pd.DataFrame) -> dict[str, Any]:
     splits = split_steps(df)
     n = len(splits)
     parts = dict.fromkeys(PARTS, 0.0)
-    overlapped, by_coll, step_us = 0.0, {}, 0.0
+    overlapped, step_us = 0.0, 0.0
+    by_coll: dict[str, float] = {}
     for split in splits.values():
         step_us += split["window"][1] - split["window"][0]
         for part in PARTS:

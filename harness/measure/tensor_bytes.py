@@ -115,7 +115,8 @@ class TensorBytes(TorchDispatchMode):
             self._resized(storage)
             return out
 
-        torch.UntypedStorage.resize_ = counted_resize_
+        # the ignore: torch types resize_ as a method; patching the class until __exit__ restores it is the point
+        torch.UntypedStorage.resize_ = counted_resize_  # type: ignore[method-assign]
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -127,7 +128,7 @@ class TensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = ()
+        inputs: tuple[torch.Tensor, ...] = ()
         if self._unseen:
             inputs = tuple(a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
         for t in tree_leaves(out):

@@ -65,6 +65,7 @@ from harness.model.inventory import (
     stages_of_rank,
     tp_local_shape,
 )
+from harness.model.schedule import gathers, stage_actions
 from harness.model.shape import CellShape
 from harness.parallel.activation_checkpoint import reruns_forward
 from harness.units import MIB
@@ -87,69 +88,6 @@ class Call:
     ``efsdp`` (FSDP of the experts under expert parallel) or ``world`` (every rank: the MoE load)."""
     overlappable: bool
     """Whether the strategy can hide it behind compute (DDP buckets, FSDP prefetch, async p2p)."""
-
-
-def stage_actions(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: int) -> dict[int, list[str]]:
-    """The order of forwards (``F``) and backwards (``B``) each stage of a pipeline rank runs.
-
-    Mirrors ``torch.distributed.pipelining``: GPipe runs all forwards, then all backwards;
-    1F1B (``Schedule1F1B``) warms up with ``min(m, stages - s)`` forwards, then alternates;
-    interleaved 1F1B (``ScheduleInterleaved1F1B``) warms up with
-    ``(v - 1) * rounds_size + 2 * (pp - 1 - rank)`` operations, then alternates forward and
-    backward across the rank's stages in rounds of ``m / rounds`` microbatches.
-    """
-    m = microbatches
-    stages = stages_of_rank(pp_rank, pp, virtual)
-    if schedule == "gpipe":
-        return {s: ["F"] * m + ["B"] * m for s in stages}
-    if schedule == "1f1b":
-        s = stages[0]
-        warm = min(m, pp - s)
-        seq = ["F"] * warm
-        f, b = warm, 0
-        while b < m:
-            seq.append("B")
-            b += 1
-            if f < m:
-                seq.append("F")
-                f += 1
-        return {s: seq}
-    rounds = max(1, m // pp)
-    per_round = m // rounds
-    total = virtual * m
-    warm = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
-    out: dict[int, list[str]] = {s: [] for s in stages}
-
-    def fwd_stage(op: int) -> int:
-        return stages[(op // per_round) % virtual]
-
-    def bwd_stage(op: int) -> int:
-        return stages[virtual - 1 - ((op - warm) // per_round) % virtual]
-
-    for op in range(total + warm):  # warmup F, then (F, B) pairs, then cooldown B
-        if op < warm:
-            out[fwd_stage(op)].append("F")
-            continue
-        if op < total:
-            out[fwd_stage(op)].append("F")
-        out[bwd_stage(op)].append("B")
-    return out
-
-
-def _gathers(actions: list[str], reshard_after_forward: bool) -> int:
-    """All-gathers one FSDP group needs over a stage's actions.
-
-    A group starts sharded; an action on a sharded group gathers it. After a forward it is
-    resharded when ``reshard_after_forward``; after a pipeline backward it stays gathered.
-    """
-    n, sharded = 0, True
-    for a in actions:
-        if sharded:
-            n += 1
-            sharded = False
-        if a == "F" and reshard_after_forward:
-            sharded = True
-    return n
 
 
 def _ddp_buckets(specs: list[ParamSpec], tp: int) -> list[int]:
@@ -190,7 +128,7 @@ def _fsdp_calls(c: CellShape, specs: list[ParamSpec], coord: RankCoord) -> list[
         padded = sum(fsdp_padded_numel(held_shape(p, dims), shard) for p in members)
         reshard = c.reshard_after_forward and name != "root"
         if dims.pp_enabled:
-            n_gather = _gathers(actions[stage], reshard)
+            n_gather = gathers(actions[stage], reshard)
         else:  # each micro-step gathers for forward, again for backward if resharded; reshards after backward
             n_gather = c.grad_accum * (2 if reshard else 1)
         dim = "efsdp" if name.endswith(".experts") else "dp"
@@ -310,6 +248,7 @@ def ep_bytes(c: CellShape, sent_rows: int, received_rows: int, rerun_sent: float
     """All-to-all bytes of one rank's optimizer step whose MoE layers sent ``sent_rows`` and received
     ``received_rows`` routed rows in all (every layer and micro-step, the forward counted once), of which the
     layers activation checkpointing ran again sent ``rerun_sent`` and received ``rerun_received``."""
+    assert c.size.moe is not None, f"ep_bytes: {c.size.key} has no MoE layer"
     counts = _forwards(c) * 8 * c.size.moe.n_experts * c.size.n_layers * c.grad_accum
     moved = 2 * (sent_rows + received_rows) + _rerun_rows(c, sent_rows, rerun_sent) + \
         _rerun_rows(c, received_rows, rerun_received)
@@ -330,6 +269,7 @@ def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
     """Expert parallel's all-to-alls for ``passes`` forward+backward passes of ``rows`` sequences each,
     each rank receiving as many rows as it sends (see the module docstring)."""
     moe = c.size.moe
+    assert moe is not None, f"_ep_calls: {c.size.key} has no MoE layer"
     routed = rows * c.local_seq * moe.top_k
     rows_bytes = routed * c.size.d_model * c.residual_bytes
     forward = [Call("all_to_all", 8 * moe.n_experts, c.dims.ep, "ep", False)] + \

@@ -188,7 +188,7 @@ def recompute_factor(c: CellShape) -> float:
     idle = (size.moe.n_experts - size.moe.top_k) * size.moe.expert_params(size.d_model) if size.moe else 0
     whole = 2 * (size.params_per_layer - idle - size.norm_params_per_layer) + attention
     layers = sum(checkpointed_layer(c.recompute, i) for i in range(size.n_layers))
-    extra = layers * whole
+    extra: float = layers * whole
     if c.recompute == "attn":
         extra = size.n_layers * (2 * size.qkv_params + attention)
     elif c.recompute == "op":

@@ -34,7 +34,7 @@ FILE_KEYS = ("base", "name", "product", "hbm_gib", "hbm_gbps", "tdp_w", "power_c
 NUMBERS = ("hbm_gib", "hbm_gbps", "tdp_w", "power_cap_w", "intra_gbps", "inter_gbps")
 
 
-def _positive(path: Path, key: str, value) -> float:
+def _positive(path: Path, key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise UsageError(f"{path}: {key} = {value!r} must be a number > 0")
     return float(value)

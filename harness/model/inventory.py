@@ -88,6 +88,7 @@ def moe_specs(size: ModelSize, name: str, layer: int) -> list[ParamSpec]:
     """An MoE layer's tensors (:class:`workloads.moe.MoE`): the router, the E stacked experts (dim 0 the
     expert, which FSDP shards), the shared expert. Under tensor parallel the router is replicated."""
     m, d = size.moe, size.d_model
+    assert m is not None, f"moe_specs: {size.key} has no MoE layer"
     out = [ParamSpec(f"{name}.router.score.weight", (m.n_experts, d), layer, REPLICATE),
            ParamSpec(f"{name}.experts.gate", (m.n_experts, m.d_ff, d), layer, REPLICATE, expert=True),
            ParamSpec(f"{name}.experts.up", (m.n_experts, m.d_ff, d), layer, REPLICATE, expert=True),

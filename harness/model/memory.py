@@ -172,6 +172,7 @@ def moe_token_bytes(c: CellShape) -> float:
     routing weight multiplies) and the weighted output (``index_add`` keeps its source), and the
     expert's SwiGLU tensors (4 f); the shared expert's SwiGLU tensors (4 x n_shared f)."""
     m, d = c.size.moe, c.size.d_model
+    assert m is not None, f"moe_token_bytes: {c.size.key} has no MoE layer"
     return 8 * m.n_experts + (m.top_k * (3 * d + 4 * m.d_ff) + 4 * m.n_shared * m.d_ff) * c.compute_bytes
 
 
@@ -312,9 +313,9 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
         root, blocks = _gathered_groups(c, pp_rank)
         inflight = inflight_microbatches(c, pp_rank)
         at_turn = unsharded if c.microbatches > inflight else 0
-        moments = (saved + logits + at_turn + transient, saved + top_adds + at_turn + transient,
-                   saved * (inflight - 1) // inflight + block + unsharded + root + sum(blocks),
-                   states.grads + unsharded + root + sum(blocks))
+        moments: tuple[float, ...] = (saved + logits + at_turn + transient, saved + top_adds + at_turn + transient,
+                                      saved * (inflight - 1) // inflight + block + unsharded + root + sum(blocks),
+                                      states.grads + unsharded + root + sum(blocks))
         return states.params + states.optimizer + max(moments) + base_bytes
     live_grads = states.grads if grads_live_in_forward(c) else 0
     moments = (saved + logits + live_grads, saved + top_adds + live_grads, states.grads + block)

@@ -12,6 +12,7 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from harness.model.comm import comm_by_rank
 from harness.model.comm_fit import fitted_time_s
@@ -25,8 +26,11 @@ from harness.model.compute import (
 )
 from harness.model.memory import peak_bytes, state_bytes_by_rank
 from harness.model.shape import CellShape
-from harness.model.step_time import predict_step
+from harness.model.step_time import CommTime, predict_step
 from harness.units import GIB
+
+if TYPE_CHECKING:  # for annotations only: harness.spec imports torch, which the model never needs
+    from harness.spec import CellConfig
 
 CPU_BASE_GIB = 0.35
 """Process memory of a CPU rank before the model (torch loaded), when no workload calibration measured it."""
@@ -58,7 +62,7 @@ def core_sharing(device_kind: str, local_world: int, threads: int, calibrated_bu
                        node_ranks=local_world)
 
 
-def _comm_time_fn(comm: Callable[[int], dict | None]):
+def _comm_time_fn(comm: Callable[[int], dict | None]) -> CommTime:
     entry = functools.cache(comm)
 
     def fn(collective: str, nbytes: int, group: int, dim: str | None = None) -> float | None:
@@ -70,7 +74,7 @@ def _comm_time_fn(comm: Callable[[int], dict | None]):
     return fn
 
 
-def predict_cell(cfg, cal: CalibrationInputs) -> dict:
+def predict_cell(cfg: CellConfig, cal: CalibrationInputs) -> dict:
     """Predicted step time, communication, model states and peak memory of a planned cell."""
     c = CellShape.of(cfg)
     local_world = max(1, cfg.world_size // cfg.nnodes)

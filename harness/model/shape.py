@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import Layout
 from workloads.sizes import ModelSize
+
+if TYPE_CHECKING:  # for annotations only: harness.spec imports torch, which the model never needs
+    from harness.spec import CellConfig
 
 LOW_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 """Bytes of an activation element; fp8 keeps its activations in bf16 (torchao casts at each matmul)."""
@@ -38,7 +42,7 @@ class CellShape:
         object.__setattr__(self, "recompute", ac_policy(self.recompute))  # a policy's earlier name as today's
 
     @classmethod
-    def of(cls, cfg) -> CellShape:
+    def of(cls, cfg: CellConfig) -> CellShape:
         """From a planned :class:`~harness.spec.CellConfig`."""
         size = cfg.model_size
         dims = cfg.layout.dims

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from harness.errors import UsageError
 from harness.model.compute import ComputeRates, roofline_rates, with_recompute
@@ -31,6 +32,7 @@ from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import predict_step
 from harness.parallel import presets
 from harness.parallel.activation_checkpoint import ac_policy
+from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, resolve, resolve_cell, world_for
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
@@ -152,8 +154,9 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
     degrees = s.degrees if strategy != "single" else None
     gb = s.global_batch or default_global_batch(s.size.seq_len, world,
                                                 resolve(strategy, world, degrees, s.sequence_parallel).dims.cp)
-    layout, mb = resolve_cell(strategy, world, degrees, s.size, s.precision, s.pp_schedule, s.microbatches,
-                              s.grad_accum, gb, sequence_parallel=s.sequence_parallel)
+    layout, mb = resolve_cell(strategy, world, degrees, s.size, s.precision, pp_schedule=s.pp_schedule,
+                              microbatches=s.microbatches, grad_accum=s.grad_accum, global_batch=gb,
+                              sequence_parallel=s.sequence_parallel)
     return CellShape(size=s.size, dims=layout.dims, strategy=strategy, precision=s.precision, global_batch=gb,
                      grad_accum=s.grad_accum, microbatches=mb, pp_schedule=s.pp_schedule, device_kind="cuda",
                      recompute=s.recompute, moe_imbalance=s.moe_imbalance)
@@ -208,7 +211,7 @@ def predict_row(s: Scenario, strategy: str) -> dict:
     return row
 
 
-def _same_size_dims(dims, where: dict) -> list[str]:
+def _same_size_dims(dims: ParallelDims, where: dict) -> list[str]:
     """Dimensions > 1 of equal size, issuing the same collectives, placed differently.
 
     ``predict_step`` gives the comm time a group size, not a mesh dimension, so such a pair is
@@ -230,7 +233,7 @@ def rank_rows(rows: list[dict]) -> list[dict]:
 
 
 def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: tuple[str, ...] | list[str] | None = None,
-                  *, sequence_parallels: tuple[bool, ...] = (True,), **options) -> list[dict]:
+                  *, sequence_parallels: tuple[bool, ...] = (True,), **options: Any) -> list[dict]:
     """Predicted rows for each strategy at ``gpus`` devices, ranked (see :func:`rank_rows`); ``options`` are
     :func:`scenario`'s. With ``sequence_parallels=(True, False)`` a layout with tensor parallel appears with and
     without sequence parallel."""

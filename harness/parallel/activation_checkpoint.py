@@ -21,11 +21,14 @@ comm and compute models what each runs again (:func:`reruns_forward`).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from harness.errors import UsageError
+from workloads.model import Attention, Decoder
 
 AC_POLICIES = ("none", "attn", "op", "layer2", "full")
 """Activation checkpointing policies (the module docstring); ``layerN`` for any N >= 2 checkpoints every N-th
@@ -115,7 +118,7 @@ def _checkpointed(fn, context_fn=None):
     return run
 
 
-def apply_ac(part: nn.Module, mode: str) -> None:
+def apply_ac(part: Decoder, mode: str) -> None:
     """Activation checkpointing on the blocks of ``part`` (see the module docstring)."""
     mode = ac_policy(mode)
     if mode == "none":
@@ -126,9 +129,10 @@ def apply_ac(part: nn.Module, mode: str) -> None:
         elif mode == "op":
             block.forward = _checkpointed(block.forward, _op_contexts)
         elif mode == "attn":
-            attn = block.attn
+            attn = cast(Attention, block.attn)
             core = _checkpointed(attn.core)
-            attn.forward = lambda x, attn=attn, core=core: attn.out(core(x))
+            # the instance's forward over the class's method, as for the blocks (nn.Module types it as an attribute)
+            cast(nn.Module, attn).forward = lambda x, attn=attn, core=core: attn.out(core(x))
 
 
 def policies_arg(label: str, text: str) -> tuple[str, ...]:

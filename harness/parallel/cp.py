@@ -24,6 +24,7 @@ The model calls an attached :class:`SequenceShard` through two hooks (``workload
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -154,5 +155,5 @@ def apply_cp(model: nn.Module, mesh) -> SequenceShard:
     shard = SequenceShard(rank=mesh.get_local_rank(), size=mesh.size(), group=mesh.get_group())
     for module in model.modules():
         if hasattr(module, "seq_shard"):
-            module.seq_shard = shard
+            cast(Any, module).seq_shard = shard  # Embeddings' and Attention's (and MoE's) attribute
     return shard

@@ -7,6 +7,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from workloads.model import Decoder
+
 
 def apply_ddp(model: nn.Module, dp_mesh, device_kind: str, comm_hook=None, comm_state=None) -> nn.Module:
     """Wrap in DistributedDataParallel over the replicate group; grads are averaged in backward.
@@ -21,7 +23,7 @@ def apply_ddp(model: nn.Module, dp_mesh, device_kind: str, comm_hook=None, comm_
     return ddp
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, mp_policy) -> nn.Module:
+def apply_fsdp(model: Decoder, dp_mesh, reshard_after_forward: bool, mp_policy) -> nn.Module:
     """FSDP2: shard each block, then the root (embeddings, final norm, head).
 
     ``dp_mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP. Per-block wrapping lets

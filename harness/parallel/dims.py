@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from harness.errors import UsageError
 
@@ -39,9 +39,9 @@ class ParallelDims:
     """Expert-parallel degree: each MoE layer's experts split over ``ep`` ranks borrowed from dp_shard
     (Megatron's EP within DP; ``dp_shard = efsdp x ep``), the experts FSDP-sharded over the remaining
     ``efsdp``. Tokens reach their experts by all-to-all (:mod:`harness.parallel.ep`)."""
-    _mesh: object = field(default=None, compare=False, repr=False)
-    _fsdp_mesh: object = field(default=None, compare=False, repr=False)
-    _dp_shard_mesh: object = field(default=None, compare=False, repr=False)
+    _mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    _fsdp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    _dp_shard_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     """Under expert parallel, dp_shard is the flattened (efsdp, ep): kept, like the FSDP mesh."""
 
     def __post_init__(self) -> None:

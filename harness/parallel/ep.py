@@ -60,7 +60,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, *ctx.splits, ctx.group), None, None, None
+        out_splits, in_splits = ctx.splits  # the forward's, swapped
+        return _exchange(grad, out_splits, in_splits, ctx.group), None, None, None
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -179,6 +180,7 @@ def shard_experts(part: nn.Module, efsdp_mesh, dp_ranks: int, reshard_after_forw
     # (not on a 1-rank group, which reduces nothing and divides by the factor itself)
     force_sum = dist.get_backend(efsdp_mesh.get_group()) == "gloo" and efsdp_mesh.size() > 1
     for layer in _moe_layers(part):
-        fully_shard(layer.experts, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-        layer.experts.set_gradient_divide_factor(float(dp_ranks))
-        layer.experts.set_force_sum_reduction_for_comms(force_sum)
+        experts = fully_shard(layer.experts, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward,
+                              mp_policy=mp_policy)  # the same module, now an FSDPModule
+        experts.set_gradient_divide_factor(float(dp_ranks))
+        experts.set_force_sum_reduction_for_comms(force_sum)

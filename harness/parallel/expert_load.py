@@ -36,7 +36,9 @@ def moe_layers(parts: list[nn.Module]) -> list[tuple[int, MoE]]:
     for part in parts:
         for name, module in part.named_modules():
             if isinstance(module, MoE):
-                out.append((int(_BLOCK.search(name + ".").group(1)), module))
+                block = _BLOCK.search(name + ".")
+                assert block is not None, f"MoE layer {name!r} is not inside a block"
+                out.append((int(block.group(1)), module))
     return out
 
 
@@ -49,6 +51,7 @@ class ExpertLoad:
         each layer's ``dispatch``, ``experts`` and ``combine``; ``tp``: the tensor-parallel degree, whose
         ranks route the same tokens (``fsdp+tp+ep``), each counting them."""
         self.layers = moe_layers(parts)
+        assert size.moe is not None, f"ExpertLoad: {size.key} has no MoE layer"
         self.shape = (size.n_layers, size.moe.n_experts)
         self.device = device
         self.passes = {i: 2 if reruns_forward(ac, i) else 1 for i, _ in self.layers}

@@ -20,11 +20,11 @@ import os
 import shutil
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from harness.errors import UsageError
 from harness.records.record import FINGERPRINT_LEVERS
+from workloads.model import Decoder
 
 COMPILE_MODES = ("off", "on")
 OPTIMIZERS = ("adamw", "adamw-fused")
@@ -32,7 +32,7 @@ LEVER_DEFAULTS = FINGERPRINT_LEVERS
 """Cell fields of the levers and their values when not pulled (records without them mean these)."""
 
 
-def apply_compile(part: nn.Module) -> None:
+def apply_compile(part: Decoder) -> None:
     """``torch.compile`` each block's forward (the instance's, so checkpointing is compiled with it)."""
     for block in part.blocks.values():
         block.forward = torch.compile(block.forward)

@@ -34,6 +34,7 @@ from harness.parallel.levers import apply_compile
 from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module, stage_ids
 from harness.parallel.presets import Layout, stages_per_rank
 from harness.parallel.tp import apply_tp
+from workloads.model import Decoder
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Parallelized:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
 
-def parallelize(model: nn.Module, layout: Layout, device: torch.device, precision,
+def parallelize(model: Decoder, layout: Layout, device: torch.device, precision, *,
                 pp_schedule: str = "1f1b", microbatches: int = 1, loss_fn=None, ddp_comm_hook=None,
                 ddp_comm_state=None, stage_shapes: StageShapes | None = None, ac: str = "none",
                 compiled: bool = False) -> Parallelized:

@@ -9,14 +9,17 @@ stages in a loop (rank r holds stages r and r + pp), shrinking the bubble from
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import stages_per_rank
+from workloads.model import Decoder
 
 
 def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -35,7 +38,7 @@ def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
     return [pp_rank + k * pp for k in range(stages_per_rank(schedule))]
 
 
-def build_stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+def build_stage_module(model: Decoder, stage: int, n_stages: int) -> Decoder:
     """A copy of ``model`` keeping only this stage's layers (names unchanged) and ends."""
     part = copy.deepcopy(model)
     keep = {str(i) for i in layer_ranges(len(model.blocks), n_stages)[stage]}
@@ -115,7 +118,7 @@ class _StaticStage(PipelineStage):
 
 @dataclass
 class Pipeline:
-    schedule: object
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
     modules: list[nn.Module]
     has_first: bool
     has_last: bool
@@ -139,7 +142,7 @@ class Pipeline:
         return losses
 
 
-def build_pipeline(stage_modules: dict[int, nn.Module], n_stages: int, pp_group, device, schedule: str,
+def build_pipeline(stage_modules: Mapping[int, nn.Module], n_stages: int, pp_group, device, schedule: str,
                    microbatches: int, loss_fn, shapes: StageShapes | None = None) -> Pipeline:
     """Wrap this rank's stage modules in ``PipelineStage`` and a schedule.
 
@@ -154,8 +157,12 @@ def build_pipeline(stage_modules: dict[int, nn.Module], n_stages: int, pp_group,
         stages = [_StaticStage(mod, stage_index=sid, num_stages=n_stages, device=device, group=pp_group,
                                input_args=shapes.io(sid, n_stages)[0], output_args=shapes.io(sid, n_stages)[1])
                   for sid, mod in sorted(stage_modules.items())]
+    sched: PipelineScheduleSingle | PipelineScheduleMulti
     if schedule == "interleaved1f1b":
-        sched = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        # the ignore: torch annotates ``stages`` as an invariant list of its private base class
+        # (_PipelineStageBase); a list of PipelineStage, a subclass, is what it takes
+        sched = ScheduleInterleaved1F1B(stages,  # type: ignore[arg-type]
+                                        n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     else:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         sched = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -205,11 +205,11 @@ def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> 
         shards = world // tp
         return [{"dp_shard": shards, "ep": ep} | ({"tp": tp} if tp > 1 else {}) for ep in range(2, shards + 1)
                 if shards % ep == 0 and (n_experts is None or n_experts % ep == 0)]
-    tp = CP_PRESETS.get(strategy)
-    if tp is None or world % tp:
+    cp_tp = CP_PRESETS.get(strategy)
+    if cp_tp is None or world % cp_tp:
         return []
-    rest = world // tp
-    return [{"dp_shard": rest // cp, "cp": cp, "tp": tp} for cp in range(2, rest + 1) if rest % cp == 0]
+    rest = world // cp_tp
+    return [{"dp_shard": rest // cp, "cp": cp, "tp": cp_tp} for cp in range(2, rest + 1) if rest % cp == 0]
 
 
 def check_ep(strategy: str, dims: ParallelDims) -> None:
@@ -259,8 +259,8 @@ def default_microbatches(dims: ParallelDims, asked: int | None) -> int:
     return asked or 2 * dims.pp
 
 
-def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSize, precision: str, pp_schedule: str,
-                 microbatches: int | None, grad_accum: int, global_batch: int, *,
+def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSize, precision: str, *, pp_schedule: str,
+                 microbatches: int | None, grad_accum: int, global_batch: int,
                  sequence_parallel: bool = True) -> tuple[Layout, int]:
     """Resolve a cell's strategy and run every check its shape allows; the layout and the microbatches.
 

@@ -15,12 +15,15 @@ sharded over the vocabulary for torch's vocabulary-parallel cross-entropy
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
@@ -29,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from workloads.model import Decoder
 from workloads.moe import MoE
 
 COLUMN_LINEARS = ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up", "mlp.shared.gate", "mlp.shared.up")
@@ -40,7 +44,7 @@ expert parallel (:mod:`harness.parallel.ep`), its router replicated."""
 ROW_LINEARS = ("attn.out", "mlp.proj", "mlp.shared.proj")
 
 
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool = False) -> None:
+def apply_tp(model: Decoder, tp_mesh, sequence_parallel: bool, loss_parallel: bool = False) -> None:
     """Shard ``model`` (a :class:`workloads.model.Decoder` or a pipeline stage of one) over ``tp_mesh``; with
     ``loss_parallel`` the LM head's logits stay sharded over the vocabulary (a DTensor, for
     :func:`torch.distributed.tensor.parallel.loss_parallel`'s cross-entropy)."""
@@ -77,7 +81,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     for block in model.blocks.values():
         present = dict(block.named_modules())
         moe = isinstance(block.mlp, MoE)
-        plan = {name: ColwiseParallel() for name in COLUMN_LINEARS if name in present}
+        plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in COLUMN_LINEARS if name in present}
         plan.update({name: RowwiseParallel(output_layouts=residual, use_local_output=not sp)
                      for name in ROW_LINEARS if name in present})
         if moe and "mlp.shared.proj" in present:  # inside the MoE, on its plain (tokens, d) rows
@@ -124,11 +128,12 @@ def reduce_partial_grads(params) -> int:
     partial = partial_grad_params(params)
     if not partial:
         return 0
-    mesh = partial[0].grad.device_mesh
-    if mesh.ndim != 1 or any(p.grad.device_mesh != mesh for p in partial):
+    grads = [cast(DTensor, p.grad) for p in partial]  # DTensors: partial_grad_params checked
+    mesh = grads[0].device_mesh
+    if mesh.ndim != 1 or any(g.device_mesh != mesh for g in grads):
         raise ValueError(f"partial gradients over a {mesh.ndim}-D mesh or several meshes; "
                          f"only sequence parallelism over one tp mesh makes them")
-    local = [p.grad.to_local() for p in partial]
+    local = [g.to_local() for g in grads]
     flat = torch.cat([g.reshape(-1) for g in local])
     dist.all_reduce(flat, group=mesh.get_group())
     offset = 0

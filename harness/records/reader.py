@@ -162,14 +162,15 @@ def append_record(path: Path, record: dict[str, Any]) -> Path | None:
     return side
 
 
-def latest_per_cell(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def latest_per_cell(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str | None, int]]:
     """Latest wins: each cell's last record (in file order, at the place of its first), and the
-    number of records (attempts) of every cell id. Earlier attempts stay in the file."""
-    attempts: dict[str, int] = {}
-    latest: dict[str, dict[str, Any]] = {}
-    order: list[str] = []
+    number of records (attempts) of every cell id (None: cell records without one). Earlier attempts
+    stay in the file."""
+    attempts: dict[str | None, int] = {}
+    latest: dict[str | None, dict[str, Any]] = {}
+    order: list[str | None] = []
     for i, r in enumerate(records):
-        key = r.get("cell_id") if r.get("kind", "cell") == "cell" else f"\0{r.get('kind')}-{i}"
+        key: str | None = r.get("cell_id") if r.get("kind", "cell") == "cell" else f"\0{r.get('kind')}-{i}"
         if key not in latest:
             order.append(key)
         latest[key] = r

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from harness.records.fingerprint import digest
 
@@ -43,7 +45,7 @@ def fingerprint(fields: dict) -> str:
     return digest(fields)
 
 
-def clean(obj):
+def clean(obj: Any) -> Any:
     """JSON-safe: NaN/inf -> None (strict JSON), tuples -> lists."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
@@ -59,7 +61,7 @@ def new_run_id() -> str:
 
 
 def make_record(*, run_id: str, cell_id: str, status: str, config: dict, env: dict, degrees: dict | None,
-                workload: dict | None, metrics: dict | None = None, samples: dict | None = None,
+                workload: dict | None, metrics: Mapping[str, Any] | None = None, samples: dict | None = None,
                 error: str | None = None, kind: str = "cell", predicted: dict | None = None) -> dict:
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")

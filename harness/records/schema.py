@@ -56,12 +56,13 @@ class MemoryMetrics(TypedDict, total=False):
 
 
 class CommMetrics(TypedDict, total=False):
-    comm: dict[str, dict[str, int]]
-    comm_by_rank: list[dict[str, dict[str, int]]]
-    comm_bytes_per_step: int
-    comm_cp: dict[str, dict[str, int]]
+    comm: dict[str, dict[str, float]]
+    """Calls and bytes per step by collective (per-step means over the counted steps)."""
+    comm_by_rank: list[dict[str, dict[str, float]]]
+    comm_bytes_per_step: float
+    comm_cp: dict[str, dict[str, float]]
     """Context parallel only: its K/V all-gathers and gradient reduce-scatters (also in ``comm``)."""
-    cp_comm_bytes_per_step: int
+    cp_comm_bytes_per_step: float
 
 
 class LossMetrics(TypedDict):

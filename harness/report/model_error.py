@@ -82,8 +82,9 @@ def model_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
         if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not r.get("predicted"):
             continue
         p, m = r["predicted"], r.get("metrics") or {}
-        row = {"cell_id": r.get("cell_id"), "world_size": (r.get("config") or {}).get("world_size"),
-               "basis": (p.get("breakdown") or {}).get("basis")}
+        row: dict[str, Any] = {"cell_id": r.get("cell_id"),
+                               "world_size": (r.get("config") or {}).get("world_size"),
+                               "basis": (p.get("breakdown") or {}).get("basis")}
         for name, (pk, mk) in QUANTITIES.items():
             pv, mv = num(get(p, *pk)), num(get(m, *mk))
             row[f"{name}_predicted"], row[f"{name}_measured"] = pv, mv

@@ -90,7 +90,7 @@ def build_cell(cfg: CellConfig, device: torch.device) -> BuiltCell:
     # stages and count its load towards the balancing step.
     shapes = static_shapes(dims, cfg.global_batch // dims.dp // cfg.microbatches, cfg.seq_len,
                            size.d_model, size.vocab_size, precision.autocast_dtype, layout.fsdp) if size.moe else None
-    par = parallelize(model, layout, device, precision, cfg.pp_schedule, cfg.microbatches,
+    par = parallelize(model, layout, device, precision, pp_schedule=cfg.pp_schedule, microbatches=cfg.microbatches,
                       loss_fn=lm_loss, ddp_comm_hook=gns.local_norm_allreduce_hook if gns_state else None,
                       ddp_comm_state=gns_state, ac=cfg.ac, compiled=cfg.compile, stage_shapes=shapes)
     params = [p for p in par.parameters() if p.requires_grad]

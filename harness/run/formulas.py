@@ -14,6 +14,7 @@ import math
 
 from harness.measure.peaks import datasheet_peak_tflops, mfu_pct
 from harness.measure.step_stats import Stats
+from harness.records.schema import CalibratedMfuMetrics, MfuMetrics, ThroughputMetrics
 
 CONVENTIONS = {
     "step_time": "slowest rank per step; warmup excluded",
@@ -51,20 +52,20 @@ def steps_to_target(losses: list[float], step_times: list[float], target: float)
     return None, None
 
 
-def throughput(stats: Stats, tokens_per_step: int, world: int, flops_per_token: int) -> dict:
+def throughput(stats: Stats, tokens_per_step: int, world: int, flops_per_token: int) -> ThroughputMetrics:
     tps = tokens_per_step / stats.median
     tflops = flops_per_token * tps / world / 1e12
     return {"tokens_per_s": tps, "tokens_per_s_per_device": tps / world, "tflops_per_device": tflops}
 
 
-def mfu_fields(tflops_per_device: float, device_kind: str, device_name: str, dtype: str) -> dict:
+def mfu_fields(tflops_per_device: float, device_kind: str, device_name: str, dtype: str) -> MfuMetrics:
     """MFU against the datasheet peak of this device and dtype; n/a with the reason when unknown."""
     peak, reason = datasheet_peak_tflops(device_name, dtype, device_kind)
     return {"peak_tflops": peak, "mfu_pct": mfu_pct(tflops_per_device, peak), "mfu_reason": reason}
 
 
 def calibrated_mfu_fields(tflops_per_device: float, calibrated_tflops: float | None, device_name: str,
-                          dtype: str) -> dict:
+                          dtype: str) -> CalibratedMfuMetrics:
     """MFU against the measured matmul peak (``harness calibrate``); n/a with the remedy without one."""
     if calibrated_tflops:
         return {"calibrated_tflops": calibrated_tflops,

@@ -90,8 +90,8 @@ def _failures(launcher_err: str) -> list[dict]:
         s = line.strip()
         if s.startswith("Root Cause"):
             root = True
-        key, _, value = s.partition(":")
-        key, value = key.strip(), value.split()
+        key, _, rest = s.partition(":")
+        key, value = key.strip(), rest.split()
         if key == "rank" and value and value[0].isdigit():
             out.append({"rank": int(value[0]), "exitcode": None, "root": root})
         elif key == "exitcode" and value and out and out[-1]["exitcode"] is None:
@@ -137,7 +137,7 @@ def _failed_rank(cell_dir: Path, launcher_err: str) -> tuple[int | None, str]:
         return f["rank"], _describe_exit(f["exitcode"])
     by_rank = {f["rank"]: f for f in failures}
     if reported:
-        rank = min(reported, key=reported.get)
+        rank = min(reported, key=reported.__getitem__)
         return rank, _describe_exit(by_rank[rank]["exitcode"]) if rank in by_rank else "exit unknown"
     root = next((f for f in failures if f["root"]), failures[0] if failures else None)
     if root is None:
@@ -151,7 +151,7 @@ def _drop_empty_logs(cell_dir: Path) -> None:
         drop_empty_log(log)
 
 
-def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, rdzv_id: str,
+def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, *, rdzv_id: str,
                  env_extra: dict | None = None, launcher_prefix: list[str] | None = None,
                  stall_timeout_s: float | None = None, server: ForkServer | None = None) -> Outcome:
     """Run the cell; classify ok / oom / crashed / timeout. Ctrl-C kills the job, then re-raises.

@@ -18,8 +18,8 @@ class RankMeasurement:
     rank: int
     times: list[float]
     """Every step's time on this rank, warmup first (s)."""
-    losses: list[float | None] | None
-    """Every step's loss, or None on a pipeline rank without the loss."""
+    losses: list[float] | None
+    """Every step's loss, or None on a pipeline rank without the loss (a rank has every step's or none)."""
     g_small: list[float] | None
     """DDP: the local gradient's squared norm per step (the small batch of the gradient noise scale)."""
     mem: dict[str, Any]

@@ -50,6 +50,7 @@ def nsys_tool(spec) -> NsysTool:
 
 
 def _local_ranks(cell: PlannedCell, node_rank: int) -> range:
+    assert cell.config is not None, f"valid cell {cell.cell_id} has no config"
     per_node = cell.config.world_size // cell.config.nnodes
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
@@ -60,8 +61,10 @@ def captured_job(tool: NsysTool, job: Callable[[list[str], dict[str, str]], Outc
 
     Whatever ends the job (its end, a failure, Ctrl-C, SIGTERM), the session's processes are
     ended before this returns or raises (:func:`harness.measure.nsys.end_sessions`)."""
+    cfg = cell.config
+    assert cfg is not None, f"valid cell {cell.cell_id} has no config"
     tag = secrets.token_hex(4)
-    report = nsys_cmd.report_path(cell_dir / "nsys", cell.cell_id, cell.config.nnodes, node_rank)
+    report = nsys_cmd.report_path(cell_dir / "nsys", cell.cell_id, cfg.nnodes, node_rank)
     report.parent.mkdir(parents=True, exist_ok=True)
     try:
         outcome = job(nsys_cmd.nsys_command(tool.path, report, tag, device_kind,
@@ -79,9 +82,9 @@ def captured_job(tool: NsysTool, job: Callable[[list[str], dict[str, str]], Outc
         except (RuntimeError, subprocess.TimeoutExpired, sqlite3.Error) as exc:
             problem = f"{report.name}: could not be read back: {exc}"
     if problem is None and outcome.status == "ok":
-        problem = capture_problem(captures, ranks, cell.config.steps)
+        problem = capture_problem(captures, ranks, cfg.steps)
     return outcome, {
-        "tool": tool.version, "report": str(report), "measured_steps": cell.config.steps,
+        "tool": tool.version, "report": str(report), "measured_steps": cfg.steps,
         "ranks": [captures[r].as_dict() if r in captures else {"rank": r, "ranges": 0} for r in ranks],
         "processes_ended_after": len(leftover), "problem": problem,
     }

@@ -9,6 +9,7 @@ Rank 0 of the worker summarises what every rank measured into :class:`WorkerMetr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -111,7 +112,8 @@ def _comm(gathered: list[RankMeasurement]) -> CommMetrics:
                         "comm_bytes_per_step": sum(v["bytes_per_step"] for v in comm.values())}
     cp = gathered[0].comm_cp
     if cp:  # context parallel's K/V all-gathers and gradient reduce-scatters, also counted in comm
-        out.update(comm_cp=cp, cp_comm_bytes_per_step=sum(v["bytes_per_step"] for v in cp.values()))
+        out["comm_cp"] = cp
+        out["cp_comm_bytes_per_step"] = sum(v["bytes_per_step"] for v in cp.values())
     return out
 
 
@@ -206,8 +208,8 @@ def worker_metrics(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRu
                "phase_marks": run.phase_marks}
     if per_step is not None:
         samples["moe_load_per_step"] = per_step
-    ep_rows = [g.moe_ep_rows for g in gathered]
-    if ep_rows[0] is not None:
+    ep_rows = [g.moe_ep_rows for g in gathered if g.moe_ep_rows is not None]
+    if ep_rows:
         m["moe"]["ep"] = _ep_metrics(ep_rows, cfg.warmup)
         samples["moe_ep_rows_per_step_by_rank"] = ep_rows
     return m, samples
@@ -272,7 +274,7 @@ def routing_divergence(samples: dict, ref_samples: dict) -> dict | None:
     return None
 
 
-def parity_diffs(worker: dict, samples: dict, ref: dict) -> dict[str, float | None]:
+def parity_diffs(worker: Mapping[str, Any], samples: dict, ref: dict) -> dict[str, float | None]:
     """Relative differences from the reference record: loss curve, step-1 gradient norm, and the
     largest over parameter tensors (those with a gradient) of the step-1 norm difference (None:
     not comparable). An MoE whose routing diverged from the reference's by a rounding flip
@@ -288,7 +290,8 @@ def parity_diffs(worker: dict, samples: dict, ref: dict) -> dict[str, float | No
     if mine and theirs and set(mine) == set(theirs):
         live = _live_tensors(rs.get("grad_norms_step1") or {}, rm.get("grad_norm_step1"))
         diffs = [_rel(mine[k], theirs[k]) for k in theirs if k in live]
-        params = None if not diffs or any(d is None for d in diffs) else max(diffs)
+        known = [d for d in diffs if d is not None]
+        params = max(known) if diffs and len(known) == len(diffs) else None
     return {"loss": loss, "grad_norm": _rel(worker.get("grad_norm_step1"), rm.get("grad_norm_step1")),
             "params": params}
 
@@ -296,7 +299,7 @@ def parity_diffs(worker: dict, samples: dict, ref: dict) -> dict[str, float | No
 _WHAT = {"loss": "loss curve", "grad_norm": "gradient norm after step 1", "params": "parameter norms after step 1"}
 
 
-def _parity(cell_id: str, cfg: dict, worker: dict, samples: dict, ref: dict | None) -> RunMetrics:
+def _parity(cell_id: str, cfg: dict, worker: Mapping[str, Any], samples: dict, ref: dict | None) -> RunMetrics:
     tol = PARITY_TOL[cfg["precision"]]
     if cfg["strategy"] == "single" and (ref is None or not pulled_levers(cfg)):
         return {"parity_max_rel_diff": 0.0, "parity": {"reference": cell_id, "tolerance": asdict(tol), "ok": True}}

@@ -148,17 +148,19 @@ class _CellRun:
         rdzv_id = _rdzv_id(opts, index) + (f"-r{round_index}" if round_index is not None else "")
         found, outcome, nsys = None, None, None
         probe = machine_probe_s(device_kind) if device_kind == "cpu" else None  # the machine's speed around the cell
-        if cell.config.batch_auto:
+        cfg = cell.config
+        assert cfg is not None, f"valid cell {cell.cell_id} has no config"
+        if cfg.batch_auto:
             trials = cell_dir / "batch-trials"
             cell, found, outcome = _search_batch(cell, lambda cfg, name: self.job(
                 cfg, trials / name, f"{rdzv_id}-{name}"), self.replan)
         if outcome is None and opts.nsys is not None:
             outcome, nsys = captured_job(opts.nsys, lambda prefix, env: self.job(
-                cell.config, cell_dir, rdzv_id, prefix, env), cell, cell_dir, device_kind, opts.rdzv.node_rank)
+                cfg, cell_dir, rdzv_id, prefix, env), cell, cell_dir, device_kind, opts.rdzv.node_rank)
             if nsys["problem"]:
                 print(f"{cell.cell_id}: nsys capture: {nsys['problem']}", file=sys.stderr, flush=True)
-        if outcome is None:
-            outcome = self.job(cell.config, cell_dir, rdzv_id)
+        if outcome is None:  # no batch search ran: cell is still the planned one, cfg its config
+            outcome = self.job(cfg, cell_dir, rdzv_id)
         facts = RunFacts(wall_s=outcome.wall_s, est_mem_gib=cell.est_mem_gib, started_at=outcome.started_at,
                          batch_search=found.as_dict() if found is not None else None,
                          machine_probe_s={"before": probe, "after": machine_probe_s(device_kind)}
@@ -233,6 +235,7 @@ def _search_batch(cell: PlannedCell, trial: Callable[[CellConfig, str], Outcome]
     the trial at the batch found, or the one that ended the search (crashed, timed out, nothing fit).
     The cell's config is that trial's: the record names the batch that was run, not the plan's placeholder."""
     cfg = cell.config
+    assert cfg is not None, f"valid cell {cell.cell_id} has no config"
     try:
         found = batch_search.search(cfg, trial)
     except batch_search.TrialFailed as e:
@@ -244,6 +247,7 @@ def _search_batch(cell: PlannedCell, trial: Callable[[CellConfig, str], Outcome]
                                     f"sequences per rank fit", result=None, returncode=None,
                                     wall_s=sum(t["wall_s"] for t in found.trials))
     cell = replace(cell, config=batch_search.trial_config(cfg, found.rows_per_rank))
+    assert found.outcome is not None, "a batch that fit has its trial's outcome"
     return (replan(cell) if replan else cell), found, found.outcome
 
 
@@ -256,7 +260,8 @@ def finished_cells(existing: list[dict]) -> set[str]:
 def cells_to_run(cells: list[PlannedCell], done: set[str], writer: bool = True) -> list[PlannedCell]:
     """The cells this node runs (or records as invalid): not finished, and not one-node cells
     on a node other than 0 (the single-device reference runs on node 0 only)."""
-    return [c for c in cells if c.cell_id not in done and not (not writer and c.valid and c.config.nnodes == 1)]
+    return [c for c in cells if c.cell_id not in done
+            and not (not writer and c.valid and c.config is not None and c.config.nnodes == 1)]
 
 
 def _rdzv_id(opts: SweepOptions, index: int) -> str:
@@ -285,6 +290,7 @@ def _progress_note(rec: dict) -> str:
 
 
 def _record(cell: PlannedCell, outcome: Outcome, facts: RunFacts, run_id: str, env: dict, references: dict) -> dict:
+    assert cell.config is not None, f"cell {cell.cell_id} ran without a config"
     cfg = cell.config.to_dict()
     if outcome.status != "ok" or outcome.result is None:
         return make_record(run_id=run_id, cell_id=cell.cell_id, status=outcome.status, config=cfg, env=env,

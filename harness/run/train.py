@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from harness.parallel.expert_load import ExpertLoad
 from harness.parallel.parallelize import Parallelized
 from harness.parallel.tp import reduce_partial_grads
 from harness.precision import PrecisionPlan
 from workloads.model import lm_loss
+
+
+class StepRanges(Protocol):
+    """The NVTX phase ranges a step opens (:class:`harness.measure.nvtx_ranges.Ranges`)."""
+
+    def range(self, phase: str, payload: int | float | None = None) -> AbstractContextManager[Any]: ...
 
 
 @dataclass
@@ -23,28 +34,29 @@ class StepContext:
     scaler: torch.amp.GradScaler | None
     device_kind: str
     grad_accum: int
-    ranges: object
-    """``harness.measure.nvtx_ranges.Ranges`` (no-op when disabled)."""
+    ranges: StepRanges
+    """:class:`harness.measure.nvtx_ranges.Ranges` (no-op when disabled), or its profiler-annotated wrapper."""
     moe: ExpertLoad | None = None
     """An MoE's balancing step, run after each optimizer step."""
 
 
-def _sync_context(par: Parallelized, sync: bool):
+def _sync_context(par: Parallelized, sync: bool) -> AbstractContextManager[Any]:
     """Skip the gradient reduction on all but the last accumulation micro-step."""
     model = par.model
-    if sync:
+    if sync or model is None:
         return contextlib.nullcontext()
-    if hasattr(model, "no_sync"):  # DDP
+    if isinstance(model, DistributedDataParallel):
         return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
+    if isinstance(model, FSDPModule):
+        fsdp = model
+        fsdp.set_requires_gradient_sync(False)
 
         @contextlib.contextmanager
-        def _restore():
+        def _restore() -> Iterator[None]:
             try:
                 yield
             finally:
-                model.set_requires_gradient_sync(True)
+                fsdp.set_requires_gradient_sync(True)
 
         return _restore()
     return contextlib.nullcontext()
@@ -67,6 +79,7 @@ def _forward_backward(ctx: StepContext, x: torch.Tensor, y: torch.Tensor) -> tor
     for i, (xc, yc) in enumerate(zip(x.chunk(ctx.grad_accum), y.chunk(ctx.grad_accum))):
         with _sync_context(par, i == ctx.grad_accum - 1), par.loss_context():
             with r.range("forward"), ctx.precision.autocast(ctx.device_kind):
+                assert par.model is not None, "a model without a pipeline is callable"
                 loss = lm_loss(par.model(xc), yc) / ctx.grad_accum
             with r.range("backward"):
                 (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()

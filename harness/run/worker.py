@@ -190,7 +190,7 @@ def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, 
     if cfg.profile:
         marks.mark("profile")
     return RankMeasurement(
-        rank=where.rank, times=w.times, losses=None if all(x is None for x in w.losses) else w.losses,
+        rank=where.rank, times=w.times, losses=[x for x in w.losses if x is not None] or None,
         g_small=cell.gns_state.history if cell.gns_state else None, mem=mem,
         state_bytes=model_state_bytes(ctx.par.parts, ctx.optimizer), comm=counter.per_step(1),
         comm_cp=counter.per_step_labelled(CP_LABEL, 1), moe_ep_rows=ep_rows, trace=trace_paths,

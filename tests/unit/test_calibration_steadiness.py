@@ -132,7 +132,7 @@ def test_calibrate_workload_measures_again_and_stores_the_repeats(tmp_path, monk
     m = _Measure(_entry(_repeats(outlier=(workload.pass_probe(1), 10.0))), _entry(_repeats()))
     monkeypatch.setattr(workload, "measure_concurrent", lambda *a: m())
     monkeypatch.setattr(workload, "check_fits", lambda *a: None)
-    e = workload.calibrate_workload("cpu", "tiny", 128, "fp32", 2, 1, cache=tmp_path / "cal.json")
+    e = workload.calibrate_workload("cpu", "tiny", 128, "fp32", 2, concurrent=1, cache=tmp_path / "cal.json")
     assert m.calls == 2 and e["unsteady"] is False and e["attempts"] == 2
     assert "measuring again" in capsys.readouterr().err
     stored = workload.lookup_workload("cpu", "tiny", 128, "fp32", 2, 1, tmp_path / "cal.json")

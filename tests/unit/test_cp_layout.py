@@ -87,6 +87,6 @@ def test_the_long_sequence_whatif_ranks_cp_where_fsdp_alone_does_not_fit():
 
 
 def test_fit_cells_of_a_cp_preset_carry_their_cp_degree_in_the_id():
-    cells = [plan_fit_cell("llama3-8b", "fsdp+cp", "bf16", 8, 1, "cpu", 131072, degrees=d)
+    cells = [plan_fit_cell("llama3-8b", "fsdp+cp", "bf16", 8, 1, "cpu", seq_len=131072, degrees=d)
              for d in degree_variants("fsdp+cp", 8)]
     assert [c.cell_id for c in cells] == [f"llama3-8b-fsdp+cp-bf16-w8-mb1-cp{cp}-s131072" for cp in (2, 4, 8)]

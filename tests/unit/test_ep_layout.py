@@ -25,7 +25,8 @@ MOE = get_size("tiny", "moe")
 
 
 def _cell(strategy: str, world: int, degrees: dict | None = None, size=MOE, **kw):
-    return resolve_cell(strategy, world, degrees, size, "fp32", "1f1b", None, kw.get("grad_accum", 1), 4 * world)
+    return resolve_cell(strategy, world, degrees, size, "fp32", pp_schedule="1f1b", microbatches=None,
+                        grad_accum=kw.get("grad_accum", 1), global_batch=4 * world)
 
 
 def test_ep_is_borrowed_from_the_shards():

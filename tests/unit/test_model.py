@@ -12,6 +12,7 @@ from harness.measure.step_stats import fit_line
 from harness.model import comm, memory
 from harness.model.compute import ComputeRates, CoreSharing, pass_time_s, pipeline_time_s, stage_shares
 from harness.model.inventory import coords, fsdp_local_numel, fsdp_padded_numel, param_specs
+from harness.model.schedule import gathers, stage_actions
 from harness.model.shape import CellShape
 from harness.model.step_time import predict_step
 from harness.parallel.presets import degrees_for
@@ -97,21 +98,21 @@ def test_tp_all_reduces_six_activations_per_layer_plus_head():
     ("1f1b", 4, 1, "FBFBFBFB"),  # last stage: 1 forward, then alternate
 ])
 def test_stage_actions_follow_torch_schedules(schedule, m, rank, expected):
-    actions = comm.stage_actions(schedule, 2, 1, m, rank)
+    actions = stage_actions(schedule, 2, 1, m, rank)
     assert "".join(actions[rank]) == expected
 
 
 def test_interleaved_schedule_runs_every_forward_and_backward_once_per_stage():
-    actions = comm.stage_actions("interleaved1f1b", 2, 2, 4, 0)
+    actions = stage_actions("interleaved1f1b", 2, 2, 4, 0)
     assert sorted(actions) == [0, 2]
     assert all(seq.count("F") == 4 and seq.count("B") == 4 for seq in actions.values())
 
 
 def test_fsdp_gathers_under_pipelining_follow_the_order():
     # after a forward the block is resharded; after a backward it stays gathered (pipelining)
-    assert comm._gathers(list("FFFBBB"), True) == 4  # gpipe: m + 1
-    assert comm._gathers(list("FFBFBFBB"), True) == 5
-    assert comm._gathers(list("FFBFBFBB"), False) == 1  # root group: gathered once
+    assert gathers(list("FFFBBB"), True) == 4  # gpipe: m + 1
+    assert gathers(list("FFBFBFBB"), True) == 5
+    assert gathers(list("FFBFBFBB"), False) == 1  # root group: gathered once
 
 
 def test_pipeline_sends_each_microbatch_activation():

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.model import comm, memory
+from harness.model import comm, memory, schedule
 from harness.model.inventory import ParamSpec, coords
 from harness.model.shape import CellShape
 from harness.parallel.presets import degrees_for
@@ -192,8 +192,8 @@ def _summary(c: CellShape, index: int = 0) -> dict:
 
 
 def test_gpipe_runs_all_forwards_then_all_backwards_on_every_stage() -> None:
-    assert comm.stage_actions("gpipe", 2, 1, 3, 1) == {1: list("FFFBBB")}  # the last stage too
-    assert comm.stage_actions("1f1b", 2, 1, 3, 1) == {1: list("FBFBFB")}
+    assert schedule.stage_actions("gpipe", 2, 1, 3, 1) == {1: list("FFFBBB")}  # the last stage too
+    assert schedule.stage_actions("1f1b", 2, 1, 3, 1) == {1: list("FBFBFB")}
 
 
 def test_calls_carry_their_dimension_group_and_overlap() -> None:
