@@ -33,7 +33,7 @@ bench_args = --gpus $(GPUS) $(if $(ARCH),--arch $(ARCH)) \
 	$(if $(WARMUP),--warmup $(WARMUP)) $(if $(BATCH),--batch $(BATCH)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
 	$(if $(OUT),--out $(OUT)) $(if $(filter 1 yes on true,$(PROFILE)),--profile) $(ARGS)
 
-.PHONY: setup setup-nsys setup-slurm lint test test-slow test-nsys test-slurm test-all bench plan trace compare gate report bench-ci workloads mutate clean
+.PHONY: setup setup-nsys setup-slurm lint test test-slow test-slow-par test-timing test-nsys test-slurm test-all bench plan trace compare gate report bench-ci workloads mutate clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,12 +57,21 @@ lint: setup
 # Test tiers (README "Tests"): `make test` is the fast tier, `make test-slow` the rest (statistical
 # benchmarks, faults, long end-to-end runs, world size 4), `make test-all` both, as CI runs them.
 # A tier that selects no test fails (pytest exit 5), never passes quietly.
+# Tests without a timing verdict run on TEST_JOBS pytest-xdist workers (a test file stays on one worker,
+# so a module's shared sweep runs once); the `timing` tests run alone after them, one at a time.
 PYTEST = $(BIN)/python -m pytest -q -p no:cacheprovider
+TEST_JOBS ?= 2
+PARALLEL = -n $(TEST_JOBS) --dist loadfile
 test: setup
-	$(PYTEST) -m "not slow and not nsys and not slurm" tests
+	$(PYTEST) $(PARALLEL) -m "not slow and not nsys and not slurm" tests
 
-test-slow: setup
-	$(PYTEST) -m "slow and not nsys and not slurm" tests
+test-slow: test-slow-par test-timing
+
+test-slow-par: setup
+	$(PYTEST) $(PARALLEL) -m "slow and not timing and not nsys and not slurm" tests
+
+test-timing: setup
+	$(PYTEST) -m "slow and timing and not nsys and not slurm" tests
 
 # The nsys tier: a real Nsight Systems capture (make setup-nsys first); skips with "n/a: no nsys".
 test-nsys: setup

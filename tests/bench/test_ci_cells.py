@@ -13,7 +13,7 @@ import torch
 from harness.run import train
 from tests.bench.conftest import make_context
 
-pytestmark = pytest.mark.slow  # statistical benchmarks: make test-slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # statistical benchmarks: make test-slow, alone
 
 ROUNDS = 30
 

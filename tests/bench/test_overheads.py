@@ -31,7 +31,7 @@ from harness.spec import threads_per_rank
 from tests.bench import bare_loop
 from tests.bench.conftest import bare_step, interleaved, make_context
 
-pytestmark = pytest.mark.slow  # statistical benchmarks: make test-slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # statistical benchmarks: make test-slow, alone
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_COST_BOUND = 1.03

@@ -69,9 +69,23 @@ def run_cells(cells: list[dict], world: int, out: Path, inject: str | None = Non
     return json.loads((out / "results.json").read_text())
 
 
+PRELOAD = ("torch", "torch.distributed", "harness.run.worker", "harness.fit.role_process")
+"""What the test session's fork server imports once (~5 s of CPU per process here: torch, DTensor, the
+pipelining schedules' dynamo); every rank of every group then forks from it instead of importing anew,
+as the harness's own fork server does for a sweep's cells (issue 43: the tiers are CPU-bound)."""
+
+
+def start_ranks(fn, args: tuple, world: int) -> None:
+    """``fn(rank, *args)`` in ``world`` processes forked from the session's preloaded fork server.
+
+    The fork server starts on first use with this process's environment and ``sys.path``; a rank's
+    own variables (rendezvous, rank) are set inside ``fn``."""
+    mp.set_forkserver_preload(list(PRELOAD))
+    mp.start_processes(fn, args=args, nprocs=world, start_method="forkserver")
+
+
 def _spawn(world: int, cells: list[dict], out: Path, inject: str | None) -> None:
-    mp.start_processes(_rank_main, args=(world, _free_port(), cells, str(out), inject), nprocs=world,
-                       start_method="spawn")
+    start_ranks(_rank_main, (world, _free_port(), cells, str(out), inject), world)
 
 
 def cell(strategy: str, world: int, **kw) -> dict:

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from harness.fit.cell import plan_fit_cell
 from harness.fit.roles import rank_roles
-from tests.distributed._spawn import _free_port, cell, run_cells
+from tests.distributed._spawn import _free_port, cell, run_cells, start_ranks
 from tests.fit._fake import run_fake_roles
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -50,7 +49,7 @@ def gloo(cells, tmp_path_factory):
     """rank -> [result per cell], from one real 4-rank gloo group running every cell in turn."""
     out = tmp_path_factory.mktemp("gloo")
     specs = [c.role_spec(rank_roles(c.shape)[0], STEPS).to_dict() for c in cells]
-    mp.start_processes(_gloo_main, args=(WORLD, _free_port(), specs, str(out)), nprocs=WORLD, start_method="spawn")
+    start_ranks(_gloo_main, (WORLD, _free_port(), specs, str(out)), WORLD)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}
 
 

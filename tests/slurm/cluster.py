@@ -119,12 +119,25 @@ class SlurmCluster:
         return self.wait_job(job_id, lambda f: f.get("Restarts") == str(restarts), f"requeued {restarts} times",
                              timeout)
 
-    def release(self, job_id: str) -> None:
+    def release(self, job_id: str, timeout: float = 120) -> None:
         """Start a requeued job now, not after Slurm's hold of a requeued job (BeginTime, up to
-        now + 120 s), as an admin may; a job that has started already needs nothing."""
-        done = self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
-        if done.returncode != 0 and self.job(job_id).get("JobState") == "PENDING":
-            raise AssertionError(f"scontrol update JobId={job_id} StartTime=now: {done.stderr.strip()}")
+        now + 120 s), as an admin may; a job that has started already needs nothing.
+
+        A job requeued from its own batch script reads COMPLETING, COMPLETED or CANCELLED until its
+        epilog ends (over 15 s once in CI, under load), and refuses the update until then: the update
+        waits for PENDING (or RUNNING: started already) and is retried while the job stays pending."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.wait_job(job_id, lambda f: f.get("JobState") in ("PENDING", "RUNNING"),
+                                  "pending again or running", max(deadline - time.monotonic(), 1)).get("JobState")
+            if state == "RUNNING":
+                return
+            done = self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+            if done.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"scontrol update JobId={job_id} StartTime=now: {done.stderr.strip()}")
+            time.sleep(0.5)
 
     def logs(self, lines: int = 15) -> str:
         out = []

@@ -56,9 +56,10 @@ def _ok_cells(out: Path) -> list[str]:
     return [r["cell_id"] for r in _cell_records(out) if r["status"] == "ok"]
 
 
-ENDED_FOR_S = 15
+ENDED_FOR_S = 60
 """A job that requeued itself may read COMPLETED for a moment before Slurm makes it PENDING again (seen
-once in CI, right after its restart count rose): ended means ended at every poll for this long."""
+once in CI, right after its restart count rose; over 15 s once, under load): ended means ended at every
+poll for this long."""
 
 
 def _wait_until(ready, timeout: float, what: str, slurm: SlurmCluster, out: Path, job: str) -> None:
@@ -74,7 +75,10 @@ def _wait_until(ready, timeout: float, what: str, slurm: SlurmCluster, out: Path
         elif ended_since is None:
             ended_since = now
         elif now - ended_since > ENDED_FOR_S:
-            raise AssertionError(f"job {job} ended before {what}\n--- job log\n{_log(out, job)[-3000:]}")
+            fields = slurm.job(job)
+            raise AssertionError(f"job {job} ended before {what} (JobState={fields.get('JobState')}, Reason="
+                                 f"{fields.get('Reason')}, Restarts={fields.get('Restarts')})\n--- job log\n"
+                                 f"{_log(out, job)[-3000:]}\n{slurm.logs()}")
         time.sleep(0.5)
 
 
