@@ -20,9 +20,9 @@ WORLDS = (8, 64, 512)
 SEQ = 64
 
 
-def _cells(size: str):
+def _cells(size: str, worlds: tuple[int, ...] = WORLDS):
     valid, invalid = [], {}
-    for n in WORLDS:
+    for n in worlds:
         for s in STRATEGIES:
             try:
                 valid.append(plan_fit_cell(size, s, "fp32", n, 1, "cpu", seq_len=SEQ, compute="fake"))
@@ -31,13 +31,14 @@ def _cells(size: str):
     return valid, invalid
 
 
-@pytest.mark.parametrize("size, expect_invalid", [
-    # tiny: 4 heads and 4 layers; mini: 8 heads and 6 layers (tp = N and pp = N are presets)
-    ("tiny", {("tp", 8), ("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}),
-    pytest.param("mini", {("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}, marks=pytest.mark.slow),
+@pytest.mark.parametrize("size, worlds, expect_invalid", [
+    # tiny: 4 heads and 4 layers; mini: 8 heads and 6 layers (tp = N and pp = N are presets). N = 512 is
+    # tiny's: mini's shape adds nothing the scale needs, and its N = 512 roles cost a third of the test
+    ("tiny", WORLDS, {("tp", 8), ("tp", 64), ("tp", 512), ("pp", 8), ("pp", 64), ("pp", 512)}),
+    pytest.param("mini", (8, 64), {("tp", 64), ("pp", 8), ("pp", 64)}, marks=pytest.mark.slow),
 ])
-def test_model_states_per_role_equal_the_model_exactly(size, expect_invalid, tmp_path):
-    cells, invalid = _cells(size)
+def test_model_states_per_role_equal_the_model_exactly(size, worlds, expect_invalid, tmp_path):
+    cells, invalid = _cells(size, worlds)
     assert set(invalid) == expect_invalid, invalid
     _assert_states_exact(cells, run_fake_roles(cells, tmp_path, steps=1))
 
