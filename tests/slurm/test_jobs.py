@@ -58,7 +58,7 @@ def _ok_cells(out: Path) -> list[str]:
 
 MID_CELL_STEPS = "80"
 """Steps of a cell the test stops mid-way: long enough that it is still running when the test acts on the
-second's start line (CI runs this tier beside the slow tier's tests; with 40, one cell ended first)."""
+second's start line (with 40, on a busy machine, one cell ended first)."""
 ENDED_FOR_S = 60
 """A job that requeued itself may read COMPLETED for a moment before Slurm makes it PENDING again (seen
 once in CI, right after its restart count rose; over 15 s once, under load): ended means ended at every
