@@ -51,6 +51,9 @@ if [ -z "$host_dir" ]; then
     exit 1
 fi
 link="$(dirname "$target_dir")/host-linux-x64"
+if [ -L "$link" ] && [ ! -e "$link" ]; then
+    rm -f "$link"  # left dangling by a purge of the packages (dpkg does not own it)
+fi
 if [ ! -e "$link" ]; then
     ln -s "$host_dir" "$link"
 fi

@@ -19,7 +19,7 @@ from harness.planner import PlannedCell, expand, predict_cells
 from harness.records.reader import RECORDS_FILENAME, append_record
 from harness.report import write_report
 from harness.run.launch import LAUNCHERS, Rendezvous
-from harness.run.nsys_capture import nsys_tool
+from harness.run.nsys_capture import REPORT_WAIT_S, nsys_tool
 from harness.run.rounds import ORDERS, RoundsPlan, recorded_rounds
 from harness.run.rundir import (
     check_same_sweep,
@@ -99,7 +99,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.nsys and spec.batch_auto:
         raise UsageError("--nsys with --batch auto: a capture covers one job per cell and the batch search runs "
                          "several; pass a --batch")
-    tool = nsys_tool(spec) if args.nsys else None
+    tool = nsys_tool(spec, args.nsys_wait) if args.nsys else None
     node_rank = args.node_rank or 0
     run = start_run(args.out, args.resume, node_rank)
     try:
@@ -172,6 +172,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nsys", action="store_true",
                    help="every cell under Nsight Systems: one report per node in cells/<id>/nsys (a process row "
                         "per rank), read back and checked (metrics.nsys); ranks start through torchrun")
+    p.add_argument("--nsys-wait", type=float, default=REPORT_WAIT_S, metavar="SECONDS",
+                   help="with --nsys: how long a capture has to write its report once the ranks ended; past it the "
+                        f"capture is ended and taken once more (default {REPORT_WAIT_S:g})")
     p.add_argument("--rounds",
                    help="measure every cell once per round, N rounds, the order changed each round; each record is "
                         "its cell's median round, with the round-to-round spread (default 1; 5 on a shared machine)")

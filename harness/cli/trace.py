@@ -15,7 +15,7 @@ from harness.measure import nsys as nsys_mod
 from harness.measure import nsys_reports
 from harness.planner import expand
 from harness.run.launch import Rendezvous
-from harness.run.nsys_capture import NsysTool, nsys_tool
+from harness.run.nsys_capture import REPORT_WAIT_S, NsysTool, check_report_wait, nsys_tool
 from harness.run.rundir import start_run
 from harness.run.sweep import SweepOptions, run_sweep
 
@@ -39,21 +39,23 @@ def _pick(cells, cell_id: str | None):
 def cmd_trace(args) -> int:
     spec = spec_from_args(args)
     cell = _pick(expand(replace(spec, reference=False)), args.cell)
+    tool = _tool(args.tracer, spec, args.nsys_wait)  # bad input is refused before the run directory exists
     run = start_run(args.out, None, 0)
     try:
         with sigterm_as_interrupt():
-            return _trace(args, spec, cell, run.out, run.run_id)
+            return _trace(args, spec, cell, tool, run.out, run.run_id)
     finally:
         run.lock.release()
 
 
-def _tool(choice: str, spec):
+def _tool(choice: str, spec, report_wait_s: float):
     """The nsys to capture with (None: torch.profiler); nsys asked for and absent is a UsageError."""
     if choice == "torch":
         return None
     if choice == "nsys":
-        return nsys_tool(spec)
-    tool = NsysTool.find()
+        return nsys_tool(spec, report_wait_s)
+    check_report_wait(report_wait_s)
+    tool = NsysTool.find(report_wait_s)
     if tool is None:
         print(f"{nsys_mod.NO_NSYS}; writing torch.profiler traces instead (--tracer torch says so up front)")
     elif not spec.nvtx:
@@ -62,9 +64,8 @@ def _tool(choice: str, spec):
     return tool
 
 
-def _trace(args, spec, cell, out: Path, run_id: str) -> int:
+def _trace(args, spec, cell, tool, out: Path, run_id: str) -> int:
     print(device_line(spec))
-    tool = _tool(args.tracer, spec)
     if tool is not None:
         print(f"Nsight Systems: {tool.version} ({tool.path}), one report per node, every rank a process row")
     else:
@@ -99,6 +100,10 @@ def _print_capture(tool, nsys: dict) -> int:
         cmd = nsys_reports.stats_command(tool.path, names["nvtx"], report)
         print("$ " + nsys_mod.format_command(cmd), flush=True)
         subprocess.run(cmd, check=False, timeout=300)
+    for k, a in enumerate(nsys.get("attempts", [])):
+        if a["hung"]:
+            print(f"capture {k + 1}: nsys had not written its report {a['report_wait_s']:g} s after the ranks ended; "
+                  "ended it" + (", captured once more" if k + 1 < len(nsys["attempts"]) else ""))
     if nsys["processes_ended_after"]:
         print(f"ended {nsys['processes_ended_after']} nsys process(es) still running after the capture")
     print(f"Nsight Systems report (every rank of the node, a process row each): {report}")
@@ -115,6 +120,9 @@ def register(sub) -> None:
     t.add_argument("--cell", help="cell id to trace (default: the first multi-device cell of the sweep)")
     t.add_argument("--out", type=Path, help="run directory (default results/<run-id>)")
     t.add_argument("--cell-timeout", type=float)
+    t.add_argument("--nsys-wait", type=float, default=REPORT_WAIT_S, metavar="SECONDS",
+                   help="how long a capture has to write its report once the ranks ended; past it the capture is "
+                        f"ended and taken once more (default {REPORT_WAIT_S:g})")
     t.add_argument("--tracer", choices=("auto", "nsys", "torch"), default="auto",
                    help="nsys: one Nsight Systems report per node (a process row per rank), checked; torch: torch.profiler traces; "
                         "auto (default): nsys when installed, else torch.profiler")

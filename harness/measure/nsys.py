@@ -158,6 +158,25 @@ def end_sessions(tag: str, grace_s: float = 3.0) -> list[int]:
     return [p.pid for p in found]
 
 
+WORKLOAD_MODULES = ("torch.distributed.run", "harness.run.worker")
+"""What a capture's workload runs (its launcher and ranks); every other process of the session is nsys's."""
+
+
+def workload_alive(tag: str) -> bool:
+    """Whether a launcher or rank of the capture ``tag`` still runs (found by :data:`TAG_ENV`).
+
+    Once none does, what is left of the session is nsys writing its report (and, when 2022.4's agent
+    hangs, nothing more): :class:`harness.run.nsys_capture.ReportWait` bounds that wait."""
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = proc.info.get("cmdline") or []
+        if proc.info.get("status") == psutil.STATUS_ZOMBIE or not any(m in cmdline for m in WORKLOAD_MODULES):
+            continue
+        with contextlib.suppress(psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            if proc.environ().get(TAG_ENV) == tag:
+                return True
+    return False
+
+
 def format_command(cmd: Sequence[str]) -> str:
     """Shell-quoted one-line form of an argument list, for logs and dry runs."""
     return shlex.join(list(cmd))

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -153,12 +154,16 @@ def _drop_empty_logs(cell_dir: Path) -> None:
 
 def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendezvous, *, rdzv_id: str,
                  env_extra: dict | None = None, launcher_prefix: list[str] | None = None,
-                 stall_timeout_s: float | None = None, server: ForkServer | None = None) -> Outcome:
+                 stall_timeout_s: float | None = None, server: ForkServer | None = None,
+                 capture_over: Callable[[], bool] | None = None) -> Outcome:
     """Run the cell; classify ok / oom / crashed / timeout. Ctrl-C kills the job, then re-raises.
 
     ``stall_timeout_s``: a rank inside the measured window that finishes no step for this long
     ends the cell as ``timeout`` (:mod:`harness.run.heartbeat`), before ``timeout_s``. ``server``:
-    the sweep's fork server, which starts the ranks of a one-node cell (else torchrun does)."""
+    the sweep's fork server, which starts the ranks of a one-node cell (else torchrun does).
+    ``capture_over``: polled like the stall watch; True once the ranks and their launcher are gone and
+    only a tracer that outlived them is left (:class:`harness.run.nsys_capture.ReportWait`): the job is
+    ended and its outcome follows from what the ranks wrote, not from the tracer's exit."""
     cell_dir.mkdir(parents=True, exist_ok=True)
     for stale in [cell_dir / "result.json", cell_dir / RANKS_FILE, *cell_dir.glob("error-rank*.json")]:
         stale.unlink(missing_ok=True)  # left by an interrupted attempt (--resume): never this job's outcome
@@ -168,22 +173,32 @@ def run_cell_job(cfg: CellConfig, cell_dir: Path, timeout_s: float, rdzv: Rendez
     watch = StallWatch(cell_dir, stall_timeout_s) if stall_timeout_s else None
     heartbeat.clear(cell_dir)
     started_at, t0 = time.time(), time.monotonic()
-    watchdog = watch.stalled if watch else None
+    ended_tracer = False
+
+    def watchdog() -> bool:
+        nonlocal ended_tracer
+        if watch is not None and watch.stalled():
+            return True
+        ended_tracer = capture_over is not None and capture_over()
+        return ended_tracer
     try:
         if server is not None and cfg.nnodes == 1 and not launcher_prefix:
             rc = server.run({"nproc": cfg.world_size, "cell": str(cell_json), "out": str(cell_dir),
                              "log_dir": str(log_dir), "launcher_log": str(cell_dir / "launcher.log")},
-                            timeout_s, watchdog)
+                            timeout_s, watchdog if watch else None)
         else:
             env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env_extra or {})}
             cmd = torchrun_command(cfg, cell_json, cell_dir, rdzv, rdzv_id, log_dir, launcher_prefix)
-            rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env, watchdog=watchdog)
+            rc = run_job(cmd, cell_dir / "launcher.log", timeout_s, env,
+                         watchdog=watchdog if watch or capture_over else None)
     except ForkServerDied as e:
         return Outcome("crashed", str(e), None, None, time.monotonic() - t0, started_at)
     finally:
         heartbeat.clear(cell_dir)
         _drop_empty_logs(cell_dir)
     wall = time.monotonic() - t0
+    if rc is None and ended_tracer:  # the ranks had exited: their files say how
+        rc = 1 if any(cell_dir.glob("error-rank*.json")) else 0
     if rc is None:
         return Outcome("timeout", watch.reason if watch and watch.reason else
                        f"no result within the cell timeout ({timeout_s:.0f} s); job killed "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,32 +23,93 @@ from harness.measure.nsys import NO_NSYS
 from harness.measure.nsys_reports import RankCapture, capture_problem, read_capture
 from harness.planner import PlannedCell
 from harness.run.launch import Outcome
+from harness.text import first_line
+
+REPORT_WAIT_S = 60.0
+"""How long a capture has, once its ranks and launcher are gone, to write its report and exit (``--nsys-wait``).
+A healthy one took 1.4-4.7 s here (docs/nsys.md, "A hung capture"); a hung nsys 2022.4 agent never ends."""
 
 
 @dataclass(frozen=True)
 class NsysTool:
-    """The nsys a sweep captures with."""
+    """The nsys a sweep captures with, and how long a capture may outlive its ranks."""
 
     path: str
     version: str
+    report_wait_s: float = REPORT_WAIT_S
 
     @classmethod
-    def find(cls) -> NsysTool | None:
+    def find(cls, report_wait_s: float = REPORT_WAIT_S) -> NsysTool | None:
         path = nsys_cmd.nsys_available()
         if path is None:
             return None
         res = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
-        return cls(path, (res.stdout.strip().splitlines() or ["version unknown"])[0])
+        return cls(path, (res.stdout.strip().splitlines() or ["version unknown"])[0], report_wait_s)
 
 
-def nsys_tool(spec) -> NsysTool:
+def check_report_wait(report_wait_s: float) -> None:
+    if not report_wait_s > 0:
+        raise UsageError(f"--nsys-wait {report_wait_s:g}: the seconds a capture has to write its report after "
+                         f"the ranks end must be > 0; give e.g. {REPORT_WAIT_S:g}")
+
+
+def nsys_tool(spec, report_wait_s: float = REPORT_WAIT_S) -> NsysTool:
     """The nsys for ``--nsys`` / ``--tracer nsys``, or a UsageError saying why there is none to use."""
     if not spec.nvtx:
         raise UsageError("--nvtx off: an nsys capture is checked by the harness's NVTX ranges; drop --nvtx off")
-    tool = NsysTool.find()
+    check_report_wait(report_wait_s)
+    tool = NsysTool.find(report_wait_s)
     if tool is None:
         raise UsageError(NO_NSYS)
     return tool
+
+
+class ReportWait:
+    """The bounded wait of one capture, polled while its job runs.
+
+    The job is over once rank 0 has written ``result`` (every rank has finished measuring) or no launcher
+    or rank of the capture is left (a failure, or a node that writes no result). From then on, only
+    nsys is working: it gets ``limit_s`` to write its report and exit, then :meth:`__call__` returns
+    True and the job is ended. nsys 2022.4's agent can spin after the program without ever writing the
+    report (docs/nsys.md, "A hung capture"), which would otherwise hold the cell until its timeout."""
+
+    def __init__(self, tag: str, limit_s: float, result: Path) -> None:
+        self.tag, self.limit_s, self.result = tag, limit_s, result
+        self.seen = False
+        self.over_at: float | None = None
+        self.hung = False
+
+    def _over(self) -> bool:
+        if self.result.exists():
+            return True
+        if nsys_cmd.workload_alive(self.tag):
+            self.seen = True
+            return False
+        return self.seen  # before nsys started the launcher, nothing is over yet
+
+    def __call__(self) -> bool:
+        if self.over_at is None:
+            if not self._over():
+                return False
+            self.over_at = time.monotonic()
+        self.hung = time.monotonic() - self.over_at > self.limit_s
+        return self.hung
+
+    def waited_s(self, end: float) -> float:
+        """Seconds from the job's end as polled (every ``harness.jobs.WATCH_POLL_S``) to ``end``: what
+        the capture added after the ranks were done (0 when it ended within one poll)."""
+        return 0.0 if self.over_at is None else round(max(0.0, end - self.over_at), 2)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one capture's job gets: where it runs, nsys's command in front of its launcher, the
+    environment that tags its processes, and the bounded wait to poll."""
+
+    where: Path
+    prefix: list[str]
+    env: dict[str, str]
+    over: ReportWait
 
 
 def _local_ranks(cell: PlannedCell, node_rank: int) -> range:
@@ -55,36 +118,71 @@ def _local_ranks(cell: PlannedCell, node_rank: int) -> range:
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
-def captured_job(tool: NsysTool, job: Callable[[list[str], dict[str, str]], Outcome], cell: PlannedCell,
-                 cell_dir: Path, device_kind: str, node_rank: int = 0) -> tuple[Outcome, dict]:
-    """Run ``job(launcher_prefix, env)`` under one nsys session; return its outcome and ``metrics.nsys``.
-
-    Whatever ends the job (its end, a failure, Ctrl-C, SIGTERM), the session's processes are
-    ended before this returns or raises (:func:`harness.measure.nsys.end_sessions`)."""
-    cfg = cell.config
-    assert cfg is not None, f"valid cell {cell.cell_id} has no config"
+def _attempt(tool: NsysTool, job: Callable[[Attempt], Outcome], where: Path, report: Path,
+             device_kind: str) -> tuple[Outcome, dict]:
+    """One capture: the job under a fresh nsys session, whatever is left of the session ended afterwards."""
     tag = secrets.token_hex(4)
-    report = nsys_cmd.report_path(cell_dir / "nsys", cell.cell_id, cfg.nnodes, node_rank)
     report.parent.mkdir(parents=True, exist_ok=True)
+    wait = ReportWait(tag, tool.report_wait_s, where / "result.json")
+    cmd = nsys_cmd.nsys_command(tool.path, report, tag, device_kind, "all" if device_kind == "cuda" else None)
+    t0 = time.monotonic()
     try:
-        outcome = job(nsys_cmd.nsys_command(tool.path, report, tag, device_kind,
-                                            "all" if device_kind == "cuda" else None), {nsys_cmd.TAG_ENV: tag})
+        outcome = job(Attempt(where, cmd, {nsys_cmd.TAG_ENV: tag}, wait))
+        end = time.monotonic()
     finally:
         leftover = nsys_cmd.end_sessions(tag)
+    return outcome, {"report": str(report), "hung": wait.hung, "report_wait_s": wait.waited_s(end),
+                     "wall_s": round(end - t0, 2), "processes_ended_after": len(leftover)}
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def captured_job(tool: NsysTool, job: Callable[[Attempt], Outcome], cell: PlannedCell, cell_dir: Path,
+                 device_kind: str, node_rank: int = 0) -> tuple[Outcome, dict]:
+    """Run ``job`` under nsys; return its outcome and ``metrics.nsys``.
+
+    Whatever ends the job (its end, a failure, Ctrl-C, SIGTERM), the session's processes are ended
+    before this returns or raises (:func:`harness.measure.nsys.end_sessions`). A capture that has not
+    written its report ``tool.report_wait_s`` after the ranks ended is ended and, on one node, taken
+    once more in ``cell_dir/nsys-retry`` (the cell's outcome stays the first run's; only the trace is
+    redone); a second hang is the capture's problem line, never the cell's timeout."""
+    cfg = cell.config
+    assert cfg is not None, f"valid cell {cell.cell_id} has no config"
+    report = nsys_cmd.report_path(cell_dir / "nsys", cell.cell_id, cfg.nnodes, node_rank)
+    outcome, first = _attempt(tool, job, cell_dir, report, device_kind)
+    attempts, last = [first], outcome
+    if first["hung"] and outcome.status == "ok" and cfg.nnodes == 1:
+        _say(f"{cell.cell_id}: nsys had not written its report {tool.report_wait_s:g} s after the ranks ended "
+             f"(a hung capture, docs/nsys.md); ended it and capturing once more (the measurement is the first run's)")
+        retry = report.with_name(report.name.removesuffix(".nsys-rep") + ".retry.nsys-rep")
+        last, again = _attempt(tool, job, cell_dir / "nsys-retry", retry, device_kind)
+        attempts.append(again)
+    report = Path(attempts[-1]["report"])
     ranks = _local_ranks(cell, node_rank)
     captures: dict[int, RankCapture] = {}
     problem = None
-    if not report.exists():
+    if attempts[-1]["hung"]:
+        problem = (f"nsys had not written {report.name} {tool.report_wait_s:g} s after the ranks ended, in "
+                   f"{len(attempts)} attempt(s){'' if cfg.nnodes == 1 else ' (not retried across nodes)'}; "
+                   f"the capture was ended (docs/nsys.md, 'A hung capture')")
+    elif not report.exists():
         problem = f"nsys wrote no {report.name}; see nsys's output in the cell's logs ({cell_dir / 'launcher.log'})"
     else:
         try:
             captures = read_capture(tool.path, report)
         except (RuntimeError, subprocess.TimeoutExpired, sqlite3.Error) as exc:
             problem = f"{report.name}: could not be read back: {exc}"
-    if problem is None and outcome.status == "ok":
+    if problem is None and last.status == "ok":
         problem = capture_problem(captures, ranks, cfg.steps)
+    elif problem is None and last is not outcome:
+        problem = f"the capture's second run ended {last.status}: {first_line(last.error or '')}"
     return outcome, {
         "tool": tool.version, "report": str(report), "measured_steps": cfg.steps,
         "ranks": [captures[r].as_dict() if r in captures else {"rank": r, "ranges": 0} for r in ranks],
-        "processes_ended_after": len(leftover), "problem": problem,
+        "processes_ended_after": sum(a["processes_ended_after"] for a in attempts), "problem": problem,
+        "attempts": attempts,
+        "seconds_lost": round(sum(a["report_wait_s"] for a in attempts if a["hung"])
+                              + sum(a["wall_s"] for a in attempts[1:]), 2),
     }

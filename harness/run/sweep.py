@@ -136,11 +136,12 @@ class _CellRun:
         self.env_extra, self.replan = env_extra, replan
 
     def job(self, cfg: CellConfig, where: Path, rdzv_id: str, prefix: list[str] | None = None,
-            env: dict[str, str] | None = None) -> Outcome:
+            env: dict[str, str] | None = None, capture_over: Callable[[], bool] | None = None) -> Outcome:
         opts = self.opts
         return run_cell_job(cfg, where, opts.cell_timeout_s or default_timeout_s(cfg), opts.rdzv,
                             rdzv_id=rdzv_id, env_extra={**(self.env_extra or {}), **(env or {})},
-                            launcher_prefix=prefix, stall_timeout_s=opts.stall_timeout_s, server=self.server)
+                            launcher_prefix=prefix, stall_timeout_s=opts.stall_timeout_s, server=self.server,
+                            capture_over=capture_over)
 
     def __call__(self, cell: PlannedCell, index: int, cell_dir: Path,
                  round_index: int | None = None) -> tuple[PlannedCell, Outcome, RunFacts]:
@@ -155,8 +156,9 @@ class _CellRun:
             cell, found, outcome = _search_batch(cell, lambda cfg, name: self.job(
                 cfg, trials / name, f"{rdzv_id}-{name}"), self.replan)
         if outcome is None and opts.nsys is not None:
-            outcome, nsys = captured_job(opts.nsys, lambda prefix, env: self.job(
-                cfg, cell_dir, rdzv_id, prefix, env), cell, cell_dir, device_kind, opts.rdzv.node_rank)
+            outcome, nsys = captured_job(opts.nsys, lambda attempt: self.job(
+                cfg, attempt.where, rdzv_id, attempt.prefix, attempt.env, attempt.over),
+                cell, cell_dir, device_kind, opts.rdzv.node_rank)
             if nsys["problem"]:
                 print(f"{cell.cell_id}: nsys capture: {nsys['problem']}", file=sys.stderr, flush=True)
         if outcome is None:  # no batch search ran: cell is still the planned one, cfg its config

@@ -70,20 +70,19 @@ def _stats_instances(report: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
-    # nsys 2022.4 itself hangs a session now and then (about 1 capture in 9 here, docs/nsys.md): the
-    # cell then times out with a problem line and its processes are ended. One such hang is retried,
-    # and said; a second, or any other failure, fails the tests.
+    # nsys 2022.4 itself hangs a capture now and then (docs/nsys.md, "A hung capture"): the harness ends it
+    # after --nsys-wait and captures once more, so the tier runs once and takes whatever the harness made of it.
     tmp = tmp_path_factory.mktemp("nsys")
-    for attempt in (1, 2):
-        out = tmp / f"run{attempt}"
-        res = subprocess.run(_trace_args(out, STEPS), env=_env(tmp), cwd=REPO, capture_output=True, text=True,
-                             timeout=600)
-        records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-        (rec,) = [r for r in records if r.get("kind") == "cell"]
-        if rec["status"] != "timeout" or attempt == 2:
-            return res, rec, out
-        print(f"nsys hung the first capture ({rec['metrics'].get('nsys', {}).get('problem')}); retrying once")
-    raise AssertionError("unreachable")
+    out = tmp / "run"
+    res = subprocess.run(_trace_args(out, STEPS), env=_env(tmp), cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    return res, _cell_record(out), out
+
+
+def _cell_record(out: Path) -> dict:
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    (rec,) = [r for r in records if r.get("kind") == "cell"]
+    return rec
 
 
 def test_trace_records_every_measured_step_of_every_rank(traced) -> None:
@@ -104,7 +103,7 @@ def test_trace_records_every_measured_step_of_every_rank(traced) -> None:
 def test_the_record_agrees_with_nsys_stats(traced) -> None:
     _, rec, _ = traced
     report = Path(rec["metrics"]["nsys"]["report"])
-    assert report.name == f"{CELL}.nsys-rep" and report.is_file()
+    assert report.name in (f"{CELL}.nsys-rep", f"{CELL}.retry.nsys-rep") and report.is_file()
     counts = _stats_instances(report)
     ranks = len(rec["metrics"]["nsys"]["ranks"])
     # The capture starts at the measured window: nsys itself counts exactly the measured steps per rank.
@@ -144,3 +143,53 @@ def test_ctrl_c_during_a_capture_leaves_no_nsys_process(tmp_path: Path) -> None:
     workers = [p.pid for p in psutil.process_iter(["cmdline"])
                if str(tmp_path) in " ".join(p.info.get("cmdline") or [])]
     assert workers == [], "a launcher or rank of the interrupted capture is still running"
+
+
+def _stop_the_agent_once_rank_0_is_done(cell_dir: Path, timeout_s: float = 240.0) -> list[int]:
+    """SIGSTOP the capture's nsys agent the moment rank 0's result lands: the hang of issue 47 (the ranks
+    done, the agent never finishing the report), made on purpose. Returns the pids stopped."""
+    deadline = time.monotonic() + timeout_s
+    while not (cell_dir / "result.json").exists():
+        assert time.monotonic() < deadline, f"no {cell_dir / 'result.json'} within {timeout_s:.0f} s"
+        time.sleep(0.05)
+    stopped = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        if "--start-agent" in cmd and any(a.startswith(f"--session-name={SESSION_PREFIX}") for a in cmd):
+            proc.send_signal(signal.SIGSTOP)
+            stopped.append(proc.info["pid"])
+    return stopped
+
+
+def test_a_hung_capture_is_ended_after_the_wait_and_captured_once_more(tmp_path: Path) -> None:
+    wait_s = 15.0  # a healthy capture of this cell writes its report 3-6 s after rank 0 is done (docs/nsys.md)
+    out = tmp_path / "run"
+    args = [*_trace_args(out, STEPS), "--nsys-wait", f"{wait_s:g}"]
+    proc = subprocess.Popen(args, env=_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        stopped = _stop_the_agent_once_rank_0_is_done(out / "cells" / CELL)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert stopped, "no nsys agent of the capture was found to stop"
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    rec = _cell_record(out)
+    nsys = rec["metrics"]["nsys"]
+    assert rec["status"] == "ok" and nsys["problem"] is None, nsys
+    first, second = nsys["attempts"]
+    assert first["hung"]
+    assert wait_s <= first["report_wait_s"] < wait_s + 5
+    assert not second["hung"] and nsys["report"] == second["report"]
+    assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + second["wall_s"])
+    assert [(r["windows"], r["steps_in_window"]) for r in nsys["ranks"]] == [(1, STEPS), (1, STEPS)]
+    assert "capturing once more" in stderr and "ended it, captured once more" in stdout
+    # the cell's measurement is the first run's, never the retry's
+    first_result = json.loads((out / "cells" / CELL / "result.json").read_text())
+    assert rec["samples"]["step_time_s"] == first_result["samples"]["step_time_s"]
+    retry_result = json.loads((out / "cells" / CELL / "nsys-retry" / "result.json").read_text())
+    assert retry_result["samples"]["step_time_s"] != first_result["samples"]["step_time_s"]
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in stopped)
+    assert _nsys_processes() == []

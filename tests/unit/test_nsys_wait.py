@@ -1,0 +1,147 @@
+"""The bounded wait after a capture's ranks are done, and the one retry of a hung capture (issue 47).
+
+No nsys here: a stand-in "rank" is a sleeping process whose command line and environment look like a
+captured rank's (``harness.run.worker`` with ``HARNESS_NSYS_TAG``), and the capture's job is a function
+that behaves as a hung nsys would (its ranks end, the job does not, until the wait ends it). The real
+nsys, hung on purpose, is in the nsys tier (tests/nsys/test_capture.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.jobs import WATCH_POLL_S
+from harness.measure.nsys import TAG_ENV, workload_alive
+from harness.planner import PlannedCell
+from harness.run import nsys_capture
+from harness.run.launch import Outcome
+from harness.run.nsys_capture import Attempt, NsysTool, ReportWait, captured_job
+from harness.spec import CellConfig
+from tests.distributed._spawn import cell
+
+LIMIT_S = 0.3
+
+
+def _fake_rank(tag: str) -> subprocess.Popen:
+    env = {**os.environ, TAG_ENV: tag}
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "harness.run.worker"], env=env)
+
+
+def _poll_until(wait: ReportWait, timeout_s: float = 20.0) -> float:
+    t0 = time.monotonic()
+    while not wait():
+        assert time.monotonic() - t0 < timeout_s, "the wait never ended the job"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_the_wait_starts_when_the_ranks_are_gone_and_ends_the_job_after_its_limit(tmp_path: Path) -> None:
+    wait = ReportWait("t4g1", LIMIT_S, tmp_path / "result.json")
+    time.sleep(2 * LIMIT_S)
+    assert not wait(), "before nsys started the launcher nothing is over, however long that takes"
+    rank = _fake_rank("t4g1")
+    try:
+        deadline = time.monotonic() + 30
+        while not workload_alive("t4g1"):
+            assert time.monotonic() < deadline, "the stand-in rank was never seen"
+            time.sleep(0.05)
+        assert not workload_alive("other"), "another capture's ranks are not this one's"
+        assert not wait() and wait.seen
+        time.sleep(2 * LIMIT_S)
+        assert not wait(), "a live rank: the job is not over"
+    finally:
+        rank.kill()
+        rank.wait()
+    waited = _poll_until(wait)
+    assert wait.hung and LIMIT_S <= waited < LIMIT_S + 5
+    assert wait.waited_s(time.monotonic()) >= LIMIT_S
+
+
+def test_rank_0s_result_ends_the_job_even_while_a_rank_is_still_alive(tmp_path: Path) -> None:
+    # The hang seen in issue 47: the ranks wrote their results, then nsys never let go of the session.
+    rank = _fake_rank("t4g2")
+    try:
+        wait = ReportWait("t4g2", LIMIT_S, tmp_path / "result.json")
+        (tmp_path / "result.json").write_text("{}")
+        assert not wait() and wait.over_at is not None
+        assert LIMIT_S <= _poll_until(wait) < LIMIT_S + 5 and wait.hung
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_a_job_that_ends_within_one_poll_waited_nothing(tmp_path: Path) -> None:
+    wait = ReportWait("t4g3", LIMIT_S, tmp_path / "result.json")
+    assert wait.waited_s(time.monotonic()) == 0.0 and not wait.hung
+
+
+# ---- captured_job: the retry, the record, the problem line --------------------------------------------------
+
+
+def _planned(world: int = 2, nnodes: int = 1) -> PlannedCell:
+    cfg = CellConfig.from_dict(cell("ddp", world, nnodes=nnodes))
+    return PlannedCell(cfg.cell_id, cfg, {}, True, None)
+
+
+class _Capture:
+    """The job ``captured_job`` runs, as a hung nsys makes it: rank 0 writes its result, then the job
+    only ends when the bounded wait says so (``hangs`` attempts), or at once."""
+
+    def __init__(self, hangs: int, status: str = "ok") -> None:
+        self.hangs, self.status, self.attempts = hangs, status, []
+
+    def __call__(self, attempt: Attempt) -> Outcome:
+        self.attempts.append(attempt)
+        attempt.where.mkdir(parents=True, exist_ok=True)
+        result = {"attempt": len(self.attempts)}
+        (attempt.where / "result.json").write_text(str(result))
+        if len(self.attempts) <= self.hangs:
+            _poll_until(attempt.over)
+        return Outcome(self.status, None if self.status == "ok" else "rank 1 died", result, 0, 1.0)
+
+
+@pytest.fixture
+def tool() -> NsysTool:
+    return NsysTool("/nonexistent/nsys", "NVIDIA Nsight Systems version test", report_wait_s=LIMIT_S)
+
+
+def test_a_hung_capture_is_taken_once_more_and_the_cell_keeps_its_first_measurement(tmp_path, tool, monkeypatch):
+    monkeypatch.setattr(nsys_capture, "read_capture", lambda nsys, report: {})  # nothing to read without nsys
+    job = _Capture(hangs=1)
+    outcome, nsys = captured_job(tool, job, _planned(), tmp_path, "cpu")
+    assert outcome.result == {"attempt": 1}, "the measurement is the first run's; only the trace is redone"
+    assert [a.where for a in job.attempts] == [tmp_path, tmp_path / "nsys-retry"]
+    assert [a.env[TAG_ENV] for a in job.attempts][0] != job.attempts[1].env[TAG_ENV], "a fresh nsys session"
+    first, second = nsys["attempts"]
+    assert first["hung"] and not second["hung"]
+    assert LIMIT_S <= first["report_wait_s"] < LIMIT_S + 5 * WATCH_POLL_S
+    assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + second["wall_s"])
+    assert nsys["report"].endswith(".retry.nsys-rep") and nsys["report"] == second["report"]
+    assert first["report"].endswith(f"{_planned().cell_id}.nsys-rep")
+    # the retry's report was never written (no nsys here): said as such, not as a hang
+    assert nsys["problem"].startswith("nsys wrote no ") and ".retry.nsys-rep" in nsys["problem"]
+
+
+def test_a_second_hang_is_the_captures_problem_not_the_cells_timeout(tmp_path, tool):
+    outcome, nsys = captured_job(tool, _Capture(hangs=2), _planned(), tmp_path, "cpu")
+    assert outcome.status == "ok"
+    assert [a["hung"] for a in nsys["attempts"]] == [True, True]
+    assert nsys["problem"].startswith("nsys had not written ") and "in 2 attempt(s)" in nsys["problem"]
+    assert f"{LIMIT_S:g} s after the ranks ended" in nsys["problem"]
+    assert nsys["ranks"] == [{"rank": 0, "ranges": 0}, {"rank": 1, "ranges": 0}]
+
+
+@pytest.mark.parametrize("status,nnodes", [("crashed", 1), ("ok", 2)])
+def test_no_retry_after_a_failed_cell_or_across_nodes(tmp_path, tool, status, nnodes):
+    job = _Capture(hangs=1, status=status)
+    outcome, nsys = captured_job(tool, job, _planned(world=2, nnodes=nnodes), tmp_path, "cpu")
+    assert len(job.attempts) == 1 and outcome.status == status
+    assert nsys["seconds_lost"] == nsys["attempts"][0]["report_wait_s"] >= LIMIT_S
+    assert "in 1 attempt(s)" in nsys["problem"]
+    assert ("not retried across nodes" in nsys["problem"]) == (nnodes > 1)
