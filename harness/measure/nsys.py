@@ -23,7 +23,9 @@ import glob
 import os
 import shlex
 import shutil
+import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -128,8 +130,7 @@ def end_sessions(tag: str, grace_s: float = 3.0) -> list[int]:
     Those are the nsys session ``harness-<tag>``'s agent (``nsys --start-agent``, in a session of its
     own, which 2022.4 can leave running after the program ends, holding most of a core) and
     ``nsys profile``, and anything started under it (launcher, ranks: :data:`TAG_ENV`). They get
-    SIGTERM, then SIGKILL after ``grace_s``; an agent's shared-memory file, which would otherwise
-    hang the next session, is removed.
+    SIGTERM, then SIGKILL after ``grace_s`` (what they leave behind: :func:`clear_stale_state`).
     """
     names = (f"--session-name={SESSION_PREFIX}{tag}", f"--session-new={SESSION_PREFIX}{tag}")
     me = os.getpid()
@@ -152,10 +153,39 @@ def end_sessions(tag: str, grace_s: float = 3.0) -> list[int]:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
     psutil.wait_procs(alive, timeout=grace_s)
-    for proc in found:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/quadd-agent-instance-{proc.pid}")
     return [p.pid for p in found]
+
+
+STALE_STATE = ("quadd-agent-instance-*", "NSys-*", "sem.nsys_sem_*")
+"""What an nsys 2022.4 session keeps in shared memory while it runs (named by pids of its own numbering,
+not the host's) and removes when it ends normally; a killed agent leaves them behind."""
+
+
+def _nsys_running() -> bool:
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = proc.info.get("cmdline") or []
+        if cmdline and proc.info.get("status") != psutil.STATUS_ZOMBIE and (
+                "nsight-systems" in cmdline[0] or os.path.basename(cmdline[0]) in ("nsys", IMPORTER)):
+            return True
+    return False
+
+
+def clear_stale_state(tmp_dir: str | None = None, shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove what ended (killed) nsys sessions left behind: their shared memory and their session folders
+    under ``<tmp>/nvidia/nsight_systems``; only when no nsys process runs on this machine, so a session
+    of someone else's is never touched. Returns what was removed."""
+    if _nsys_running():
+        return []
+    tmp = tmp_dir or tempfile.gettempdir()
+    removed = []
+    for path in [p for g in STALE_STATE for p in glob.glob(f"{shm_dir}/{g}")] + glob.glob(f"{tmp}/nvidia/nsight_systems/quadd_session_*"):
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(os.path.basename(path))
+    return removed
 
 
 WORKLOAD_MODULES = ("torch.distributed.run", "harness.run.worker")
@@ -175,6 +205,39 @@ def workload_alive(tag: str) -> bool:
             if proc.environ().get(TAG_ENV) == tag:
                 return True
     return False
+
+
+IMPORTER = "QdstrmImporter"
+"""The program nsys runs once its agent has the data, to turn it into the ``.nsys-rep`` report."""
+
+
+@dataclass(frozen=True)
+class SessionActivity:
+    """What the capture ``tag``'s nsys processes are doing: their pids, the bytes they have read and
+    written so far (``read_chars`` + ``write_chars``, page cache included), and whether the importer runs."""
+
+    pids: frozenset[int]
+    io_bytes: int
+    importing: bool
+
+
+def session_activity(tag: str) -> SessionActivity:
+    """The capture ``tag``'s nsys processes (by session name or :data:`TAG_ENV`), the launcher and ranks
+    excluded: a healthy agent reads the ranks' data after they end and the importer writes the report;
+    a hung 2022.4 agent spins at a full core with no I/O at all (docs/nsys.md, "A hung capture")."""
+    names = (f"--session-name={SESSION_PREFIX}{tag}", f"--session-new={SESSION_PREFIX}{tag}")
+    pids, io, importing = set(), 0, False
+    for proc in psutil.process_iter(["cmdline", "pid", "status"]):
+        cmdline = proc.info.get("cmdline") or []
+        if not cmdline or proc.info.get("status") == psutil.STATUS_ZOMBIE or any(m in cmdline for m in WORKLOAD_MODULES):
+            continue
+        with contextlib.suppress(psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            if any(a in names for a in cmdline) or proc.environ().get(TAG_ENV) == tag:
+                counters = proc.io_counters()
+                pids.add(proc.info["pid"])
+                io += getattr(counters, "read_chars", counters.read_bytes) + getattr(counters, "write_chars", counters.write_bytes)
+                importing = importing or os.path.basename(cmdline[0]) == IMPORTER
+    return SessionActivity(frozenset(pids), io, importing)
 
 
 def format_command(cmd: Sequence[str]) -> str:

@@ -153,11 +153,14 @@ class RunMetrics(TypedDict, total=False):
     ``ci_coverage``, ``spread_pct`` (the median's order-statistic interval when recorded;
     :mod:`harness.run.rounds`), ``machine_probe_s`` and ``wall_s`` of every round."""
     nsys: dict[str, Any]
-    """Under Nsight Systems only: ``tool`` (nsys's version), ``dir``, ``measured_steps``, ``ranks`` (per
+    """Under Nsight Systems only: ``tool`` (nsys's version), ``report`` (the one read back), ``measured_steps``, ``ranks`` (per
     rank: ``report``, ``ranges``, ``windows``, ``window_s``, ``steps_total``, ``steps_in_window``,
     ``phases`` {phase: {count, total_s}} inside the window, ``kernels``, ``nccl_kernels``),
-    ``processes_ended_after`` (nsys processes still alive after the job, ended by the harness) and
-    ``problem`` (why the capture cannot be trusted, or None)."""
+    ``processes_ended_after`` (nsys processes still alive after the job, ended by the harness),
+    ``problem`` (why the capture cannot be trusted, or None), ``attempts`` (per capture: ``report``,
+    ``hung``: nsys had not written its report ``--nsys-wait`` seconds after rank 0 was done and was ended,
+    ``report_wait_s``: seconds from then to the job's end, ``wall_s``, ``processes_ended_after``; a second
+    attempt only after a hang) and ``seconds_lost`` (a hung first capture's wait plus the whole retry)."""
 
 
 class CellMetrics(WorkerMetrics, CalibratedMfuMetrics, RunMetrics, total=False):

@@ -25,9 +25,11 @@ from harness.planner import PlannedCell
 from harness.run.launch import Outcome
 from harness.text import first_line
 
-REPORT_WAIT_S = 60.0
-"""How long a capture has, once its ranks and launcher are gone, to write its report and exit (``--nsys-wait``).
-A healthy one took 1.4-4.7 s here (docs/nsys.md, "A hung capture"); a hung nsys 2022.4 agent never ends."""
+REPORT_WAIT_S = 30.0
+"""How long a capture may go without progress once rank 0 is done before it is ended as hung
+(``--nsys-wait``): no importer running and no byte read or written by its nsys processes. A healthy
+agent's quiet stretches here lasted a few seconds; a hung one stayed quiet (and at a full core) for
+good (docs/nsys.md, "A hung capture")."""
 
 
 @dataclass(frozen=True)
@@ -68,15 +70,19 @@ class ReportWait:
     """The bounded wait of one capture, polled while its job runs.
 
     The job is over once rank 0 has written ``result`` (every rank has finished measuring) or no launcher
-    or rank of the capture is left (a failure, or a node that writes no result). From then on, only
-    nsys is working: it gets ``limit_s`` to write its report and exit, then :meth:`__call__` returns
-    True and the job is ended. nsys 2022.4's agent can spin after the program without ever writing the
-    report (docs/nsys.md, "A hung capture"), which would otherwise hold the cell until its timeout."""
+    or rank of the capture is left (a failure, or a node that writes no result). From then on only nsys
+    works: its agent reads what the ranks recorded, then its importer writes the report. A capture is
+    hung when, past that point, no importer runs and none of its nsys processes has read or written a
+    byte for ``limit_s``: nsys 2022.4's agent can spin at a full core with no I/O and never write the
+    report (docs/nsys.md, "A hung capture"), which would otherwise hold the cell until its timeout. A big
+    healthy capture is never cut short for its size: it reads and writes all the while."""
 
     def __init__(self, tag: str, limit_s: float, result: Path) -> None:
         self.tag, self.limit_s, self.result = tag, limit_s, result
         self.seen = False
         self.over_at: float | None = None
+        self.active_at = 0.0
+        self.last: nsys_cmd.SessionActivity | None = None
         self.hung = False
 
     def _over(self) -> bool:
@@ -88,11 +94,16 @@ class ReportWait:
         return self.seen  # before nsys started the launcher, nothing is over yet
 
     def __call__(self) -> bool:
+        now = time.monotonic()
         if self.over_at is None:
             if not self._over():
                 return False
-            self.over_at = time.monotonic()
-        self.hung = time.monotonic() - self.over_at > self.limit_s
+            self.over_at = self.active_at = now
+        activity = nsys_cmd.session_activity(self.tag)
+        if activity.importing or activity != self.last:
+            self.active_at = now
+        self.last = activity
+        self.hung = now - self.active_at > self.limit_s
         return self.hung
 
     def waited_s(self, end: float) -> float:
@@ -131,8 +142,9 @@ def _attempt(tool: NsysTool, job: Callable[[Attempt], Outcome], where: Path, rep
         end = time.monotonic()
     finally:
         leftover = nsys_cmd.end_sessions(tag)
+        cleared = nsys_cmd.clear_stale_state() if wait.hung or leftover else []
     return outcome, {"report": str(report), "hung": wait.hung, "report_wait_s": wait.waited_s(end),
-                     "wall_s": round(end - t0, 2), "processes_ended_after": len(leftover)}
+                     "wall_s": round(end - t0, 2), "processes_ended_after": len(leftover), "cleared": cleared}
 
 
 def _say(line: str) -> None:
@@ -183,6 +195,7 @@ def captured_job(tool: NsysTool, job: Callable[[Attempt], Outcome], cell: Planne
         "ranks": [captures[r].as_dict() if r in captures else {"rank": r, "ranges": 0} for r in ranks],
         "processes_ended_after": sum(a["processes_ended_after"] for a in attempts), "problem": problem,
         "attempts": attempts,
-        "seconds_lost": round(sum(a["report_wait_s"] for a in attempts if a["hung"])
+        # the first capture's wait past the ranks' end when it hung, then the whole retry (its own wait included)
+        "seconds_lost": round((first["report_wait_s"] if first["hung"] else 0.0)
                               + sum(a["wall_s"] for a in attempts[1:]), 2),
     }

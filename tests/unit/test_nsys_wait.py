@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness.jobs import WATCH_POLL_S
+from harness.measure import nsys as nsys_mod
 from harness.measure.nsys import TAG_ENV, workload_alive
 from harness.planner import PlannedCell
 from harness.run import nsys_capture
@@ -76,6 +77,65 @@ def test_rank_0s_result_ends_the_job_even_while_a_rank_is_still_alive(tmp_path: 
         rank.wait()
 
 
+def _fake_nsys(tag: str, code: str) -> subprocess.Popen:
+    """A process of the capture ``tag`` that is not a launcher or rank: nsys's, as far as the wait can tell."""
+    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, TAG_ENV: tag})
+
+
+WRITES = "import time, tempfile\nwith tempfile.TemporaryFile() as f:\n    for _ in range(40):\n        f.write(b'x' * 4096); f.flush(); time.sleep(0.05)"
+SPINS = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
+
+
+def test_a_capture_that_keeps_reading_or_writing_is_never_hung_a_spinning_one_is(tmp_path: Path) -> None:
+    # the two cases measured on real nsys 2022.4 agents (docs/nsys.md): a healthy agent reads the ranks'
+    # data after they end; a hung one spins at a full core with no I/O at all
+    (tmp_path / "result.json").write_text("{}")
+    busy = _fake_nsys("t4g4", WRITES)
+    try:
+        wait = ReportWait("t4g4", LIMIT_S, tmp_path / "result.json")
+        t0 = time.monotonic()
+        while busy.poll() is None and time.monotonic() - t0 < 1.5:
+            assert not wait(), "a capture that writes is making progress"
+            time.sleep(0.05)
+        assert time.monotonic() - t0 > 3 * LIMIT_S, "the writer ended before the wait was tested past its limit"
+    finally:
+        busy.kill()
+        busy.wait()
+    spinner = _fake_nsys("t4g5", SPINS)
+    try:
+        wait = ReportWait("t4g5", LIMIT_S, tmp_path / "result.json")
+        assert LIMIT_S <= _poll_until(wait) < LIMIT_S + 5 and wait.hung
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_the_importer_running_is_progress_however_quiet(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "result.json").write_text("{}")
+    states = iter([nsys_mod.SessionActivity(frozenset({7}), 0, importing=True)] * 20)
+    monkeypatch.setattr(nsys_mod, "session_activity", lambda tag: next(states))
+    wait = ReportWait("t4g6", LIMIT_S, tmp_path / "result.json")
+    for _ in range(20):
+        assert not wait()
+        time.sleep(LIMIT_S / 5)
+
+
+def test_stale_nsys_state_is_cleared_only_when_no_nsys_runs(tmp_path: Path, monkeypatch) -> None:
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    (tmp / "nvidia" / "nsight_systems" / "quadd_session_10546" / "streams").mkdir(parents=True)
+    (tmp / "nvidia" / "nsight_systems" / "SessionManager-2022.4.2.1.lock").write_text("")
+    shm.mkdir()
+    for name in ("NSys-2022.4.2.1", "quadd-agent-instance-546", "sem.nsys_sem_555", "someone-elses"):
+        (shm / name).write_text("")
+    monkeypatch.setattr(nsys_mod, "_nsys_running", lambda: True)
+    assert nsys_mod.clear_stale_state(str(tmp), str(shm)) == [], "another nsys session may still use them"
+    monkeypatch.setattr(nsys_mod, "_nsys_running", lambda: False)
+    removed = nsys_mod.clear_stale_state(str(tmp), str(shm))
+    assert sorted(removed) == ["NSys-2022.4.2.1", "quadd-agent-instance-546", "quadd_session_10546", "sem.nsys_sem_555"]
+    assert sorted(p.name for p in shm.iterdir()) == ["someone-elses"]
+    assert [p.name for p in (tmp / "nvidia" / "nsight_systems").iterdir()] == ["SessionManager-2022.4.2.1.lock"]
+
+
 def test_a_job_that_ends_within_one_poll_waited_nothing(tmp_path: Path) -> None:
     wait = ReportWait("t4g3", LIMIT_S, tmp_path / "result.json")
     assert wait.waited_s(time.monotonic()) == 0.0 and not wait.hung
@@ -132,6 +192,8 @@ def test_a_second_hang_is_the_captures_problem_not_the_cells_timeout(tmp_path, t
     outcome, nsys = captured_job(tool, _Capture(hangs=2), _planned(), tmp_path, "cpu")
     assert outcome.status == "ok"
     assert [a["hung"] for a in nsys["attempts"]] == [True, True]
+    first, second = nsys["attempts"]
+    assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + second["wall_s"])  # the retry's wait once
     assert nsys["problem"].startswith("nsys had not written ") and "in 2 attempt(s)" in nsys["problem"]
     assert f"{LIMIT_S:g} s after the ranks ended" in nsys["problem"]
     assert nsys["ranks"] == [{"rank": 0, "ranges": 0}, {"rank": 1, "ranges": 0}]
