@@ -173,8 +173,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="every cell under Nsight Systems: one report per node in cells/<id>/nsys (a process row "
                         "per rank), read back and checked (metrics.nsys); ranks start through torchrun")
     p.add_argument("--nsys-wait", type=float, default=REPORT_WAIT_S, metavar="SECONDS",
-                   help="with --nsys: how long a capture has to write its report once the ranks ended; past it the "
-                        f"capture is ended and taken once more (default {REPORT_WAIT_S:g})")
+                   help="with --nsys: how long a capture may go without progress (no importer, no nsys I/O) once rank 0 "
+                        f"is done; past it the capture is ended and taken once more (default {REPORT_WAIT_S:g})")
     p.add_argument("--rounds",
                    help="measure every cell once per round, N rounds, the order changed each round; each record is "
                         "its cell's median round, with the round-to-round spread (default 1; 5 on a shared machine)")

@@ -102,8 +102,8 @@ def _print_capture(tool, nsys: dict) -> int:
         subprocess.run(cmd, check=False, timeout=300)
     for k, a in enumerate(nsys.get("attempts", [])):
         if a["hung"]:
-            print(f"capture {k + 1}: nsys had not written its report {a['report_wait_s']:g} s after the ranks ended; "
-                  "ended it" + (", captured once more" if k + 1 < len(nsys["attempts"]) else ""))
+            print(f"capture {k + 1}: nsys made no progress on its report; ended it {a['report_wait_s']:g} s after rank 0 "
+                  "was done" + (", captured once more" if k + 1 < len(nsys["attempts"]) else ""))
     if nsys["processes_ended_after"]:
         print(f"ended {nsys['processes_ended_after']} nsys process(es) still running after the capture")
     print(f"Nsight Systems report (every rank of the node, a process row each): {report}")
@@ -121,8 +121,8 @@ def register(sub) -> None:
     t.add_argument("--out", type=Path, help="run directory (default results/<run-id>)")
     t.add_argument("--cell-timeout", type=float)
     t.add_argument("--nsys-wait", type=float, default=REPORT_WAIT_S, metavar="SECONDS",
-                   help="how long a capture has to write its report once the ranks ended; past it the capture is "
-                        f"ended and taken once more (default {REPORT_WAIT_S:g})")
+                   help="how long a capture may go without progress (no importer, no nsys I/O) once rank 0 is done; "
+                        f"past it the capture is ended and taken once more (default {REPORT_WAIT_S:g})")
     t.add_argument("--tracer", choices=("auto", "nsys", "torch"), default="auto",
                    help="nsys: one Nsight Systems report per node (a process row per rank), checked; torch: torch.profiler traces; "
                         "auto (default): nsys when installed, else torch.profiler")

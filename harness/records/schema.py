@@ -158,7 +158,7 @@ class RunMetrics(TypedDict, total=False):
     ``phases`` {phase: {count, total_s}} inside the window, ``kernels``, ``nccl_kernels``),
     ``processes_ended_after`` (nsys processes still alive after the job, ended by the harness),
     ``problem`` (why the capture cannot be trusted, or None), ``attempts`` (per capture: ``report``,
-    ``hung``: nsys had not written its report ``--nsys-wait`` seconds after rank 0 was done and was ended,
+    ``hung``: nsys made no progress for ``--nsys-wait`` seconds after rank 0 was done and was ended,
     ``report_wait_s``: seconds from then to the job's end, ``wall_s``, ``processes_ended_after``; a second
     attempt only after a hang) and ``seconds_lost`` (a hung first capture's wait plus the whole retry)."""
 

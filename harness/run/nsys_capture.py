@@ -51,8 +51,8 @@ class NsysTool:
 
 def check_report_wait(report_wait_s: float) -> None:
     if not report_wait_s > 0:
-        raise UsageError(f"--nsys-wait {report_wait_s:g}: the seconds a capture has to write its report after "
-                         f"the ranks end must be > 0; give e.g. {REPORT_WAIT_S:g}")
+        raise UsageError(f"--nsys-wait {report_wait_s:g}: the seconds a capture may go without progress once "
+                         f"rank 0 is done must be > 0; give e.g. {REPORT_WAIT_S:g}")
 
 
 def nsys_tool(spec, report_wait_s: float = REPORT_WAIT_S) -> NsysTool:
@@ -157,7 +157,7 @@ def captured_job(tool: NsysTool, job: Callable[[Attempt], Outcome], cell: Planne
 
     Whatever ends the job (its end, a failure, Ctrl-C, SIGTERM), the session's processes are ended
     before this returns or raises (:func:`harness.measure.nsys.end_sessions`). A capture that has not
-    written its report ``tool.report_wait_s`` after the ranks ended is ended and, on one node, taken
+    made progress for ``tool.report_wait_s`` once rank 0 was done (:class:`ReportWait`) is ended and, on one node, taken
     once more in ``cell_dir/nsys-retry`` (the cell's outcome stays the first run's; only the trace is
     redone); a second hang is the capture's problem line, never the cell's timeout."""
     cfg = cell.config
@@ -166,7 +166,7 @@ def captured_job(tool: NsysTool, job: Callable[[Attempt], Outcome], cell: Planne
     outcome, first = _attempt(tool, job, cell_dir, report, device_kind)
     attempts, last = [first], outcome
     if first["hung"] and outcome.status == "ok" and cfg.nnodes == 1:
-        _say(f"{cell.cell_id}: nsys had not written its report {tool.report_wait_s:g} s after the ranks ended "
+        _say(f"{cell.cell_id}: nsys made no progress on its report for {tool.report_wait_s:g} s after rank 0 was done "
              f"(a hung capture, docs/nsys.md); ended it and capturing once more (the measurement is the first run's)")
         retry = report.with_name(report.name.removesuffix(".nsys-rep") + ".retry.nsys-rep")
         last, again = _attempt(tool, job, cell_dir / "nsys-retry", retry, device_kind)
@@ -176,7 +176,7 @@ def captured_job(tool: NsysTool, job: Callable[[Attempt], Outcome], cell: Planne
     captures: dict[int, RankCapture] = {}
     problem = None
     if attempts[-1]["hung"]:
-        problem = (f"nsys had not written {report.name} {tool.report_wait_s:g} s after the ranks ended, in "
+        problem = (f"nsys made no progress on {report.name} for {tool.report_wait_s:g} s after rank 0 was done, in "
                    f"{len(attempts)} attempt(s){'' if cfg.nnodes == 1 else ' (not retried across nodes)'}; "
                    f"the capture was ended (docs/nsys.md, 'A hung capture')")
     elif not report.exists():

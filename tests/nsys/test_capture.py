@@ -181,11 +181,11 @@ def test_a_hung_capture_is_ended_after_the_wait_and_captured_once_more(tmp_path:
     assert rec["status"] == "ok" and nsys["problem"] is None, nsys
     first, second = nsys["attempts"]
     assert first["hung"]
-    assert wait_s <= first["report_wait_s"] < wait_s + 5
+    assert wait_s <= first["report_wait_s"] < 60, first  # ended after the wait, long before the 120 s cell timeout
     assert not second["hung"] and nsys["report"] == second["report"]
     assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + second["wall_s"])
     assert [(r["windows"], r["steps_in_window"]) for r in nsys["ranks"]] == [(1, STEPS), (1, STEPS)]
-    assert "capturing once more" in stderr and "ended it, captured once more" in stdout
+    assert "capturing once more" in stderr and "was done, captured once more" in stdout
     # the cell's measurement is the first run's, never the retry's
     first_result = json.loads((out / "cells" / CELL / "result.json").read_text())
     assert rec["samples"]["step_time_s"] == first_result["samples"]["step_time_s"]

@@ -194,8 +194,8 @@ def test_a_second_hang_is_the_captures_problem_not_the_cells_timeout(tmp_path, t
     assert [a["hung"] for a in nsys["attempts"]] == [True, True]
     first, second = nsys["attempts"]
     assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + second["wall_s"])  # the retry's wait once
-    assert nsys["problem"].startswith("nsys had not written ") and "in 2 attempt(s)" in nsys["problem"]
-    assert f"{LIMIT_S:g} s after the ranks ended" in nsys["problem"]
+    assert nsys["problem"].startswith("nsys made no progress on ") and "in 2 attempt(s)" in nsys["problem"]
+    assert f"for {LIMIT_S:g} s after rank 0 was done" in nsys["problem"]
     assert nsys["ranks"] == [{"rank": 0, "ranges": 0}, {"rank": 1, "ranges": 0}]
 
 
