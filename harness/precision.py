@@ -22,7 +22,6 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from harness.errors import UsageError
 
@@ -82,6 +81,8 @@ class PrecisionPlan:
         return torch.autocast(device_type=device_kind, dtype=dtype)
 
     def fsdp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415 (DTensor's imports: ranks only)
+
         low = self.autocast_dtype
         return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
 

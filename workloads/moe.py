@@ -34,6 +34,8 @@ from workloads.layers import SwiGLU, positions_of
 from workloads.sizes import MoESpec
 
 ROUTINGS = ("learned", "balanced")
+WIDTH_DIM = {"gate": 1, "up": 1, "proj": 2}
+"""The dimension of each stacked expert weight that holds the expert's width (``d_ff``), split over tp."""
 
 
 class Router(nn.Module):

@@ -36,10 +36,8 @@ from harness.model.compute import WRAPPERS
 from harness.model.memory import peak_bytes
 from harness.model.predict import CPU_BASE_GIB
 from harness.model.shape import CellShape
-from harness.parallel.data_parallel import apply_fsdp
 from harness.parallel.dims import ParallelDims
 from harness.parallel.levers import apply_compile
-from harness.parallel.tp import apply_tp, reduce_partial_grads
 from harness.precision import PrecisionPlan
 from harness.units import GIB
 from workloads.model import Decoder, lm_loss
@@ -226,6 +224,11 @@ def _wrapped_repeats(size, plan, device_kind: str, dev, wrapper: str, reps: int,
     difference is DTensor's dispatch of AdamW over DTensor parameters: a cost per parameter
     tensor, which every rank pays whatever the shard size.
     """
+    # The wrappers' modules pull in DTensor and FSDP (seconds of imports): the calibration child needs
+    # them, the planning parent that imports this module for its lookups does not.
+    from harness.parallel.data_parallel import apply_fsdp  # noqa: PLC0415
+    from harness.parallel.tp import apply_tp, reduce_partial_grads  # noqa: PLC0415
+
     _init_one_rank_group(device_kind)
     dims = ParallelDims(world_size=1)
     dims.build_mesh(dev.type)

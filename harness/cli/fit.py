@@ -16,7 +16,7 @@ from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints, seq_
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.fit_cells import RECORDS, fit_all
-from harness.fit.role_process import COMPUTE
+from harness.fit.role_spec import COMPUTE
 from harness.model.device_file import device_from_file
 from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg

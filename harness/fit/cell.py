@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from harness.fit.role_process import RoleSpec
+from harness.fit.role_spec import RoleSpec
 from harness.fit.roles import Role, rank_roles
 from harness.jobs import drop_empty_log, run_job
 from harness.model.inventory import coords

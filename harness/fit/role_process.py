@@ -20,7 +20,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from harness.fit.role_spec import RoleSpec
 from harness.measure.nvtx_ranges import Ranges
 from harness.measure.rank_memory import model_state_bytes
 from harness.measure.tensor_bytes import holding_tracker, optimizer_tensors
@@ -42,38 +43,6 @@ from harness.records.atomic import write_json_atomic
 from harness.run import train
 from workloads.model import Decoder, lm_loss
 from workloads.sizes import get_size
-
-COMPUTE = ("real", "fake")
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """One rank of one cell, as the role process receives it (JSON)."""
-
-    size: str
-    strategy: str
-    precision: str
-    world_size: int
-    rank: int
-    micro_batch: int
-    """Sequences per data-parallel rank per pipeline microbatch (the whole local batch without a pipeline)."""
-    seq_len: int
-    microbatches: int
-    pp_schedule: str
-    steps: int
-    """Training steps run; the peak is over all of them (the first allocates the optimizer state)."""
-    device_kind: str
-    compute: str = "real"
-    """``real`` arithmetic, or ``fake`` (``FakeTensorMode``: shapes and allocations only)."""
-    degrees: dict | None = None
-    ac: str = "none"
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RoleSpec:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _stage_shapes(spec: RoleSpec, size, layout, precision: PrecisionPlan) -> StageShapes | None:

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from harness.comm_scope import comm_label
-from workloads.moe import MoE, even_split
+from workloads.moe import WIDTH_DIM, MoE, even_split
 
 EP_LABEL = "ep"
 
@@ -152,10 +152,6 @@ class AllToAllDispatch:
 
 def _moe_layers(part: nn.Module) -> list[MoE]:
     return [m for m in part.modules() if isinstance(m, MoE)]
-
-
-WIDTH_DIM = {"gate": 1, "up": 1, "proj": 2}
-"""The dimension of each stacked expert weight that holds the expert's width (``d_ff``), split over tp."""
 
 
 def apply_ep(part: nn.Module, dims) -> None:

@@ -20,7 +20,6 @@ import os
 import shutil
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from harness.errors import UsageError
 from harness.records.record import FINGERPRINT_LEVERS
@@ -42,6 +41,8 @@ def build_optimizer(params: list[torch.nn.Parameter], kind: str, lr: float) -> t
     """The cell's AdamW (betas 0.9/0.95, no weight decay): torch's default kernel choice, or fused."""
     if kind not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {kind!r}; choose from {', '.join(OPTIMIZERS)}")
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (1 s of imports the planning parent never needs)
+
     fused = {"fused": True} if kind == "adamw-fused" else {}
     # One group per tensor kind: a multi-tensor kernel takes DTensors or plain tensors, never both
     # (under TP the embeddings and LayerNorms stay plain tensors beside the DTensor linears).

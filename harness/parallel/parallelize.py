@@ -31,8 +31,8 @@ from harness.parallel.data_parallel import apply_ddp, apply_fsdp
 from harness.parallel.dims import FSDP_SHARD_DIM
 from harness.parallel.ep import apply_ep, shard_experts
 from harness.parallel.levers import apply_compile
-from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module, stage_ids
-from harness.parallel.presets import Layout, stages_per_rank
+from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module
+from harness.parallel.presets import Layout, stage_ids, stages_per_rank
 from harness.parallel.tp import apply_tp
 from workloads.model import Decoder
 

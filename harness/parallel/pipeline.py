@@ -18,24 +18,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import stages_per_rank
+from harness.parallel.presets import layer_ranges
 from workloads.model import Decoder
-
-
-def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
-    """Split layers as evenly as possible; earlier stages take the remainder."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
-    """Stage indices a rank holds (looped placement for interleaved schedules)."""
-    return [pp_rank + k * pp for k in range(stages_per_rank(schedule))]
 
 
 def build_stage_module(model: Decoder, stage: int, n_stages: int) -> Decoder:

@@ -359,3 +359,19 @@ def min_microbatches(pp_schedule: str, pp: int) -> int:
 def expected_bubble(pp: int, virtual: int, microbatches: int) -> float:
     """Pipeline bubble fraction ``(p - 1) / (v * m)`` (Narayanan et al. 2021, eq. for interleaving)."""
     return (pp - 1) / (virtual * microbatches)
+
+
+def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
+    """Split layers as evenly as possible; earlier stages take the remainder."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """Stage indices a rank holds (looped placement for interleaved schedules)."""
+    return [pp_rank + k * pp for k in range(stages_per_rank(schedule))]

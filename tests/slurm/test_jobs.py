@@ -171,10 +171,11 @@ def test_a_preempted_job_is_requeued_by_slurm_and_finishes_its_sweep(slurm, tmp_
 
 
 def test_a_job_at_its_time_limit_ends_its_cell_and_exits_143_with_the_resume_line(slurm, tmp_path):
-    """--time 2 with the warning 60 s before: Slurm checks every 30 s and may signal up to 30 s
-    early, so SIGTERM comes 30-60 s in, with the harness well started, and well before the limit."""
+    """--time 3 with the warning 60 s before: Slurm checks every 30 s and may signal up to 30 s
+    early, so SIGTERM comes 90-120 s in, with the harness well started also beside CI's slow tier
+    (with --time 2 it once came 30 s in while the harness still imported), and well before the limit."""
     out = tmp_path / "run"
-    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", "2000", "--time", "2",
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", "2000", "--time", "3",
                   "--warn-before", "60", "--max-restarts", "0")
     fields = slurm.wait_for(job, ENDED, 300)
     log = _log(out, job)

@@ -10,8 +10,7 @@ from harness.errors import UsageError
 from harness.measure.peaks import datasheet_peak_tflops
 from harness.measure.step_stats import Stats, percentile
 from harness.parallel.dims import ParallelDims
-from harness.parallel.pipeline import layer_ranges, stage_ids
-from harness.parallel.presets import check_model_fit, degrees_for, expected_bubble
+from harness.parallel.presets import check_model_fit, degrees_for, expected_bubble, layer_ranges, stage_ids
 from harness.precision import PrecisionPlan, check_strategy
 from harness.run.formulas import global_loss, max_rel_diff, slowest_per_step, steps_to_target, throughput
 from harness.scaling import global_batch, lr_at, scaled_lr

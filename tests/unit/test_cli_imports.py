@@ -1,0 +1,35 @@
+"""The ``harness`` parent plans, launches and reports; the ranks train. The parent never imports the
+parallel runtime (DTensor, FSDP, pipelining and the dynamo they pull in): ~1.5 s of every ``harness``
+command (a tiny ``harness bench`` took 8.8 s before, 7.0 s after, on this 2-core machine), paid by
+every invocation of CI's end-to-end tiers and by a user's every ``harness plan``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RUNTIME_ONLY = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining", "torch._dynamo",
+                "harness.parallel.parallelize", "harness.parallel.tp", "harness.parallel.ep",
+                "harness.parallel.data_parallel", "harness.fit.role_process", "harness.run.train")
+
+
+def _imported_by(module: str) -> list[str]:
+    code = (f"import json, sys; import {module}; "
+            f"print(json.dumps([m for m in {list(RUNTIME_ONLY)!r} if m in sys.modules]))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_the_cli_imports_no_parallel_runtime():
+    assert _imported_by("harness.cli") == []
+
+
+def test_the_check_sees_a_runtime_import():
+    """The probe itself can fail: a module that does import the runtime is named."""
+    assert "harness.parallel.parallelize" in _imported_by("harness.parallel.parallelize")
+    assert "torch.distributed.fsdp" in _imported_by("harness.parallel.data_parallel")
