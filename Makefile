@@ -39,7 +39,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,fp8]"
 	@command -v $${CXX:-c++} >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1 || \
 		echo "note: no C++ compiler (c++, g++, clang++ or \$$CXX) on PATH: torch.compile's inductor needs one on CPU, so --compile on will be refused; apt install g++"
 	touch $@

@@ -27,7 +27,7 @@ from harness.model.predict import CalibrationInputs, predict_cell
 from harness.parallel.activation_checkpoint import policy_order
 from harness.parallel.levers import OPTIMIZERS, check_levers
 from harness.parallel.presets import EP_PRESETS, STRATEGIES, degree_variants, resolve_cell, world_for
-from harness.precision import PrecisionPlan
+from harness.precision import Fp8Options, PrecisionPlan, check_fp8
 from harness.scaling import global_batch, scaled_lr
 from harness.spec import CellConfig, SweepSpec, cell_id_of
 from harness.units import GIB
@@ -88,12 +88,16 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
             _levers(spec), spec.gpus, strategies):
         if arch != "moe" and routing != "learned":  # a dense family has no routing to vary
             continue
+        if prec != "fp8" and (levers["fp8_recipe"] != "tensorwise" or levers["fp8_all_gather"]):
+            continue  # the fp8 options vary fp8 cells only
         for degrees in _degrees_of(spec, strat, gpus * spec.nnodes, get_size(size, arch)):
             cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus=gpus, levers=levers, arch=arch, seq_len=seq,
                              routing=routing,
                              degrees=degrees)
             cell.reference_only = added_reference and strat == "single"
             cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
+    for cell in _fp8_references(spec, cells):
+        cells.setdefault(cell.cell_id, cell)
     ordered = sorted(cells.values(), key=lambda c: (ARCHS.index(c.raw["arch"]), c.raw["size"], c.raw["seq_len"],
                                                     c.raw["moe_routing"],
                                                     c.raw["precision"], c.raw["scaling"],
@@ -117,8 +121,28 @@ def _degrees_of(spec: SweepSpec, strategy: str, world: int, size) -> Sequence[di
 
 def _levers(spec: SweepSpec) -> list[dict]:
     """Every combination of the lever axes, as cell fields."""
-    return [dict(compile=c, ac=a, optimizer=o, sequence_parallel=sp)
-            for c, a, o, sp in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels)]
+    return [dict(compile=c, ac=a, optimizer=o, sequence_parallel=sp, fp8_recipe=r, fp8_all_gather=ag)
+            for c, a, o, sp, r, ag in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels,
+                                             spec.fp8_recipes, spec.fp8_all_gathers)]
+
+
+def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell]) -> list[PlannedCell]:
+    """fp8 is checked against bf16 (the same work, its matmuls in bf16): the bf16 single-device cell of each
+    fp8 cell's group, planned as a reference when the sweep does not ask for it."""
+    if not spec.reference:
+        return []
+    out = []
+    plain = dict(compile=False, ac="none", optimizer="adamw", sequence_parallel=True, fp8_recipe="tensorwise",
+                 fp8_all_gather=False)
+    for c in cells.values():
+        r = c.raw
+        if r["precision"] != "fp8":
+            continue
+        ref = _plan_one(spec, r["size"], "single", "bf16", r["scaling"], r["lr_rule"], gpus=1, levers=plain,
+                        arch=r["arch"], seq_len=r["seq_len"], routing=r["moe_routing"])
+        ref.reference_only = ref.cell_id not in cells
+        out.append(ref)
+    return out
 
 
 def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str, *,
@@ -141,17 +165,21 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
                lr_warmup_steps=spec.lr_warmup_steps, seed=spec.seed, target_loss=spec.target_loss,
                nvtx=spec.nvtx, monitor_hz=spec.monitor_hz, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
                degrees=degrees, batch_auto=spec.batch_auto, arch=arch,
-               moe_routing=routing, **levers, **spec.extra)
+               moe_routing=routing, fp8_emulate=precision == "fp8" and (spec.device_kind == "cpu" or spec.fp8_emulate),
+               **levers, **spec.extra)
     try:
         if seq_error := seq_len_error(size, seq):
             raise UsageError(seq_error)
-        PrecisionPlan(precision).check_device(spec.device_kind)
+        plan = PrecisionPlan(precision, Fp8Options(levers["fp8_recipe"], levers["fp8_all_gather"], raw["fp8_emulate"]))
+        plan.check_device(spec.device_kind)
         layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], replace(size, seq_len=seq), precision,
                                                    pp_schedule=spec.pp_schedule, microbatches=spec.microbatches,
                                                    grad_accum=spec.grad_accum, global_batch=gb,
                                                    sequence_parallel=levers["sequence_parallel"])
         check_levers(spec.device_kind, layout.dims.tp_enabled, spec.warmup, levers["compile"], levers["ac"],
                      levers["optimizer"])
+        if precision == "fp8":
+            check_fp8(plan.fp8, fsdp=layout.fsdp, tp=layout.dims.tp_enabled, device_kind=spec.device_kind)
         cfg = CellConfig(**raw)
     except UsageError as e:
         return PlannedCell(cell_id=cell_id_of(raw), config=None, raw=raw, valid=False, reason=str(e))

@@ -16,7 +16,7 @@ from harness.errors import UsageError
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.levers import OPTIMIZERS
 from harness.parallel.presets import PP_SCHEDULES, SP_NAMED, STRATEGIES, Layout, resolve
-from harness.precision import PRECISIONS
+from harness.precision import FP8_RECIPES, PRECISIONS, Fp8Options, PrecisionPlan
 from harness.scaling import LR_RULES, SCALINGS
 from workloads.moe import ROUTINGS
 from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, size_key, size_label
@@ -62,6 +62,10 @@ def cell_id_of(c: dict) -> str:
     ep = (c.get("degrees") or {}).get("ep", 1)
     if ep > 1:  # an expert-parallel degree asked for (the preset's, ep = every shard, keeps the plain id)
         parts.append(f"ep{ep}")
+    if c.get("fp8_recipe", "tensorwise") != "tensorwise":
+        parts.append(c["fp8_recipe"].replace("_", "-"))
+    if c.get("fp8_all_gather"):
+        parts.append("fp8ag")
     return "-".join(str(p) for p in parts)
 
 
@@ -136,6 +140,13 @@ class CellConfig:
     """Sequence parallel wherever the layout has tensor parallel (torchtitan's and Megatron's default): the
     norms and the residual stream sharded along the sequence; False (``--sp off``) runs the textbook TP. The
     ``tp`` and ``tp-sp`` presets say it by name (:func:`harness.parallel.presets.sp_of`)."""
+    fp8_recipe: str = "tensorwise"
+    """``--precision fp8``: torchao's scaling recipe (:data:`harness.precision.FP8_RECIPES`)."""
+    fp8_all_gather: bool = False
+    """``--precision fp8`` under FSDP: the converted weights all-gathered in float8."""
+    fp8_emulate: bool = False
+    """``--precision fp8`` without FP8 tensor cores (a CPU always, a GPU with ``--fp8-emulate``): torchao's
+    emulation; the throughput is labelled emulated and never priced as fp8."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ac", ac_policy(self.ac))  # a policy's earlier name reads as today's
@@ -149,6 +160,7 @@ class CellConfig:
             (self.optimizer, OPTIMIZERS, "optimizer"),
             (self.arch, ARCHS, "architecture"),
             (self.moe_routing, ROUTINGS, "MoE routing"),
+            (self.fp8_recipe, FP8_RECIPES, "fp8 recipe"),
         )
         for value, valid, what in checks:
             if value not in valid:
@@ -162,6 +174,14 @@ class CellConfig:
         if self.moe_routing != "learned" and self.arch != "moe":
             raise UsageError(f"moe_routing {self.moe_routing!r} routes an MoE's tokens, and arch {self.arch} has no "
                              f"experts: use --arch moe, or drop --moe-routing")
+        if self.precision != "fp8" and (self.fp8_recipe != "tensorwise" or self.fp8_all_gather or self.fp8_emulate):
+            raise UsageError(f"fp8 options (recipe {self.fp8_recipe}, all-gather {self.fp8_all_gather}, emulate "
+                             f"{self.fp8_emulate}) need precision fp8, and this cell is {self.precision}")
+
+    @property
+    def precision_plan(self) -> PrecisionPlan:
+        """The cell's precision with its fp8 options."""
+        return PrecisionPlan(self.precision, Fp8Options(self.fp8_recipe, self.fp8_all_gather, self.fp8_emulate))
 
     @property
     def cell_id(self) -> str:
@@ -238,6 +258,12 @@ class SweepSpec:
     """MoE routings to sweep (``--moe-routing learned,balanced``); dense families take ``learned`` only."""
     sequence_parallels: tuple[bool, ...] = (True,)
     """Sequence parallel where tensor parallel is (``--sp on,off``); a layout without tp takes the first only."""
+    fp8_recipes: tuple[str, ...] = ("tensorwise",)
+    """fp8 scaling recipes to sweep (``--fp8-recipe tensorwise,rowwise``); other precisions take none."""
+    fp8_all_gathers: tuple[bool, ...] = (False,)
+    """FSDP's float8 all-gather off and/or on (``--fp8-all-gather off,on``); layouts without FSDP take off."""
+    fp8_emulate: bool = False
+    """``--fp8-emulate``: a GPU without FP8 tensor cores runs fp8 as torchao's emulation (a CPU always does)."""
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
     pp_schedule: str = "1f1b"

@@ -19,7 +19,7 @@ from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
 from harness.parallel.levers import COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
-from harness.precision import PRECISIONS
+from harness.precision import FP8_RECIPES, PRECISIONS
 from harness.spec import SweepSpec, default_device_kind
 from workloads.moe import ROUTINGS
 from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
@@ -133,6 +133,13 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", help=", ".join(PRECISIONS))
     g.add_argument("--sp", help="on,off: sequence parallel wherever a layout has tensor parallel (default on, as "
                                 "torchtitan and Megatron run it; the tp and tp-sp presets say it by name)")
+    g.add_argument("--fp8-recipe", help=f"--precision fp8: torchao's scaling recipe, {', '.join(FP8_RECIPES)} "
+                                        "(default tensorwise); a list sweeps them")
+    g.add_argument("--fp8-all-gather", help="off,on: --precision fp8 under FSDP gathers the converted weights in "
+                                            "float8 (tensorwise; default off); a list sweeps both")
+    g.add_argument("--fp8-emulate", action="store_true", default=None,
+                   help="--precision fp8 on a GPU without FP8 tensor cores: torchao's emulation (numerics, not speed; "
+                        "a CPU always emulates)")
     g.add_argument("--scaling", help="strong (fixed global batch) or weak (fixed per-device batch)")
     g.add_argument("--lr-rule", help="none,linear,sqrt: LR scaling relative to --base-batch")
     g.add_argument("--batch", help="sequences per step: global (strong) or per device (weak); auto (weak scaling): "
@@ -287,6 +294,10 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         seq_lens=seq_lens_arg(v.label("seq_len"), v["seq_len"]) if "seq_len" in v else (None,),
         moe_routings=choices(v.label("moe_routing"), v.get("moe_routing", "learned"), ROUTINGS),
         sequence_parallels=tuple(x == "on" for x in choices(v.label("sp"), v.get("sp", "on"), SP_MODES)),
+        fp8_recipes=choices(v.label("fp8_recipe"), v.get("fp8_recipe", "tensorwise"), FP8_RECIPES),
+        fp8_all_gathers=tuple(x == "on" for x in choices(v.label("fp8_all_gather"), v.get("fp8_all_gather", "off"),
+                                                         COMPILE_MODES)),
+        fp8_emulate=bool(v.get("fp8_emulate", False)),
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedule=v.get("pp_schedule", "1f1b"),
         grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),

@@ -57,3 +57,18 @@ def block_matmuls(size: ModelSize, ep: int = 1) -> list[Matmul]:
 def kept_by_op(matmuls: list[Matmul]) -> list[bool]:
     """Which of a block's matmuls the ``op`` policy keeps: the 1st, 3rd, 5th, ..."""
     return [i % 2 == 0 for i in range(len(matmuls))]
+
+
+FP8_ALIGN = 16
+"""torchao's float8 matmuls take a linear whose input and output widths are multiples of 16."""
+
+
+def fp8_linears(size: ModelSize) -> list[str]:
+    """The linears ``--precision fp8`` trains in float8, named as in the model (``blocks.0.attn.q``): each block's
+    ``nn.Linear`` layers whose widths are multiples of :data:`FP8_ALIGN` (an MoE's stacked experts are not
+    linears, its router is one), never the LM head. The count a record's converted linears must equal."""
+    where = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "out": "attn.out", "router": "mlp.router.score",
+             "shared.gate": "mlp.shared.gate", "shared.up": "mlp.shared.up", "shared.proj": "mlp.shared.proj"}
+    names = [where.get(m.name, f"mlp.{m.name}") for m in block_matmuls(size)
+             if not m.name.startswith("expert") and m.k % FP8_ALIGN == 0 and m.n % FP8_ALIGN == 0]
+    return [f"blocks.{i}.{n}" for i in range(size.n_layers) for n in names]

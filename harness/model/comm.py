@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from harness.model.block_ops import fp8_linears
 from harness.model.inventory import (
     ParamSpec,
     RankCoord,
@@ -120,19 +121,24 @@ def _fsdp_calls(c: CellShape, specs: list[ParamSpec], coord: RankCoord) -> list[
         actions = stage_actions(c.pp_schedule, dims.pp, c.virtual, c.microbatches, coord.pp)
     else:
         actions = {0: ["F", "B"] * c.grad_accum}
+    # FSDP's float8 all-gather: the float8 linears' weights travel at 1 byte an element (FSDP2 gathers a group of
+    # mixed dtypes as bytes), their biases and the rest at param_dtype's
+    float8 = {f"{n}.weight" for n in fp8_linears(c.size)} if c.fp8_all_gather else set()
     calls = []
     for (stage, name), members in groups.items():
         shard = fsdp_ways(members[0], dims)
         if shard == 1:  # a 1-rank FSDP mesh (efsdp 1, or fsdp at one rank): FSDP2 skips the collectives
             continue
         padded = sum(fsdp_padded_numel(held_shape(p, dims), shard) for p in members)
+        gathered = sum(fsdp_padded_numel(held_shape(p, dims), shard) * (1 if p.name in float8 else c.param_bytes)
+                       for p in members)
         reshard = c.reshard_after_forward and name != "root"
         if dims.pp_enabled:
             n_gather = gathers(actions[stage], reshard)
         else:  # each micro-step gathers for forward, again for backward if resharded; reshards after backward
             n_gather = c.grad_accum * (2 if reshard else 1)
         dim = "efsdp" if name.endswith(".experts") else "dp"
-        calls += [Call("all_gather", padded * c.param_bytes, shard, dim, True)] * n_gather
+        calls += [Call("all_gather", gathered, shard, dim, True)] * n_gather
         calls.append(Call("reduce_scatter", padded * FP32, shard, dim, True))
         if dims.dp_replicate > 1:
             calls.append(Call("all_reduce", padded // shard * FP32, dims.dp_replicate, "dp", True))

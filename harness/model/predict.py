@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harness.model.block_ops import fp8_linears
 from harness.model.comm import comm_by_rank
 from harness.model.comm_fit import fitted_time_s
 from harness.model.compute import (
@@ -117,4 +118,5 @@ def predict_cell(cfg: CellConfig, cal: CalibrationInputs) -> dict:
         "peak_mem_gib": peak_bytes(c, base * GIB) / GIB,
         "peak_tensor_gib": peak_bytes(c, 0.0) / GIB,  # without the process: against measured tensor bytes
         "notes": notes,
+        **({"fp8_linears": fp8_linears(cfg.model_size)} if cfg.precision == "fp8" else {}),
     }

@@ -37,6 +37,8 @@ class CellShape:
     moe_imbalance: float = 1.0
     """The busiest expert's load over the mean (a record's ``metrics.moe.imbalance_max_over_mean``; 1: balanced).
     Under expert parallel the rank holding it computes that much more of the experts' FLOPs."""
+    fp8_all_gather: bool = False
+    """``--precision fp8 --fp8-all-gather on``: FSDP gathers the float8 linears' weights at 1 byte an element."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", ac_policy(self.recompute))  # a policy's earlier name as today's
@@ -48,7 +50,8 @@ class CellShape:
         dims = cfg.layout.dims
         return cls(size=size, dims=dims, strategy=cfg.strategy, precision=cfg.precision,
                    global_batch=cfg.global_batch, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches,
-                   pp_schedule=cfg.pp_schedule, device_kind=cfg.device_kind, recompute=cfg.ac)
+                   pp_schedule=cfg.pp_schedule, device_kind=cfg.device_kind, recompute=cfg.ac,
+                   fp8_all_gather=cfg.fp8_all_gather)
 
     @property
     def layout(self) -> Layout:

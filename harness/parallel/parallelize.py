@@ -34,6 +34,7 @@ from harness.parallel.levers import apply_compile
 from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module
 from harness.parallel.presets import Layout, stage_ids, stages_per_rank
 from harness.parallel.tp import apply_tp
+from harness.precision import float8_tp_styles
 from workloads.model import Decoder
 
 
@@ -52,6 +53,8 @@ class Parallelized:
     """Whether replicated LayerNorm weights get partial gradients (:func:`harness.parallel.tp.reduce_partial_grads`)."""
     loss_parallel: bool = False
     """Whether the logits are vocabulary-sharded DTensors: the loss and its backward run in :meth:`loss_context`."""
+    fp8_linears: list[str] = field(default_factory=list)
+    """``fp8``: the linears this rank trains in float8 (their names in the whole model)."""
 
     def parameters(self):
         for p in self.parts:
@@ -78,13 +81,14 @@ def parallelize(model: Decoder, layout: Layout, device: torch.device, precision,
     else:
         n_stages = 1
         parts = {0: model}
-    # fp8: the linears become float8 training linears before anything wraps them (torchao; TP refused)
-    for part in parts.values():
-        precision.convert_linears(part)
-    # 2. tensor parallel
+    # fp8: the linears become float8 training linears before anything wraps them (torchao)
+    fp8 = sorted(name for part in parts.values() for name in precision.convert_linears(part))
+    # 2. tensor parallel; with fp8, torchao's float8 styles where the backend moves float8 tensors (NCCL): gloo
+    # refuses them ("Invalid scalar type"), so CPU ranks gather bf16 activations into the float8 linears
     if dims.tp_enabled:
         for part in parts.values():
-            apply_tp(part, dims.mesh("tp"), dims.sequence_parallel, dims.loss_parallel)
+            apply_tp(part, dims.mesh("tp"), dims.sequence_parallel, dims.loss_parallel,
+                     float8=bool(fp8) and float8_tp_styles(device_kind))
     if dims.cp_enabled:
         for part in parts.values():
             apply_cp(part, dims.mesh("cp"))
@@ -112,6 +116,6 @@ def parallelize(model: Decoder, layout: Layout, device: torch.device, precision,
         pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn,
                               stage_shapes)
         return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp,
-                            sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel)
+                            sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel, fp8_linears=fp8)
     return Parallelized(parts=[parts[0]], model=wrapped or parts[0], pipeline=None, data_parallel=dp,
-                        sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel)
+                        sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel, fp8_linears=fp8)

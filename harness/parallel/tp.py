@@ -44,10 +44,30 @@ expert parallel (:mod:`harness.parallel.ep`), its router replicated."""
 ROW_LINEARS = ("attn.out", "mlp.proj", "mlp.shared.proj")
 
 
-def apply_tp(model: Decoder, tp_mesh, sequence_parallel: bool, loss_parallel: bool = False) -> None:
+def _float8(module: nn.Module) -> bool:
+    return type(module).__name__ == "Float8Linear"  # torchao's, converted by harness.precision (an optional extra)
+
+
+def _styles(float8: bool):
+    """Column, row and input-preparing styles: torch's, or torchao's float8 ones (tensorwise scaling), which cast
+    to float8 before the all-gather so that sequence parallel gathers float8 activations once per sub-layer."""
+    if not float8:
+        return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (  # noqa: PLC0415 (optional extra)
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def apply_tp(model: Decoder, tp_mesh, sequence_parallel: bool, loss_parallel: bool = False,
+             float8: bool = False) -> None:
     """Shard ``model`` (a :class:`workloads.model.Decoder` or a pipeline stage of one) over ``tp_mesh``; with
     ``loss_parallel`` the LM head's logits stay sharded over the vocabulary (a DTensor, for
-    :func:`torch.distributed.tensor.parallel.loss_parallel`'s cross-entropy)."""
+    :func:`torch.distributed.tensor.parallel.loss_parallel`'s cross-entropy). ``float8``: the linears torchao
+    converted take its float8 styles (the others, the LM head among them, torch's)."""
     sp = sequence_parallel
     residual = Shard(1) if sp else Replicate()
     top: dict = {}
@@ -81,19 +101,24 @@ def apply_tp(model: Decoder, tp_mesh, sequence_parallel: bool, loss_parallel: bo
     for block in model.blocks.values():
         present = dict(block.named_modules())
         moe = isinstance(block.mlp, MoE)
-        plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in COLUMN_LINEARS if name in present}
-        plan.update({name: RowwiseParallel(output_layouts=residual, use_local_output=not sp)
+        styles = {name: _styles(float8 and _float8(present[name])) for name in COLUMN_LINEARS + ROW_LINEARS
+                  if name in present}
+        plan: dict[str, ParallelStyle] = {name: styles[name][0]() for name in COLUMN_LINEARS if name in present}
+        plan.update({name: styles[name][1](output_layouts=residual, use_local_output=not sp)
                      for name in ROW_LINEARS if name in present})
         if moe and "mlp.shared.proj" in present:  # inside the MoE, on its plain (tokens, d) rows
-            plan["mlp.shared.proj"] = RowwiseParallel(output_layouts=Replicate(), use_local_output=True)
+            plan["mlp.shared.proj"] = styles["mlp.shared.proj"][1](output_layouts=Replicate(), use_local_output=True)
         if sp:
+            gather = {sub: _styles(float8 and all(_float8(present[n]) for n in COLUMN_LINEARS
+                                                  if n.startswith(sub + ".") and n in present))[2]
+                      for sub in ("attn", "mlp")}
             plan.update(
                 {
                     "ln1": SequenceParallel(),
                     "ln2": SequenceParallel(),
-                    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                    "mlp": _moe_sp() if moe else PrepareModuleInput(input_layouts=(Shard(1),),
-                                                                   desired_input_layouts=(Replicate(),)),
+                    "attn": gather["attn"](input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "mlp": _moe_sp() if moe else gather["mlp"](input_layouts=(Shard(1),),
+                                                              desired_input_layouts=(Replicate(),)),
                 }
             )
         parallelize_module(block, tp_mesh, plan)

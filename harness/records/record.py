@@ -27,7 +27,8 @@ def pulled_levers(config: dict) -> dict:
     return {k: config[k] for k, off in FINGERPRINT_LEVERS.items() if config.get(k, off) != off}
 
 
-FINGERPRINT_AXES = {"arch": "gpt2", "moe_routing": "learned"}
+FINGERPRINT_AXES = {"arch": "gpt2", "moe_routing": "learned", "fp8_recipe": "tensorwise", "fp8_all_gather": False,
+                    "fp8_emulate": False}
 """Workload axes and their default: a cell off the default enters them in its fingerprint, a default one
 does not, so records from before the axis keep their fingerprints."""
 

@@ -83,6 +83,10 @@ class PrecisionMetrics(TypedDict, total=False):
     """fp16 cells only."""
     fp16_final_scale: float
     """fp16 cells only."""
+    fp8: dict[str, Any]
+    """fp8 cells only: ``recipe``, ``emulated``, ``float8_all_gather``, ``linears_converted`` against
+    ``linears_model`` (:func:`harness.model.block_ops.fp8_linears`), ``not_converted`` and
+    ``converted_not_in_model`` (both empty in a correct cell; parity fails otherwise)."""
 
 
 class InstrumentMetrics(TypedDict, total=False):

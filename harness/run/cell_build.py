@@ -79,7 +79,7 @@ def build_cell(cfg: CellConfig, device: torch.device) -> BuiltCell:
     size, layout = cfg.model_size, cfg.layout  # validated by the planner (resolve_cell) before the launch
     dims = layout.dims
     dims.build_mesh(device.type)
-    precision = PrecisionPlan(cfg.precision)
+    precision = cfg.precision_plan
     precision.configure_backends(cfg.device_kind)
     torch.manual_seed(cfg.seed)
     with torch.device(device):
@@ -98,7 +98,8 @@ def build_cell(cfg: CellConfig, device: torch.device) -> BuiltCell:
     moe = ExpertLoad(par.parts, size, cfg.moe_routing, cfg.ac, device, ranges, dims.tp) if size.moe else None
     ctx = train.StepContext(par=par, optimizer=build_optimizer(params, cfg.optimizer, cfg.lr), precision=precision,
                             scaler=precision.grad_scaler(cfg.device_kind), device_kind=cfg.device_kind,
-                            grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges, moe=moe)
+                            grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges, moe=moe,
+                            after_optimizer=precision.after_optimizer_step(par.parts))
     return BuiltCell(size=size, layout=layout, precision=precision, ctx=ctx, params=params, ranges=ranges,
                      gns_state=gns_state, moe=moe)
 

@@ -40,6 +40,8 @@ class RankMeasurement:
     """Step 1's squared norms (:func:`harness.measure.parity_probe.tensor_sq_norms`)."""
     dynamo: dict[str, Any] | None
     """``--compile on``: dynamo's counts over the warmup and the measured window."""
+    fp8_linears: list[str]
+    """``fp8``: the linears this rank trained in float8 (torchao's ``Float8Linear``), by name in the model."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

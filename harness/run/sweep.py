@@ -274,8 +274,8 @@ def _rdzv_id(opts: SweepOptions, index: int) -> str:
 def _keep_reference(references: dict, rec: dict) -> None:
     """An ok single-device record becomes its group's parity reference; the eager one (no lever
     pulled) is kept over a compiled or checkpointed one, which is then checked against it."""
-    if rec.get("status") != "ok" or rec["config"].get("strategy") != "single":
-        return
+    if rec.get("status") != "ok" or rec["config"].get("strategy") != "single" or rec["config"].get("precision") == "fp8":
+        return  # an fp8 cell is checked against bf16's reference, never one itself
     key = parity_key(rec["config"])
     held = references.get(key)
     if held is None or pulled_levers(held["config"]) or not pulled_levers(rec["config"]):
@@ -302,7 +302,7 @@ def _record(cell: PlannedCell, outcome: Outcome, facts: RunFacts, run_id: str, e
     metrics = cell_metrics(cell.cell_id, cfg, res["metrics"], res["samples"], facts,
                            calibrated_tflops=cell.calibrated_tflops, device_name=res["env"]["device_name"],
                            compute_dtype=PrecisionPlan(cell.config.precision).compute_dtype,
-                           reference=references.get(parity_key(cfg)))
+                           reference=references.get(parity_key(cfg)), predicted=cell.predicted)
     return make_record(run_id=run_id, cell_id=cell.cell_id, status="ok", config=cfg, env=res["env"],
                        degrees=res["degrees"], workload=res["workload"], metrics=metrics, samples=res["samples"],
                        predicted=cell.predicted)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +38,9 @@ class StepContext:
     """:class:`harness.measure.nvtx_ranges.Ranges` (no-op when disabled), or its profiler-annotated wrapper."""
     moe: ExpertLoad | None = None
     """An MoE's balancing step, run after each optimizer step."""
+    after_optimizer: Callable[[], None] | None = None
+    """Run after each optimizer step: fp8's weight scales for FSDP's float8 all-gather
+    (:meth:`harness.precision.PrecisionPlan.after_optimizer_step`)."""
 
 
 def _sync_context(par: Parallelized, sync: bool) -> AbstractContextManager[Any]:
@@ -111,4 +114,6 @@ def train_step(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) ->
             skipped = ctx.scaler.get_scale() < before
         if ctx.moe is not None:
             ctx.moe.step()
+        if ctx.after_optimizer is not None:
+            ctx.after_optimizer()
     return loss, skipped

@@ -194,7 +194,7 @@ def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, 
         g_small=cell.gns_state.history if cell.gns_state else None, mem=mem,
         state_bytes=model_state_bytes(ctx.par.parts, ctx.optimizer), comm=counter.per_step(1),
         comm_cp=counter.per_step_labelled(CP_LABEL, 1), moe_ep_rows=ep_rows, trace=trace_paths,
-        profiled_times=profiled, probe=w.probe, dynamo=w.dynamo)
+        profiled_times=profiled, probe=w.probe, dynamo=w.dynamo, fp8_linears=ctx.par.fp8_linears)
 
 
 def _tensor_peak_bytes(ctx: train.StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) -> int:

@@ -41,3 +41,41 @@ def slow_rank(rank: int) -> None:
         return original(self) + SLOW_RANK_EXTRA_S
 
     StepTimer.stop = stop
+
+
+FP8_WRONG_SCALE = 4.0
+
+
+def fp8_wrong_scale(rank: int) -> None:
+    """Every float8 scale 4x too large (as an amax taken over one shard instead of the whole tensor can make it):
+    every value above a quarter of its tensor's amax saturates at float8's largest."""
+    import torchao.float8.float8_scaling_utils as scaling  # noqa: PLC0415 (torchao: the fp8 extra)
+
+    original = scaling.tensor_to_scale
+
+    def too_large(*args, **kwargs):
+        return original(*args, **kwargs) * FP8_WRONG_SCALE
+
+    scaling.tensor_to_scale = too_large
+
+
+FP8_LEFT_OUT = "blocks.1.mlp.fc"
+
+
+def fp8_unconverted_linear(rank: int) -> None:
+    """One MLP linear left out of the float8 conversion (a filter that drops a name)."""
+    import harness.precision as precision  # noqa: PLC0415
+
+    original = precision.fp8_eligible
+    precision.fp8_eligible = lambda module, fqn: fqn != FP8_LEFT_OUT and original(module, fqn)
+
+
+def fp8_converted_head(rank: int) -> None:
+    """The LM head converted too (a filter that forgets it: torchtitan and this harness keep it in bf16)."""
+    import torch  # noqa: PLC0415
+
+    import harness.precision as precision  # noqa: PLC0415
+
+    original = precision.fp8_eligible
+    precision.fp8_eligible = lambda module, fqn: original(module, fqn) or (
+        isinstance(module, torch.nn.Linear) and fqn == "head")

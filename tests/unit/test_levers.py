@@ -200,23 +200,42 @@ def test_lever_table_holds_each_lever_against_the_same_cell_without_it():
     assert levers_section(lever_frame(records[:1])) == ""
 
 
-def test_fp8_is_invalid_with_the_reason_wherever_it_cannot_run(monkeypatch):
+def test_fp8_runs_emulated_on_cpu_and_is_invalid_with_the_reason_wherever_it_cannot_run(monkeypatch):
     from harness import precision
 
     monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
     cells = _plan("--gpus", "2", "--sizes", "tiny", "--strategies", "ddp,tp", "--precision", "fp8")
-    assert cells and all(not c.valid for c in cells)
-    assert all("needs a CUDA GPU with FP8 tensor cores" in c.reason and "use bf16" in c.reason for c in cells)
+    fp8 = [c for c in cells if c.raw["precision"] == "fp8"]
+    assert fp8 and all(c.valid and c.config.fp8_emulate for c in fp8), [(c.cell_id, c.reason) for c in fp8]
     monkeypatch.setattr(precision.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(precision.torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(precision.torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert "compute capability >= 8.9" in precision.fp8_unavailable("cuda") and "is 8.0" in precision.fp8_unavailable("cuda")
+    why = precision.fp8_unavailable("cuda")
+    assert "compute capability >= 8.9" in why and "is 8.0" in why and "--fp8-emulate" in why
+    assert precision.fp8_unavailable("cuda", emulate=True) is None  # torchao is installed (the fp8 extra)
     monkeypatch.setattr(precision.torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(precision.importlib.util, "find_spec", lambda name: None)
     assert "needs torchao" in precision.fp8_unavailable("cuda") and "pip install '.[fp8]'" in precision.fp8_unavailable("cuda")
-    with pytest.raises(UsageError, match="tensor parallel needs torchao's float8 TP styles"):
-        precision.check_strategy("fp8", "fsdp+tp")
-    precision.check_strategy("fp8", "fsdp")  # no error
+    assert "needs torchao" in precision.fp8_unavailable("cpu")
+
+
+@pytest.mark.parametrize("options, fsdp, tp, refused", [
+    (dict(recipe="rowwise"), True, True, "take the tensorwise recipe only"),
+    (dict(recipe="rowwise", all_gather=True), True, False, "FSDP's float8 all-gather take the tensorwise recipe only"),
+    (dict(all_gather=True), False, False, "this layout has no FSDP"),
+    (dict(recipe="rowwise_with_gw_hp"), False, False, "only FSDP's param_dtype gives"),
+    (dict(recipe="rowwise_with_gw_hp"), True, False, None),
+    (dict(all_gather=True), True, True, None),
+    (dict(recipe="rowwise"), False, False, None),
+])
+def test_fp8_options_a_layout_cannot_take_are_refused_with_the_fix(options, fsdp, tp, refused):
+    from harness.precision import Fp8Options, check_fp8
+
+    if refused is None:
+        check_fp8(Fp8Options(**options), fsdp=fsdp, tp=tp)
+    else:
+        with pytest.raises(UsageError, match=refused):
+            check_fp8(Fp8Options(**options), fsdp=fsdp, tp=tp)
 
 
 LEVERS_REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference" / "levers-cpu-tiny-mini-w4"
