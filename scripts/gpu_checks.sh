@@ -44,6 +44,11 @@ cp "$R/levers/summary.md" "$OUT/summary-levers.md"
 $H bench $COMMON --strategies single --sizes small --precision bf16 --compile on --optimizer adamw-fused \
     --batch 32 --warmup 3 --out "$R/levers-small"
 cp "$R/levers-small/summary.md" "$OUT/summary-levers-small.md"
+# Issue 45: fp8 for real on FP8 tensor cores, first of its checks: llama3 1b, bf16 against fp8 tensorwise and
+# rowwise (speedup and MFU in summary.md; parity against the bf16 single device), then xl compiled.
+$H bench $COMMON --strategies single --arch llama3 --sizes 1b --batch 4 --precision bf16,fp8 \
+    --fp8-recipe tensorwise,rowwise --warmup 3 --out "$R/fp8-llama3-1b"
+cp "$R/fp8-llama3-1b/summary.md" "$OUT/summary-fp8-llama3-1b.md"
 $H bench $COMMON --strategies single --sizes xl --precision bf16,fp8 --compile on --optimizer adamw-fused \
     --warmup 3 --out "$R/fp8"
 cp "$R/fp8/summary.md" "$OUT/summary-fp8.md"

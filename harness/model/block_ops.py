@@ -63,12 +63,27 @@ FP8_ALIGN = 16
 """torchao's float8 matmuls take a linear whose input and output widths are multiples of 16."""
 
 
+_MODULE = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "out": "attn.out", "router": "mlp.router.score",
+           "shared.gate": "mlp.shared.gate", "shared.up": "mlp.shared.up", "shared.proj": "mlp.shared.proj"}
+"""A block matmul's ``nn.Linear`` in :class:`workloads.model.Block` (the MLP's others are ``mlp.<name>``)."""
+
+
+def _fp8_matmuls(size: ModelSize) -> list[Matmul]:
+    """A block's matmuls ``--precision fp8`` converts: its ``nn.Linear`` layers (an MoE's stacked experts are not;
+    its router is) whose widths are multiples of :data:`FP8_ALIGN`."""
+    return [m for m in block_matmuls(size)
+            if not m.name.startswith("expert") and m.k % FP8_ALIGN == 0 and m.n % FP8_ALIGN == 0]
+
+
 def fp8_linears(size: ModelSize) -> list[str]:
-    """The linears ``--precision fp8`` trains in float8, named as in the model (``blocks.0.attn.q``): each block's
-    ``nn.Linear`` layers whose widths are multiples of :data:`FP8_ALIGN` (an MoE's stacked experts are not
-    linears, its router is one), never the LM head. The count a record's converted linears must equal."""
-    where = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "out": "attn.out", "router": "mlp.router.score",
-             "shared.gate": "mlp.shared.gate", "shared.up": "mlp.shared.up", "shared.proj": "mlp.shared.proj"}
-    names = [where.get(m.name, f"mlp.{m.name}") for m in block_matmuls(size)
-             if not m.name.startswith("expert") and m.k % FP8_ALIGN == 0 and m.n % FP8_ALIGN == 0]
+    """The linears ``--precision fp8`` trains in float8, named as in the model (``blocks.0.attn.q``), never the LM
+    head: the list a record's converted linears must equal."""
+    names = [_MODULE.get(m.name, f"mlp.{m.name}") for m in _fp8_matmuls(size)]
     return [f"blocks.{i}.{n}" for i in range(size.n_layers) for n in names]
+
+
+def fp8_flops_fraction(size: ModelSize) -> float:
+    """The share of a step's model FLOPs (:meth:`ModelSize.flops_per_token`) that ``--precision fp8`` runs in float8:
+    its converted linears' 6 FLOPs per weight per token (forward and both backward matmuls). The rest, the
+    attention's scores and values, the LM head, an MoE's experts, stays bf16."""
+    return 6 * sum(m.k * m.n for m in _fp8_matmuls(size)) * size.n_layers / size.flops_per_token()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.errors import UsageError
+from harness.model.block_ops import fp8_flops_fraction
 from harness.model.compute import ComputeRates, roofline_rates, with_recompute
 from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn, get_device, placement
 from harness.model.memory import peak_bytes, state_bytes_by_rank
@@ -97,7 +98,22 @@ class Scenario:
 
     @property
     def peak_tflops(self) -> float:
+        """The datasheet peak at the scenario's precision (what MFU divides by)."""
         return self.device.peak_tflops[self.precision]
+
+    @property
+    def fp8_fraction(self) -> float | None:
+        """fp8: the share of the model FLOPs its float8 linears run (:func:`harness.model.block_ops.fp8_flops_fraction`)."""
+        return fp8_flops_fraction(self.size) if self.precision == "fp8" else None
+
+    @property
+    def compute_peak_tflops(self) -> float:
+        """The peak the step's FLOPs run at: fp8's float8 linears at the fp8 peak, the rest (attention, LM head,
+        an MoE's experts) at bf16's, so fp8's time is ``f / fp8 + (1 - f) / bf16`` per FLOP; else the precision's."""
+        f = self.fp8_fraction
+        if f is None:
+            return self.peak_tflops
+        return 1.0 / (f / self.peak_tflops + (1.0 - f) / self.device.peak_tflops["bf16"])
 
     @property
     def nodes(self) -> int:
@@ -164,7 +180,7 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
 
 def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
     """Roofline rates at ``peak x efficiency`` and the HBM bandwidth, scaled for recomputation."""
-    r = with_recompute(roofline_rates(c, s.peak_tflops * s.device.compute_scale * s.efficiency,
+    r = with_recompute(roofline_rates(c, s.compute_peak_tflops * s.device.compute_scale * s.efficiency,
                                       mem_gbps=s.device.hbm_gbps), c)
     if s.compile is not None and s.compile.speedup:  # the measured gain, on the compute only
         r = replace(r, beta_s_per_row=r.beta_s_per_row / s.compile.speedup)

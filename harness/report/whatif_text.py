@@ -18,6 +18,15 @@ BANNER = ("PREDICTIONS from the analytic model (harness/model), not measurements
           "nothing here ran on the named hardware.")
 
 
+def _peak(s: Scenario) -> str:
+    """The peak the compute runs at: the precision's datasheet peak, or fp8's split between float8 and bf16."""
+    if s.fp8_fraction is None:
+        return f"{s.precision} datasheet peak {s.peak_tflops:g}"
+    return (f"{s.compute_peak_tflops:.1f} for fp8's split (its float8 linears {100 * s.fp8_fraction:.1f}% of the model "
+            f"FLOPs at the fp8 datasheet peak {s.peak_tflops:g}, the rest, attention and LM head, at bf16's "
+            f"{s.device.peak_tflops['bf16']:g})")
+
+
 def assumptions_lines(s: Scenario) -> list[str]:
     d = s.device
     per_device = sequences_per_device(s.size.seq_len)
@@ -44,8 +53,8 @@ def assumptions_lines(s: Scenario) -> list[str]:
     return lines + [
         f"device: {d.product} (--device {d.name}), {nodes}; {d.hbm_gib:.1f} GiB HBM at {d.hbm_gbps:,.0f} GB/s" +
         (f"; overridden: {'; '.join(d.overrides)}" if d.overrides else ""),
-        f"compute: {s.peak_tflops * d.compute_scale * s.efficiency:.1f} TFLOP/s per GPU = {s.precision} datasheet peak "
-        f"{s.peak_tflops:g}" + (f" x power cap {d.compute_scale:.3f}" if d.compute_scale != 1 else "") + f" x {eff}",
+        f"compute: {s.compute_peak_tflops * d.compute_scale * s.efficiency:.1f} TFLOP/s per GPU = " + _peak(s) +
+        (f" x power cap {d.compute_scale:.3f}" if d.compute_scale != 1 else "") + f" x {eff}",
         f"interconnect: {d.intra.name} {d.intra.gbps:g} GB/s/direction ({d.intra.latency_s * 1e6:g} us) in a node; "
         f"{d.inter.name} {d.inter.gbps:g} GB/s per GPU NIC ({d.inter.latency_s * 1e6:g} us) across nodes; "
         f"tp innermost on NVLink, a group spanning nodes at min(NVLink, its GPUs per node x NIC)",

@@ -68,3 +68,23 @@ def test_the_models_fp8_linears_by_hand(arch, count):
     names = fp8_linears(get_size("tiny", arch))
     assert len(names) == count and len(set(names)) == count
     assert not any(n.endswith("head") or "router" in n or "expert" in n for n in names)
+
+
+def test_fp8_prices_its_float8_linears_at_the_fp8_peak_and_the_rest_at_bf16s():
+    from harness.model.block_ops import fp8_flops_fraction
+    from harness.model.whatif import predict_row, scenario
+    from harness.report.whatif_text import assumptions_lines
+
+    size = get_size("70b", "llama3")
+    # by hand, per block: q and out 8192 x 8192, k and v 8192 x 1024 (8 kv heads of 128), gate, up, proj 8192 x 28672
+    per_block = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672
+    f = 6 * per_block * 80 / size.flops_per_token()
+    assert fp8_flops_fraction(size) == pytest.approx(f, rel=1e-12) and 0.8 < f < 0.9
+    s = scenario("llama3-70b", "h100", 256, "fp8")
+    fp8_peak, bf16_peak = s.device.peak_tflops["fp8"], s.device.peak_tflops["bf16"]
+    assert s.compute_peak_tflops == pytest.approx(1 / (f / fp8_peak + (1 - f) / bf16_peak))
+    assert bf16_peak < s.compute_peak_tflops < fp8_peak
+    header = "\n".join(assumptions_lines(s))
+    assert f"float8 linears {100 * f:.1f}% of the model FLOPs at the fp8 datasheet peak {fp8_peak:g}" in header
+    row = predict_row(s, "fsdp+tp")  # fp8 with tensor parallel: a row, no longer refused (torchao's float8 TP styles)
+    assert row["valid"] and row["tokens_per_s_per_device"] > 0, row
