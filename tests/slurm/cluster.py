@@ -88,8 +88,11 @@ class SlurmCluster:
     env: dict[str, str]
     daemons: list[subprocess.Popen] = field(default_factory=list)
 
-    def run(self, *argv: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout)
+    def run(self, *argv: str, timeout: float = 60, check: bool = True,
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``argv`` with the cluster's environment (and ``extra_env``: sbatch hands a job the submitting one)."""
+        done = subprocess.run(list(argv), env={**self.env, **(extra_env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}\n{self.logs()}")
         return done

@@ -11,6 +11,7 @@ Without Slurm every test skips with "n/a: no slurm" (``make setup-slurm`` instal
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -32,8 +33,17 @@ CELL_START = re.compile(r"^\[\d+/\d+\] \S+ \.\.\. ")
 """A cell's start line, "[2/3] tiny-fsdp-... ... (elapsed 0:32)"; its end line says "[2/3] tiny-fsdp-...: ok"."""
 
 
-def _submit(slurm: SlurmCluster, out: Path, *flags: str) -> str:
-    done = slurm.run("harness", "slurm", *CPU_CELLS, *flags, "--out", str(out), "--submit", timeout=120)
+STEP_PAUSE = Path(__file__).resolve().parents[1] / "e2e" / "inject_step_parts"
+"""A test-only hook (``HARNESS_TEST_OPTIMIZER_SLEEP_S``): each step of a job's ranks pauses after its update. The
+jobs stopped mid-cell run long cells; paused, they hold the cell open for the same seconds at a fraction of the
+CPU (CI runs this tier beside the slow tier, which the 2000-step job's busy ranks slowed by minutes)."""
+
+
+def _submit(slurm: SlurmCluster, out: Path, *flags: str, step_pause_s: float = 0.0) -> str:
+    pause = {"PYTHONPATH": os.pathsep.join([str(STEP_PAUSE), slurm.env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+             "HARNESS_TEST_OPTIMIZER_SLEEP_S": str(step_pause_s)} if step_pause_s else None
+    done = slurm.run("harness", "slurm", *CPU_CELLS, *flags, "--out", str(out), "--submit", timeout=120,
+                     extra_env=pause)
     found = re.search(r"^submitted job (\d+): run directory (.+)$", done.stdout, re.M)
     assert found, done.stdout
     job = found.group(1)
@@ -57,6 +67,8 @@ def _ok_cells(out: Path) -> list[str]:
 
 
 MID_CELL_STEPS = "80"
+MID_CELL_PAUSE_S = 0.05
+"""Each of those steps pauses this long (:data:`STEP_PAUSE`): a cell of >= 4 s, whatever the machine's load."""
 """Steps of a cell the test stops mid-way: long enough that it is still running when the test acts on the
 second's start line (with 40, on a busy machine, one cell ended first)."""
 ENDED_FOR_S = 60
@@ -114,7 +126,8 @@ def test_a_submitted_sweep_lands_complete_records(slurm, tmp_path):
 
 def test_a_job_stopped_mid_cell_twice_finishes_its_sweep_with_nothing_lost(slurm, tmp_path):
     out = tmp_path / "run"
-    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", MID_CELL_STEPS)
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", MID_CELL_STEPS,
+                  step_pause_s=MID_CELL_PAUSE_S)
     cells = 3
 
     # Attempt 1: SIGTERM to the job's tasks (what the time-limit warning sends) once cell 2 runs.
@@ -154,7 +167,8 @@ def test_a_preempted_job_is_requeued_by_slurm_and_finishes_its_sweep(slurm, tmp_
     """A job in the ``urgent`` partition preempts the sweep (PreemptMode=REQUEUE): Slurm sends
     SIGTERM, requeues the job itself, and the next attempt finishes the sweep."""
     out = tmp_path / "run"
-    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp", "--steps", MID_CELL_STEPS)
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp", "--steps", MID_CELL_STEPS,
+                  step_pause_s=MID_CELL_PAUSE_S)
     _wait_until(lambda: _mid_cell(out, job, 1), JOB_TIMEOUT_S, "cell 1 ok and cell 2 running", slurm, out, job)
     urgent = slurm.run("sbatch", "--parsable", "--partition", "urgent", "--exclusive", "--nodes", "2",
                        "--output", str(tmp_path / "urgent.out"), "--wrap", "echo urgent ran").stdout.strip()
@@ -176,7 +190,7 @@ def test_a_job_at_its_time_limit_ends_its_cell_and_exits_143_with_the_resume_lin
     (with --time 2 it once came 30 s in while the harness still imported), and well before the limit."""
     out = tmp_path / "run"
     job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", "2000", "--time", "3",
-                  "--warn-before", "60", "--max-restarts", "0")
+                  "--warn-before", "60", "--max-restarts", "0", step_pause_s=0.2)  # a cell of >= 400 s
     fields = slurm.wait_for(job, ENDED, 300)
     log = _log(out, job)
     assert fields["ExitCode"] == "143:0", f"{fields['JobState']} {fields['ExitCode']}\n{log[-3000:]}"
