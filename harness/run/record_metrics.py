@@ -260,11 +260,13 @@ def _ep_metrics(by_rank: list[dict[str, list[float]]], warmup: int) -> dict[str,
 
 
 def parity_key(cfg: dict) -> tuple:
-    """Cells whose loss curves must match: same work, same data, same schedule of LRs (the levers
-    change none of them: a compiled or checkpointed cell must match the eager one). An fp8 cell is held
+    """Cells whose loss curves must match: same work (an MoE's routing included), same data, same schedule of LRs
+    (the levers change none of them: a compiled or checkpointed cell must match the eager one). An fp8 cell is held
     to bf16's curve (its matmuls are bf16's with float8 rounding: :data:`PARITY_TOL`)."""
     precision = "bf16" if cfg.get("precision") == "fp8" else cfg.get("precision")
-    return (cfg.get("arch", "gpt2"), cfg.get("size"), precision) + tuple(
+    # an MoE's routing is its own work: learned and balanced cells each have their reference (also on a resume, which
+    # re-reads both singles)
+    return (cfg.get("arch", "gpt2"), cfg.get("size"), precision, cfg.get("moe_routing", "learned")) + tuple(
         cfg.get(k) for k in ("global_batch", "seq_len", "lr", "lr_warmup_steps", "seed", "steps", "warmup", "scaling",
                              "lr_rule"))
 

@@ -258,3 +258,48 @@ def test_a_rounding_flip_of_the_router_limits_the_loss_compared_and_a_real_diver
     moved = [[[4.0, 4.0]], [[1.0, 7.0]], [[6.0, 2.0]]]  # step 1: four slots moved in one layer
     assert parity_diffs(worker, {"moe_load_per_step": moved}, ref)["loss"] == pytest.approx(0.5)
     assert routing_divergence({"moe_load_per_step": ref_loads}, ref["samples"]) is None
+
+
+def test_the_routers_choice_and_combine_weights_by_hand_with_top2_and_a_balancing_bias():
+    """E = 4, k = 2, scores = x (an identity router), x = (2, 1, 0, 0), expert bias (0, 0, 3, 0). By hand: the
+    probabilities are softmax(2, 1, 0, 0) = (e^2, e, 1, 1) / (e^2 + e + 2); the bias picks by p + b, so expert 2
+    (p_2 + 3) then expert 0 (the likeliest); the combine weights are the unbiased p of the two, renormalised:
+    1 / (1 + e^2) for expert 2 and e^2 / (1 + e^2) for expert 0 (DeepSeek-V3: the bias chooses, it never weighs)."""
+    import math
+
+    from workloads.moe import Router
+
+    router = Router(4, MoESpec(n_experts=4, top_k=2, d_ff=8))
+    with torch.no_grad():
+        router.score.weight.copy_(torch.eye(4))
+        router.expert_bias.copy_(torch.tensor([0.0, 0.0, 3.0, 0.0]))
+    choice, weights, probs, counts = router(torch.tensor([[2.0, 1.0, 0.0, 0.0]]), None)
+    e2 = math.e ** 2
+    z = e2 + math.e + 2
+    torch.testing.assert_close(probs, torch.tensor([[e2 / z, math.e / z, 1 / z, 1 / z]]))
+    assert choice.tolist() == [[2, 0]]
+    torch.testing.assert_close(weights, torch.tensor([[1 / (1 + e2), e2 / (1 + e2)]]))
+    assert counts.tolist() == [1, 0, 1, 0]
+    router.expert_bias.zero_()  # without the bias: the two likeliest, expert 0 then 1, weighted e^2 : e
+    choice, weights, _, _ = router(torch.tensor([[2.0, 1.0, 0.0, 0.0]]), None)
+    assert choice.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, torch.tensor([[e2 / (e2 + math.e), math.e / (e2 + math.e)]]))
+
+
+def test_each_routing_is_held_to_its_own_single_device_reference_also_after_a_resume():
+    """A sweep with --moe-routing learned,balanced has two single-device references. A resume re-reads the finished
+    records in file order, both singles among them: each routing's cells must still find their own (before the fix
+    the parity key had no routing, so the last single read was every cell's reference)."""
+    from harness.run.record_metrics import parity_key
+    from harness.run.sweep import _keep_reference
+
+    base = dict(arch="moe", size="tiny", precision="fp32", global_batch=8, seq_len=64, lr=1e-3, lr_warmup_steps=0,
+                seed=0, steps=5, warmup=1, scaling="strong", lr_rule="none")
+    singles = [{"cell_id": f"moe-tiny-single-{r}", "status": "ok", "config": {**base, "strategy": "single", "moe_routing": r}}
+               for r in ("learned", "balanced")]
+    references: dict = {}
+    for rec in singles:  # as a resume reads them: learned first, then balanced
+        _keep_reference(references, rec)
+    for routing in ("learned", "balanced"):
+        ep_cell = {**base, "strategy": "ep", "moe_routing": routing}
+        assert references[parity_key(ep_cell)]["cell_id"] == f"moe-tiny-single-{routing}"
