@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -96,7 +97,7 @@ class PrecisionPlan:
         convert_to_float8_training(module, config=config, module_filter_fn=fp8_eligible)
         return [name for name, m in module.named_modules() if type(m).__name__ == "Float8Linear"]
 
-    def after_optimizer_step(self, parts: list[torch.nn.Module]):
+    def after_optimizer_step(self, parts: list[torch.nn.Module]) -> Callable[[], None] | None:
         """What runs after each optimizer step: FSDP's float8 all-gather needs the next step's weight scales,
         computed here in one all-reduce of amaxes (torchao's ``precompute_float8_dynamic_scale_for_fsdp``)."""
         if self.mode != "fp8" or not self.fp8.all_gather:

@@ -73,7 +73,7 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
         tokens_per_s = num(m.get("tokens_per_s_per_device")) * world_size
     return {
         "cell_id": r.get("cell_id"), "size": size_label(cfg), "strategy": strategy_label(cfg),
-        "precision": cfg.get("precision"), "levers": levers_label(cfg), "world_size": world_size,
+        "precision": precision_label(cfg), "levers": levers_label(cfg), "world_size": world_size,
         "global_batch": num(cfg.get("global_batch")), "scaling": cfg.get("scaling"),
         "lr_rule": cfg.get("lr_rule"), "status": r.get("status"), "error": r.get("error"),
         "tokens_per_s": tokens_per_s,
@@ -127,6 +127,11 @@ def strategy_label(cfg: dict[str, Any]) -> str | None:
     if strategy in SP_NAMED or degrees.get("tp", 1) < 2 or degrees.get("sp"):
         return strategy
     return f"{strategy} (no sp)"
+
+
+def precision_label(cfg: dict[str, Any]) -> str | None:
+    """The cell's precision, ``fp8 (emulated)`` where torchao emulated it (a numerics check: its speed is not fp8's)."""
+    return "fp8 (emulated)" if cfg.get("fp8_emulate") else cfg.get("precision")
 
 
 def levers_label(cfg: dict[str, Any]) -> str:

@@ -3,6 +3,8 @@ pulled, planned and refused like every axis, and the llama3 block's RoPE as Meta
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -78,7 +80,13 @@ def test_rope_rotates_pairs_as_metas_complex_form():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 8)
     cos, sin = rope_angles(16, 8, 500_000.0, "cpu")
-    freqs = torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))
+    # Meta's precompute_freqs_cis (llama/model.py), written out here, not taken from rope_angles:
+    # freqs = 1 / theta ** (arange(0, dim, 2)[: dim // 2] / dim); freqs_cis = polar(1, outer(t, freqs))
+    dim, theta = 8, 500_000.0
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    freqs = torch.polar(torch.ones(16, dim // 2), torch.outer(torch.arange(16).float(), inv))
+    # one angle by hand: position 5, pair 1 of a head of 8 turns by 5 / 500000 ** (2 / 8) radians
+    assert math.isclose(math.atan2(sin[5, 1].item(), cos[5, 1].item()), 5 / 500_000 ** 0.25, rel_tol=1e-6)
     expected = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * freqs).flatten(-2)
     torch.testing.assert_close(apply_rope(x, cos, sin), expected)
     # position 0 is not rotated; a later one is, and the rotation keeps each pair's norm

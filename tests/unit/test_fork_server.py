@@ -62,3 +62,29 @@ print(json.dumps({"exits": exits, "seconds": time.monotonic() - t0}))
     assert by_rank[0]["exitcode"] == -15 and by_rank[0]["root"] is False, "the sleeping rank gets SIGTERM"
     assert by_rank[2] == {"rank": 2, "exitcode": 0, "root": False}
     assert out["seconds"] < 30, "the sleeper was ended, not waited for"  # a hang guard: 60 s if not ended
+
+
+RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+             "ROLE_WORLD_SIZE")
+"""What a rank reads of its place: torchrun sets each (torch.distributed.elastic's worker env), and so must a forked rank."""
+
+
+def test_a_forked_ranks_environment_is_what_torchrun_gives_the_same_rank(tmp_path):
+    """torchrun itself is the reference: 2 ranks dump their environment, and the fork server's rank environment
+    (``_rank_env``) must match it field by field for every key that places a rank; ``MASTER_ADDR`` is loopback in
+    the fork's (torchrun --standalone names this host's), the port each one's own."""
+    from harness.run.fork_server import _rank_env
+
+    dump = tmp_path / "dump.py"
+    dump.write_text("import json, os, sys\n"
+                    "open(os.path.join(sys.argv[1], os.environ['RANK'] + '.json'), 'w').write(json.dumps(dict(os.environ)))\n")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(dump),
+                    str(tmp_path)], check=True, capture_output=True, timeout=120)
+    for rank in (0, 1):
+        torchrun = json.loads((tmp_path / f"{rank}.json").read_text())
+        forked = _rank_env(rank, 2, 29500)
+        assert {k: forked[k] for k in RANK_KEYS} == {k: torchrun[k] for k in RANK_KEYS}, rank
+        placing = {k for k in torchrun if k.split("_")[0] in ("RANK", "LOCAL", "WORLD", "GROUP", "ROLE")}
+        assert placing - set(forked) <= {"ROLE_NAME"}, sorted(placing - set(forked))  # ROLE_NAME: "default", unread
+        assert set(forked) - set(torchrun) == set(), sorted(set(forked) - set(torchrun))
+        assert forked["MASTER_ADDR"] == "127.0.0.1", forked  # loopback: the harness rendezvous on this host by default

@@ -88,3 +88,10 @@ def test_fp8_prices_its_float8_linears_at_the_fp8_peak_and_the_rest_at_bf16s():
     assert f"float8 linears {100 * f:.1f}% of the model FLOPs at the fp8 datasheet peak {fp8_peak:g}" in header
     row = predict_row(s, "fsdp+tp")  # fp8 with tensor parallel: a row, no longer refused (torchao's float8 TP styles)
     assert row["valid"] and row["tokens_per_s_per_device"] > 0, row
+
+
+def test_the_table_says_emulated():
+    from harness.report.frame import precision_label
+
+    assert precision_label({"precision": "fp8", "fp8_emulate": True}) == "fp8 (emulated)"
+    assert precision_label({"precision": "fp8"}) == "fp8" and precision_label({"precision": "bf16"}) == "bf16"

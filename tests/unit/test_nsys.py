@@ -171,3 +171,32 @@ def test_stats_report_names_follow_the_installed_nsys(tmp_path: Path) -> None:
                "  nvtx_gpu_proj_sum -- NVTX GPU Projection Summary\n")
     assert nsys_reports.stats_report_names(old) == {"nvtx": "nvtxsum", "kernels": "gpukernsum"}
     assert nsys_reports.stats_report_names(new) == {"nvtx": "nvtx_sum", "kernels": "cuda_gpu_kern_sum"}
+
+
+def test_kernels_are_attributed_to_the_rank_whose_process_launched_them(tmp_path: Path, monkeypatch) -> None:
+    """A synthetic export with known kernels per process: rank 1 (pid 4242) launched 3 kernels, one of them NCCL's;
+    rank 0 (pid 777) 2, both NCCL's; a kernel of a process with no rank (pid 55, a helper) counts for no rank. The
+    expected counts are the rows written here, by hand."""
+    db = _export(tmp_path / "c.sqlite", _rank_events(4242, 1, steps=3) + _rank_events(777, 0, steps=3))
+    con = sqlite3.connect(db)
+    con.executemany("INSERT INTO StringIds VALUES (?, ?)", [(500, "ampere_sgemm_128x64_nn"),
+                                                            (501, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
+                                                            (502, "vectorized_elementwise_kernel")])
+    con.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (globalPid INTEGER, shortName INTEGER)")
+    con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?)",
+                    [(_tid(4242), 500), (_tid(4242), 501), (_tid(4242), 502),
+                     (_tid(777), 501), (_tid(777), 501), (_tid(55), 500)])
+    con.commit()
+    con.close()
+    monkeypatch.setattr(nsys_reports, "export_sqlite", lambda nsys, report: db)
+    caps = nsys_reports.read_capture("nsys", tmp_path / "c.nsys-rep")
+    assert {r: (c.kernels, c.nccl_kernels) for r, c in caps.items()} == {1: (3, 1), 0: (2, 2)}
+    assert caps[1].steps_in_window == 3 and caps[0].steps_in_window == 3
+
+
+def test_a_report_without_kernels_says_none_not_zero(tmp_path: Path, monkeypatch) -> None:
+    """CPU ranks launch no CUDA kernel: the export has no kernel table, and the counts are unknown (None)."""
+    db = _export(tmp_path / "c.sqlite", _rank_events(777, 0, steps=2))
+    monkeypatch.setattr(nsys_reports, "export_sqlite", lambda nsys, report: db)
+    [cap] = nsys_reports.read_capture("nsys", tmp_path / "c.nsys-rep").values()
+    assert (cap.kernels, cap.nccl_kernels) == (None, None)

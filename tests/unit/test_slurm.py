@@ -230,3 +230,46 @@ def test_script_function_quotes_flags_for_the_task_shell():
 def test_cli_has_the_slurm_subcommand():
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert "slurm" in sub.choices, "harness/cli.py build_parser must call harness.cli.slurm.register(sub)"
+
+
+def test_every_flag_the_user_gives_reaches_each_nodes_bench_command(tmp_path):
+    """Every sweep and run flag ``harness slurm`` takes, each set to a value that is not its default, is in the
+    script's ``harness bench`` line with that value (a flag forgotten by ``sweep_flags`` would silently run the
+    default on the cluster). The values are markers, not a valid sweep: the line is built before any planning."""
+    import shlex
+
+    from harness.cli import build_parser
+    from harness.cli.args import actions_of, sweep_actions
+    from harness.cli.bench import add_run_args
+    from harness.cli.slurm import SlurmJob, slurm_script, sweep_flags
+
+    sweep_file = tmp_path / "sweep.toml"
+    argv, expected = [], []
+    for action in [*sweep_actions(), *actions_of(add_run_args)]:
+        option = action.option_strings[0]
+        if action.dest == "nnodes":  # the script passes Slurm's own ($SLURM_NNODES)
+            continue
+        if action.nargs == 0:
+            argv.append(option)
+            expected.append((option, None))
+            continue
+        if action.dest == "sweep":
+            value = str(sweep_file)
+        elif action.choices:
+            value = next(c for c in action.choices if c != action.default)
+        elif action.type is float:
+            value = "7.5"
+        else:
+            value = f"v-{action.dest}"
+        argv += [option, value]
+        expected.append((option, value))
+    args = build_parser().parse_args(["slurm", *argv])
+    script = slurm_script(sweep_flags(args), SlurmJob(nnodes=2, gpus_per_node=0), str(tmp_path / "run"))
+    [line] = [ln for ln in script.splitlines() if "harness bench" in ln]
+    outer = shlex.split(line)  # srun ... bash -c 'exec harness bench ...' || rc=$?
+    words = shlex.split(outer[outer.index("-c") + 1])  # the task's own words, as its bash reads them
+    for option, value in expected:
+        assert option in words, f"{option} does not reach the nodes' bench"
+        if value is not None:
+            assert words[words.index(option) + 1] == value, (option, value, words[words.index(option) + 1])
+    assert words.count("--nnodes") == 1 and words[words.index("--nnodes") + 1] == "$SLURM_NNODES"
