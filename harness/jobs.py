@@ -23,6 +23,10 @@ from pathlib import Path
 import psutil
 
 KILL_GRACE_S = 5.0
+KILL_ROUNDS = 5
+"""SIGKILL rounds over the job's processes, each found anew: a cell's leader forking its ranks at the moment the
+job is killed can leave a rank the first round did not see (once in CI: a rank alive 10 s after a Ctrl-C that
+came while the second cell started)."""
 JOB_TAG_ENV = "HARNESS_JOB_TAG"
 """Set in the job's environment, so every process it starts can be found and killed with it."""
 REPO = Path(__file__).resolve().parents[1]
@@ -128,10 +132,16 @@ def kill_job(proc: subprocess.Popen, tag: str) -> None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(sig)
     _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S)
-    for p in alive + [p for p in _job_processes(tag) if p not in alive]:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(sig)
+    left = alive + [p for p in _job_processes(tag) if p not in alive]
+    for _ in range(KILL_ROUNDS):  # until none is left: a process forked while the job died is found next round
+        for p in left:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(sig)
+        psutil.wait_procs(left, timeout=1.0)
+        left = _job_processes(tag)
+        if not left:
+            break
     proc.wait()
 
 

@@ -90,3 +90,30 @@ def test_fit_cells_of_a_cp_preset_carry_their_cp_degree_in_the_id():
     cells = [plan_fit_cell("llama3-8b", "fsdp+cp", "bf16", 8, 1, "cpu", seq_len=131072, degrees=d)
              for d in degree_variants("fsdp+cp", 8)]
     assert [c.cell_id for c in cells] == [f"llama3-8b-fsdp+cp-bf16-w8-mb1-cp{cp}-s131072" for cp in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("strategy, world, tp", [("fsdp+cp", 2, 1), ("fsdp+tp+cp", 4, 2)])
+@pytest.mark.parametrize("recompute, gathers", [("none", 1), ("full", 2), ("attn", 2), ("layer2", None)])
+def test_cp_kv_bytes_by_hand_across_recompute_and_tp(strategy, world, tp, recompute, gathers):
+    """Context parallel's K/V collectives per step, the branches crossed (recompute policy x tp), by hand: each of
+    llama3 tiny's 4 layers all-gathers the whole sequence's k and v, 2 x rows x 128 tokens x kv_dim 64 / tp x 4 bytes
+    (fp32), once per forward it runs (twice where the attention is recomputed: every layer under full and attn, every
+    2nd under layer2), and reduce-scatters their gradients once; rows = the local batch, 4 / dp."""
+    from dataclasses import replace
+
+    from harness.model.comm import rank_calls
+    from harness.model.inventory import coords
+    from harness.model.shape import CellShape
+    from harness.parallel.presets import resolve
+    from workloads.sizes import get_size
+
+    size = replace(get_size("tiny", "llama3"), seq_len=128)
+    dims = resolve(strategy, world).dims
+    assert (dims.cp, dims.tp) == (2, tp)
+    c = CellShape(size=size, dims=dims, strategy=strategy, precision="fp32", global_batch=4, recompute=recompute)
+    rows = 4 // dims.dp
+    per_layer = 2 * rows * 128 * 64 // tp * 4
+    layer_gathers = [gathers] * 4 if gathers else [1, 2, 1, 2]  # layer2: every 2nd block (2 of the 4) reruns
+    cp = [k for k in rank_calls(c, coords(dims)[0]) if k.dim == "cp"]
+    assert sorted((k.collective, k.nbytes, k.group) for k in cp) == sorted(
+        [("all_gather", per_layer, 2)] * sum(layer_gathers) + [("reduce_scatter", per_layer, 2)] * 4)
