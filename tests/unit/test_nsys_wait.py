@@ -35,11 +35,14 @@ def _fake_rank(tag: str) -> subprocess.Popen:
 
 
 def _poll_until(wait: ReportWait, timeout_s: float = 20.0) -> float:
+    """Poll until the wait ends the job; the seconds from when the wait saw the job over (its clock, which a call
+    before this one may have started: timing from this call's start once read 0.295 s for a 0.3 s limit)."""
     t0 = time.monotonic()
     while not wait():
         assert time.monotonic() - t0 < timeout_s, "the wait never ended the job"
         time.sleep(0.05)
-    return time.monotonic() - t0
+    assert wait.over_at is not None
+    return time.monotonic() - wait.over_at
 
 
 def test_the_wait_starts_when_the_ranks_are_gone_and_ends_the_job_after_its_limit(tmp_path: Path) -> None:
