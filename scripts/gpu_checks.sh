@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the issues in one pass on a single GPU (run on a lent H200).
-#   bash scripts/gpu_checks.sh OUTDIR            # the open issues' checks only (issues 30, 42: ~5 minutes)
+#   bash scripts/gpu_checks.sh OUTDIR            # the open checks only, inside a DEADLINE (330 s)
 #   PHASES=all bash scripts/gpu_checks.sh OUTDIR # also issues 2-5, 13 and 14, measured already (results/gpu)
 # Writes each phase's run directory under OUTDIR/runs and copies what matters to OUTDIR.
 set -uo pipefail
@@ -9,26 +9,53 @@ R="$OUT/runs"
 mkdir -p "$R"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HARNESS_CALIBRATION="$OUT/calibration.json"
 H="python3 -m harness"
-COMMON="--device cuda --gpus 1 --batch 8 --steps 8 --warmup 2 --no-calibrate --cell-timeout 240"
+COMMON="--device cuda --gpus 1 --batch 8 --steps 8 --warmup 2 --no-calibrate --cell-timeout 120"
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv | tee "$OUT/nvidia-smi.csv"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 command -v nsys || echo "nsys: not on PATH"
+# Each phase runs under `timeout` inside one deadline (DEADLINE seconds from here, default 330): a slow phase is cut
+# and recorded, and a phase with under 20 s left is skipped and says so in OUTDIR/phases.txt.
+T0=$SECONDS
+DEADLINE="${DEADLINE:-330}"
+phase() {  # phase NAME LIMIT_S CMD...: its output in OUTDIR/NAME.log, its exit code and seconds in phases.txt
+    local name="$1" limit="$2"; shift 2
+    local left=$((DEADLINE - (SECONDS - T0)))
+    if [ "$left" -lt 20 ]; then echo "phase $name: skipped, ${left} s of the ${DEADLINE} s deadline left" | tee -a "$OUT/phases.txt"; return; fi
+    [ "$limit" -gt "$left" ] && limit="$left"
+    local s=$SECONDS
+    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "phase $name: exit $? in $((SECONDS - s)) s (limit ${limit} s)" | tee -a "$OUT/phases.txt"
+    tail -n 4 "$OUT/$name.log"
+}
+keep() { [ -f "$R/$1/summary.md" ] && cp "$R/$1/summary.md" "$OUT/summary-$1.md"; [ -f "$R/$1/records.jsonl" ] && cp "$R/$1/records.jsonl" "$OUT/records-$1.jsonl"; true; }
+# torchao (fp8) is not on the lent machine's image: its wheel travels in .whl/ (pip download torchao==0.18.0).
+if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/torchao-site .whl/torchao-*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/torchao-site"
+fi
+python3 -c "import torchao, torchao.float8; print('torchao', torchao.__version__)" 2>&1 | tail -1 | tee "$OUT/torchao.txt"
 # First: `make bench GPUS=1`'s default sweep through the fork server on CUDA (nothing has run on CUDA since the
 # fork server, fp8, NCCL all-to-all and CP landed).
-$H bench --device cuda --gpus 1 --no-calibrate --cell-timeout 240 --out "$R/default"
-cp "$R/default/summary.md" "$OUT/summary-default.md"
+phase default 120 $H bench --device cuda --gpus 1 --no-calibrate --cell-timeout 100 --out "$R/default"; keep default
+# Issue 45: fp8 on FP8 tensor cores, llama3 1b: bf16 against fp8 tensorwise and rowwise (speedup and MFU in
+# summary.md; parity against the bf16 single device; converted linears against the model's list).
+phase fp8-llama3-1b 150 $H bench $COMMON --strategies single --arch llama3 --sizes 1b --batch 2 --precision bf16,fp8 \
+    --fp8-recipe tensorwise,rowwise --out "$R/fp8-llama3-1b"; keep fp8-llama3-1b
+# The MoE block (grouped experts, router) on CUDA: mini, bf16, one device.
+phase moe-mini 60 $H bench $COMMON --strategies single --arch moe,llama3 --sizes mini --precision bf16 --out "$R/moe-mini"; keep moe-mini
+# The GPU test tier (tests/gpu), where pytest is on the image.
+if python3 -c "import pytest" 2>/dev/null; then
+    phase gpu-tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+else
+    echo "phase gpu-tests: n/a, no pytest on this machine" | tee -a "$OUT/phases.txt"
+fi
 # Issue 42: every activation checkpointing policy on llama3 1b (bf16, one GPU, 2 sequences of 8,192): the CUDA
 # allocator's peak against the model's prediction (summary.md's "Predicted vs measured").
-$H bench $COMMON --strategies single --arch llama3 --sizes 1b --precision bf16 --batch 2 \
-    --ac none,attn,op,layer2,full --out "$R/ac-policies"
-cp "$R/ac-policies/summary.md" "$OUT/summary-ac-policies.md"
-# Issue 30: llama3 1b (Llama 3.2 1B's shape, untied head) bf16 on one GPU with compile and fused AdamW at
-# the largest batch that fits at its 8,192-token sequence; the summary states MFU (PaLM's count) and
-# `harness workloads` lists the other conventions.
-$H bench --device cuda --gpus 1 --steps 8 --warmup 3 --no-calibrate --cell-timeout 300 --strategies single \
-    --arch llama3 --sizes 1b --precision bf16 --compile on --optimizer adamw-fused --scaling weak --batch auto \
-    --out "$R/llama3-1b"
-cp "$R/llama3-1b/summary.md" "$OUT/summary-llama3-1b.md"
+phase ac-policies 120 $H bench $COMMON --strategies single --arch llama3 --sizes 1b --precision bf16 --batch 2 \
+    --ac none,attn,op,full --out "$R/ac-policies"; keep ac-policies
+# Issue 47: `harness fit` on CUDA: one llama3 8b rank of fsdp over 8 GPUs, its measured peak against the model.
+phase fit-8b 60 $H fit --device cuda --arch llama3 --sizes 8b --gpus 8 --strategies fsdp --precision bf16 --batch 1 \
+    --out "$R/fit-8b"
+cp "$R"/fit-8b/*.md "$OUT/" 2>/dev/null
 if [ "${PHASES:-open}" != all ]; then
     tar -C "$OUT" -czf "$OUT/runs.tar.gz" runs && rm -rf "$R"
     exit 0

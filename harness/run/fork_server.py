@@ -34,6 +34,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -50,16 +51,36 @@ CELL_JSON_ENV = "HARNESS_CELL_JSON"
 """Set in a forked rank: the cell it runs (a torchrun rank has it on its command line)."""
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+FORK_SAFE_THREADS = {
+    "jemalloc_bg_thd": "jemalloc's purging thread: jemalloc's pthread_atfork handlers hold every one of its locks "
+                       "across the fork, and the child starts its own thread again",
+}
+"""Native threads a fork may copy, by name (``/proc/self/task/*/comm``), with why. The lent H200's image
+preloads jemalloc with background threads on: its ``jemalloc_bg_thd`` starts at the first import after
+torch, so the server saw 2 threads and refused every cell on CUDA."""
 
 
-def fork_safety_problem() -> str | None:
-    """Why this process must not fork ranks, or None."""
+def other_threads() -> list[str]:
+    """The names of this process's threads other than the calling one."""
+    me = str(threading.get_native_id())
+    names = []
+    for tid in sorted(os.listdir("/proc/self/task")):
+        if tid != me:
+            try:
+                names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+            except OSError:  # the thread ended while we looked
+                continue
+    return names
+
+
+def fork_safety_problem(threads: list[str] | None = None) -> str | None:
+    """Why this process must not fork ranks, or None. ``threads``: the other threads' names (default: read)."""
     if torch.cuda.is_initialized():
         return "CUDA was initialised before the fork, so no rank could use it"
-    if (threads := _threads()) != 1:
-        return f"{threads} threads are alive, and a fork would copy the locks they hold"
+    unsafe = [t for t in (other_threads() if threads is None else threads) if t not in FORK_SAFE_THREADS]
+    if unsafe:
+        return (f"{len(unsafe)} other threads are alive ({', '.join(unsafe)}), and a fork would copy the locks they "
+                "hold")
     return None
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +36,27 @@ print(len(os.listdir("/proc/self/task")), threading.active_count())
 """)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["1", "1"], "the parent must be single-threaded when it forks"
+
+
+def test_a_known_fork_safe_thread_is_allowed_and_any_other_is_named():
+    """The lent H200's image preloads jemalloc with background threads on: `jemalloc_bg_thd` (its purging
+    thread, whose locks jemalloc's own atfork handlers hold across a fork) must not stop the server, and
+    any other thread must, by name."""
+    from harness.run.fork_server import fork_safety_problem, other_threads
+
+    assert fork_safety_problem(["jemalloc_bg_thd"]) is None
+    problem = fork_safety_problem(["jemalloc_bg_thd", "pt_autograd_0"])
+    assert problem is not None and "1 other threads" in problem and "pt_autograd_0" in problem
+    assert "jemalloc_bg_thd" not in problem
+    before = other_threads()
+    stop = threading.Event()
+    th = threading.Thread(target=stop.wait)
+    th.start()
+    try:
+        assert len(other_threads()) == len(before) + 1
+    finally:
+        stop.set()
+        th.join()
 
 
 def test_one_failed_rank_ends_the_others_and_is_named_the_root():
