@@ -18,12 +18,8 @@ Order, and why:
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import loss_parallel
 
 from harness.parallel.activation_checkpoint import apply_ac
 from harness.parallel.cp import apply_cp
@@ -31,38 +27,12 @@ from harness.parallel.data_parallel import apply_ddp, apply_fsdp
 from harness.parallel.dims import FSDP_SHARD_DIM
 from harness.parallel.ep import apply_ep, shard_experts
 from harness.parallel.levers import apply_compile
-from harness.parallel.pipeline import Pipeline, StageShapes, build_pipeline, build_stage_module
+from harness.parallel.parallelized import Parallelized
+from harness.parallel.pipeline import StageShapes, build_pipeline, build_stage_module
 from harness.parallel.presets import Layout, stage_ids, stages_per_rank
 from harness.parallel.tp import apply_tp
 from harness.precision import float8_tp_styles
 from workloads.model import Decoder
-
-
-@dataclass
-class Parallelized:
-    """What a rank trains: the model parts it owns and how to run a step over them."""
-
-    parts: list[nn.Module]
-    """Modules whose parameters this rank updates (one per pipeline stage it holds)."""
-    model: nn.Module | None
-    """Callable model (non-pipeline strategies), possibly DDP-wrapped."""
-    pipeline: Pipeline | None
-    data_parallel: str
-    notes: list[str] = field(default_factory=list)
-    sequence_parallel: bool = False
-    """Whether replicated LayerNorm weights get partial gradients (:func:`harness.parallel.tp.reduce_partial_grads`)."""
-    loss_parallel: bool = False
-    """Whether the logits are vocabulary-sharded DTensors: the loss and its backward run in :meth:`loss_context`."""
-    fp8_linears: list[str] = field(default_factory=list)
-    """``fp8``: the linears this rank trains in float8 (their names in the whole model)."""
-
-    def parameters(self):
-        for p in self.parts:
-            yield from p.parameters()
-
-    def loss_context(self):
-        """Where the loss and its backward run: torch's vocabulary-parallel cross-entropy under loss parallel."""
-        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
 
 def parallelize(model: Decoder, layout: Layout, device: torch.device, precision, *,

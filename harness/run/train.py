@@ -9,13 +9,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from harness.parallel.expert_load import ExpertLoad
-from harness.parallel.parallelize import Parallelized
-from harness.parallel.tp import reduce_partial_grads
+from harness.parallel.parallelized import Parallelized
 from harness.precision import PrecisionPlan
 from workloads.model import lm_loss
 
@@ -48,6 +44,9 @@ def _sync_context(par: Parallelized, sync: bool) -> AbstractContextManager[Any]:
     model = par.model
     if sync or model is None:
         return contextlib.nullcontext()
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (grad accumulation only; see parallelized.py)
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
     if isinstance(model, FSDPModule):
@@ -66,9 +65,9 @@ def _sync_context(par: Parallelized, sync: bool) -> AbstractContextManager[Any]:
 
 
 def _value(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor, detached: loss parallel's is a replicated DTensor."""
+    """A loss as a plain tensor, detached: loss parallel's is a replicated DTensor (the tensor with ``to_local``)."""
     loss = loss.detach()
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    return loss.to_local() if hasattr(loss, "to_local") else loss
 
 
 def _forward_backward(ctx: StepContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -101,6 +100,8 @@ def train_step(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) ->
     ctx.optimizer.zero_grad(set_to_none=True)
     loss = _forward_backward(ctx, x, y)
     if ctx.par.sequence_parallel:  # the LayerNorms' partial gradients, summed once (not at every AdamW use)
+        from harness.parallel.tp import reduce_partial_grads  # noqa: PLC0415 (tp layouts only)
+
         reduce_partial_grads(ctx.par.parameters())
     skipped = False
     with ctx.ranges.range("optimizer"):

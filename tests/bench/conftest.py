@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness.measure.nvtx_ranges import Ranges
-from harness.parallel.parallelize import Parallelized
+from harness.parallel.parallelized import Parallelized
 from harness.precision import PrecisionPlan
 from harness.run import train
 from workloads.data import MarkovData
