@@ -18,7 +18,7 @@ from harness.errors import UsageError
 from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
 from harness.parallel.levers import COMPILE_MODES, OPTIMIZERS
-from harness.parallel.presets import STRATEGIES
+from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, check_schedule_compile
 from harness.precision import FP8_RECIPES, PRECISIONS
 from harness.spec import SweepSpec, default_device_kind
 from workloads.moe import ROUTINGS
@@ -148,7 +148,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", help="measured steps")
     g.add_argument("--warmup", help="unmeasured steps first")
     g.add_argument("--microbatches", help="pipeline microbatches (default 2 x pp)")
-    g.add_argument("--pp-schedule", help="gpipe, 1f1b or interleaved1f1b")
+    g.add_argument("--pp-schedule", help=", ".join(PP_SCHEDULES) + " (zb: interleaved zero-bubble, two stages per rank)")
     g.add_argument("--grad-accum", help="gradient-accumulation micro-steps (non-pipeline)")
     g.add_argument("--base-lr", help="LR at --base-batch")
     g.add_argument("--base-batch", help="global batch at which --base-lr holds (default: --batch)")
@@ -275,6 +275,12 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         check_batch_auto(v, device)
     # Several devices: every multi-device strategy; the planner adds the single-device reference.
     strategies = v.get("strategies") or ("single" if max(gpus) == 1 else ",".join(s for s in STRATEGIES if s != "single"))
+    compiles = tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES))
+    schedules = choices(v.label("pp_schedule"), v.get("pp_schedule", "1f1b"), PP_SCHEDULES)
+    if len(schedules) > 1:
+        raise UsageError(f"{v.label('pp_schedule')} {','.join(schedules)}: one schedule per sweep; run a sweep for each")
+    pp_schedule = schedules[0]
+    check_schedule_compile((pp_schedule,), compiles)
     return SweepSpec(
         sizes=csv_list(v.get("sizes", d["sizes"])),
         strategies=csv_list(strategies),
@@ -287,7 +293,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         warmup=int_arg(v.label("warmup"), v.get("warmup", d["warmup"]), 0),
         scalings=csv_list(v.get("scaling", "strong")),
         lr_rules=csv_list(v.get("lr_rule", "none")),
-        compiles=tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES)),
+        compiles=compiles,
         acs=policies_arg(v.label("ac"), v.get("ac", "none")),
         optimizers=choices(v.label("optimizer"), v.get("optimizer", "adamw"), OPTIMIZERS),
         archs=choices(v.label("arch"), v.get("arch", DEFAULT_ARCH), ARCHS),
@@ -299,7 +305,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
                                                          COMPILE_MODES)),
         fp8_emulate=bool(v.get("fp8_emulate", False)),
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
-        pp_schedule=v.get("pp_schedule", "1f1b"),
+        pp_schedule=pp_schedule,
         grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),
         base_lr=positive_float(v.label("base_lr"), v.get("base_lr", 1e-3)),
         base_batch=int_arg(v.label("base_batch"), v["base_batch"], 1) if "base_batch" in v else None,

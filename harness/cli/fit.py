@@ -20,7 +20,7 @@ from harness.fit.role_spec import COMPUTE
 from harness.model.device_file import device_from_file
 from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
-from harness.parallel.presets import degree_variants
+from harness.parallel.presets import PP_SCHEDULES, degree_variants
 from harness.records.atomic import write_text_atomic
 from harness.records.record import new_run_id
 from harness.report.fit_text import BANNER, fit_table, legend
@@ -155,7 +155,7 @@ def register(sub) -> None:
     p.add_argument("--steps", default="2", help="training steps per role (the first allocates the optimizer state)")
     p.add_argument("--seq-len", help="tokens per sequence (default: the size's); a list fits each: 2048,4096")
     p.add_argument("--microbatches", help="pipeline microbatches (default 2 x pp)")
-    p.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES)
     p.add_argument("--degrees", help="explicit degrees overriding the presets, e.g. pp=2,tp=2")
     p.add_argument("--out", type=Path, help="run directory (default results/fit-<run-id>)")
     p.set_defaults(fn=cmd_fit)

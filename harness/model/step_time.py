@@ -35,8 +35,8 @@ from harness.model.compute import (
 )
 from harness.model.inventory import coords
 from harness.model.memory import state_bytes_by_rank
+from harness.model.pipeline_sim import schedule_bubble
 from harness.model.shape import CellShape
-from harness.parallel.presets import expected_bubble
 
 CommTime = Callable[[str, int, int, str], float | None]
 """(collective, nbytes, group size, mesh dim) -> seconds per call, or None when not calibrated."""
@@ -73,7 +73,7 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing
     states = state_bytes_by_rank(c)
     ranks = coords(dims)
     v = c.virtual
-    bubble_frac = expected_bubble(dims.pp, v, c.microbatches) if dims.pp_enabled else 0.0
+    bubble_frac = schedule_bubble(c.pp_schedule, dims.pp, c.microbatches) if dims.pp_enabled else 0.0
     passes = c.microbatches if dims.pp_enabled else c.grad_accum
     notes: list[str] = []
     best = None

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleInterleavedZeroBubble,
+)
 
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import layer_ranges
@@ -142,11 +146,12 @@ def build_pipeline(stage_modules: Mapping[int, nn.Module], n_stages: int, pp_gro
                                input_args=shapes.io(sid, n_stages)[0], output_args=shapes.io(sid, n_stages)[1])
                   for sid, mod in sorted(stage_modules.items())]
     sched: PipelineScheduleSingle | PipelineScheduleMulti
-    if schedule == "interleaved1f1b":
+    if schedule in ("interleaved1f1b", "zb"):
+        multi = ScheduleInterleaved1F1B if schedule == "interleaved1f1b" else ScheduleInterleavedZeroBubble
         # the ignore: torch annotates ``stages`` as an invariant list of its private base class
         # (_PipelineStageBase); a list of PipelineStage, a subclass, is what it takes
-        sched = ScheduleInterleaved1F1B(stages,  # type: ignore[arg-type]
-                                        n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        sched = multi(stages,  # type: ignore[arg-type]
+                      n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     else:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         sched = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -17,7 +17,10 @@ from workloads.sizes import ModelSize
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp",
               "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep")
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zb")
+ZERO_BUBBLE_SCHEDULES = ("zb",)
+"""Schedules that split each backward into its input-gradient (I) and weight-gradient (W) parts and fill the
+bubble with W (Qi et al. 2023): ``zb`` is torch's ``ScheduleInterleavedZeroBubble``, two looped stages per rank."""
 SP_NAMED = {"tp": False, "tp-sp": True}
 """Presets whose name says whether tensor parallel runs with sequence parallel. Every other layout with
 tp > 1 runs it by default, as torchtitan's 2-D/3-D layouts and Megatron's TP runs always do
@@ -274,6 +277,11 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
     check_seq_split(layout.dims, size.seq_len)
     check_batch_split(layout.dims, global_batch, mb, grad_accum)
     check_moe(layout.dims, size)
+    if layout.dims.pp_enabled and pp_schedule in ZERO_BUBBLE_SCHEDULES and layout.fsdp:
+        raise UsageError(f"{strategy} with --pp-schedule {pp_schedule}: under FSDP the zero-bubble schedule's split "
+                         f"backward does not train as one device does on torch 2.13 (measured: pp+fsdp at 4 ranks, "
+                         f"parameters off after one step); use --strategies pp, or --pp-schedule 1f1b or "
+                         f"interleaved1f1b")
     return layout, mb
 
 
@@ -337,18 +345,30 @@ def check_model_fit(dims: ParallelDims, n_heads: int, d_ff: int, n_layers: int, 
                 f"schedule {pp_schedule} with pp {dims.pp} needs >= {need} microbatches, got {microbatches}; "
                 f"raise --microbatches"
             )
-        if pp_schedule == "interleaved1f1b" and microbatches % dims.pp:
+        if stages_per_rank(pp_schedule) > 1 and microbatches % dims.pp:
             raise UsageError(
-                f"schedule interleaved1f1b needs microbatches ({microbatches}) divisible by pp ({dims.pp}); "
+                f"schedule {pp_schedule} needs microbatches ({microbatches}) divisible by pp ({dims.pp}); "
                 f"use a multiple of {dims.pp}"
             )
 
 
 def stages_per_rank(pp_schedule: str) -> int:
-    """Virtual stages per rank: 2 for interleaved 1F1B (Narayanan et al. 2021), else 1."""
+    """Virtual stages per rank: 2 for interleaved 1F1B (Narayanan et al. 2021) and interleaved zero-bubble,
+    else 1."""
     if pp_schedule not in PP_SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {pp_schedule!r}; choose from {', '.join(PP_SCHEDULES)}")
-    return 2 if pp_schedule == "interleaved1f1b" else 1
+    return 2 if pp_schedule in ("interleaved1f1b", "zb") else 1
+
+
+def check_schedule_compile(pp_schedules: tuple[str, ...], compiles: tuple[bool, ...]) -> None:
+    """torch 2.13's zero-bubble schedules refuse stage modules that were torch.compile'd (their backward is split
+    into input and weight parts by autograd; ``_check_torch_compile_compatibility`` raises)."""
+    zb = [s for s in pp_schedules if s in ZERO_BUBBLE_SCHEDULES]
+    if zb and any(compiles):
+        raise UsageError(f"--pp-schedule {','.join(zb)} with --compile on: torch's zero-bubble schedules split each "
+                         f"backward by autograd and refuse compiled stages (torch.distributed.pipelining."
+                         f"schedules._check_torch_compile_compatibility); use --compile off, or --pp-schedule "
+                         f"1f1b or interleaved1f1b")
 
 
 def min_microbatches(pp_schedule: str, pp: int) -> int:

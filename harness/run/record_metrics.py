@@ -17,7 +17,7 @@ from harness.measure import gns
 from harness.measure.compile_stats import DynamoCounts, compile_metrics
 from harness.measure.parity_probe import merge
 from harness.measure.step_stats import Stats
-from harness.parallel.presets import expected_bubble, stages_per_rank
+from harness.parallel.presets import ZERO_BUBBLE_SCHEDULES, expected_bubble, stages_per_rank
 from harness.precision import float8_tp_styles
 from harness.records.record import pulled_levers
 from harness.records.schema import (
@@ -170,8 +170,11 @@ def _instruments(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRun)
     m: InstrumentMetrics = {"gns": _gns(gathered, run.g_big, cfg)}
     if dims.pp_enabled:
         v = stages_per_rank(cfg.pp_schedule)
+        # the formula holds for GPipe, 1F1B and interleaved 1F1B; a zero-bubble schedule's is the model's simulation
+        # of its action list (harness.model.pipeline_sim, record.predicted's step time)
+        formula = cfg.pp_schedule not in ZERO_BUBBLE_SCHEDULES
         m["pipeline"] = {"stages": dims.pp * v, "virtual_per_rank": v, "microbatches": cfg.microbatches,
-                         "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches)}
+                         "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches) if formula else None}
     if cfg.monitor_hz == 0:
         m["monitor"] = {"note": "n/a: monitor off (--monitor-hz 0)"}
     elif monitor_result is not None:

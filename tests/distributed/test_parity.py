@@ -36,8 +36,10 @@ def _pp_kw(strategy: str, world: int) -> dict:
 
 
 def schedule_cells(make) -> list[dict]:
-    """The other two pipeline schedules at 2 ranks (1F1B is the ``pp`` preset's): ``make`` is a cell maker."""
-    return [make("pp", 2, pp_schedule="interleaved1f1b", microbatches=4), make("pp", 2, pp_schedule="gpipe", microbatches=2)]
+    """The other pipeline schedules at 2 ranks (1F1B is the ``pp`` preset's): ``make`` is a cell maker. Interleaved
+    zero-bubble (``zb``) splits each backward into its input and weight parts: tiny's 4 layers, one per stage."""
+    return [make("pp", 2, pp_schedule="interleaved1f1b", microbatches=4), make("pp", 2, pp_schedule="gpipe", microbatches=2),
+            make("pp", 2, pp_schedule="zb", microbatches=4)]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +75,9 @@ def _by_strategy(results, strategy):
     return [r for cid, r in results.items() if cid.split("-fp32-")[0] == f"tiny-{strategy}"]
 
 
-@pytest.mark.parametrize("strategy", W2 + ["pp-interleaved", "pp-gpipe", "ddp-ga2"])
+@pytest.mark.parametrize("strategy", W2 + ["pp-interleaved", "pp-gpipe", "pp-zb", "ddp-ga2"])
 def test_parity_world2(world2, reference, strategy):
-    picks = {"pp-interleaved": "interleaved1f1b", "pp-gpipe": "gpipe", "ddp-ga2": "ga2"}
+    picks = {"pp-interleaved": "interleaved1f1b", "pp-gpipe": "gpipe", "pp-zb": "-zb-", "ddp-ga2": "ga2"}
     if strategy in picks:
         res = next(r for cid, r in world2.items() if picks[strategy] in cid)
     else:

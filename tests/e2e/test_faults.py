@@ -181,6 +181,8 @@ BAD_INPUT = [
     (["--gpus", "x"], "--gpus 'x'"),
     (["--steps", "0"], "--steps '0'"),
     (["--sizes", "huge"], "huge"),
+    (["--strategies", "pp", "--gpus", "2", "--pp-schedule", "zb", "--compile", "on"], "--pp-schedule zb with --compile on"),
+    (["--strategies", "pp", "--gpus", "2", "--pp-schedule", "zbx"], "--pp-schedule 'zbx'"),
 ]
 
 

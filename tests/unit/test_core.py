@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -10,11 +11,20 @@ from harness.errors import UsageError
 from harness.measure.peaks import datasheet_peak_tflops
 from harness.measure.step_stats import Stats, percentile
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import check_model_fit, degrees_for, expected_bubble, layer_ranges, stage_ids
+from harness.parallel.presets import (
+    check_model_fit,
+    check_schedule_compile,
+    degrees_for,
+    expected_bubble,
+    layer_ranges,
+    resolve_cell,
+    stage_ids,
+)
 from harness.precision import PrecisionPlan, check_strategy
 from harness.run.formulas import global_loss, max_rel_diff, slowest_per_step, steps_to_target, throughput
 from harness.scaling import global_batch, lr_at, scaled_lr
 from harness.spec import CellConfig
+from workloads.sizes import get_size
 
 
 def test_stats_exact():
@@ -68,9 +78,27 @@ def test_model_fit_errors_name_values_and_fix():
         check_model_fit(ParallelDims(pp=4, world_size=4), 4, 512, 4, "1f1b", 2)
 
 
+def test_zero_bubble_refusals_name_the_value_and_the_fix():
+    """zb holds two looped stages per rank as interleaved 1F1B does: the same stage and microbatch rules; compile
+    (torch refuses compiled stages for a split backward) and FSDP (measured off after one step) refused."""
+    with pytest.raises(UsageError, match=r"pipeline stages \(8 = pp 4 x 2 per rank\) exceed layers \(4\)"):
+        check_model_fit(ParallelDims(pp=4, world_size=4), 4, 512, 4, "zb", 8)
+    with pytest.raises(UsageError, match=r"schedule zb needs microbatches \(6\) divisible by pp \(4\)"):
+        check_model_fit(ParallelDims(pp=4, world_size=4), 4, 512, 8, "zb", 6)
+    with pytest.raises(UsageError, match=r"--pp-schedule zb with --compile on: .*use --compile off"):
+        check_schedule_compile(("zb",), (False, True))
+    check_schedule_compile(("interleaved1f1b",), (True,))
+    size = replace(get_size("mini"), seq_len=64)
+    with pytest.raises(UsageError, match=r"pp\+fsdp with --pp-schedule zb: .*use --strategies pp"):
+        resolve_cell("pp+fsdp", 4, None, size, "fp32", pp_schedule="zb", microbatches=4, grad_accum=1, global_batch=8)
+    layout, mb = resolve_cell("pp", 2, None, size, "fp32", pp_schedule="zb", microbatches=None, grad_accum=1,
+                              global_batch=8)
+    assert (layout.virtual_stages("zb"), mb) == (2, 4)
+
+
 def test_pipeline_split():
     assert [list(r) for r in layer_ranges(5, 2)] == [[0, 1, 2], [3, 4]]
-    assert stage_ids(1, 2, "interleaved1f1b") == [1, 3]
+    assert stage_ids(1, 2, "interleaved1f1b") == stage_ids(1, 2, "zb") == [1, 3]
     assert expected_bubble(4, 2, 8) == pytest.approx(3 / 16)
 
 

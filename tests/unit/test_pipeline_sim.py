@@ -1,0 +1,53 @@
+"""The bubble played out from each schedule's action list, against the published formula where one exists.
+
+Expected values from outside the code: Narayanan et al. 2021 (Megatron-LM, SC'21), the bubble fraction of
+GPipe and 1F1B is (p - 1) / m, and of the interleaved schedule with v stages per rank (p - 1) / (v m), for
+equal stages and free transfers; written here, not imported.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.errors import UsageError
+from harness.model.pipeline_sim import ActionTimes, schedule_bubble, schedule_order, simulate
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 4), (4, 4), (4, 8), (8, 16)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_stage_per_rank_schedules_equal_the_formula_on_every_rank(schedule, pp, m):
+    for times in (ActionTimes(), ActionTimes(f=1.0, i=1.5, w=0.5)):  # the formula holds for any F:B ratio
+        bubbles = simulate(schedule, pp, m, times)
+        assert [b.fraction for b in bubbles] == pytest.approx([(pp - 1) / m] * pp)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16)])
+def test_interleaved_1f1b_from_torchs_own_action_list_equals_the_formula(pp, m):
+    assert schedule_bubble("interleaved1f1b", pp, m) == pytest.approx((pp - 1) / (2 * m))
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_fills_most_of_interleaved_1f1bs_bubble_with_weight_gradients(pp, m):
+    zb, interleaved = schedule_bubble("zb", pp, m), schedule_bubble("interleaved1f1b", pp, m)
+    assert 0 <= zb < interleaved / 2, (zb, interleaved)
+
+
+def test_zb_splits_every_backward_and_runs_each_weight_gradient_after_its_input_gradient():
+    order = schedule_order("zb", 2, 4)
+    for actions in order.values():
+        kinds = [k for k, _, _ in actions]
+        assert kinds.count("F") == kinds.count("I") == kinds.count("W") == 2 * 4 and "B" not in kinds
+        pos = {(k, s, m): i for i, (k, s, m) in enumerate(actions)}
+        assert all(pos[("W", s, m)] > pos[("I", s, m)] for k, s, m in actions if k == "W")
+
+
+def test_busy_time_is_the_work_of_the_ranks_stages():
+    """Each rank computes m microbatches of F, I and W on each of its stages, whatever the order."""
+    times = ActionTimes(f=1.0, i=2.0, w=3.0)
+    for schedule, v in (("1f1b", 1), ("interleaved1f1b", 2), ("zb", 2)):
+        assert [b.busy for b in simulate(schedule, 2, 4, times)] == [v * 4 * 6.0] * 2
+
+
+def test_an_unknown_schedule_is_refused():
+    with pytest.raises(UsageError, match="unknown pipeline schedule 'zbx'"):
+        simulate("zbx", 2, 4)
