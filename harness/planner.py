@@ -26,7 +26,7 @@ from harness.errors import UsageError
 from harness.model.predict import CalibrationInputs, predict_cell
 from harness.parallel.activation_checkpoint import policy_order
 from harness.parallel.levers import OPTIMIZERS, check_levers
-from harness.parallel.presets import EP_PRESETS, STRATEGIES, degree_variants, resolve_cell, world_for
+from harness.parallel.presets import EP_PRESETS, PP_SCHEDULES, STRATEGIES, degree_variants, resolve_cell, world_for
 from harness.precision import Fp8Options, PrecisionPlan, check_fp8
 from harness.scaling import global_batch, scaled_lr
 from harness.spec import CellConfig, SweepSpec, cell_id_of
@@ -90,6 +90,8 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
             continue
         if prec != "fp8" and (levers["fp8_recipe"] != "tensorwise" or levers["fp8_all_gather"]):
             continue  # the fp8 options vary fp8 cells only
+        if levers["pp_schedule"] != spec.pp_schedules[0] and "pp" not in strat.split("+"):
+            continue  # the schedules vary pipelined cells only
         for degrees in _degrees_of(spec, strat, gpus * spec.nnodes, get_size(size, arch)):
             cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus=gpus, levers=levers, arch=arch, seq_len=seq,
                              routing=routing,
@@ -104,6 +106,7 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
                                                     c.raw["world_size"], _order(c.raw["strategy"]),
                                                     not c.raw["sequence_parallel"],
+                                                    PP_SCHEDULES.index(c.raw["pp_schedule"]),
                                                     c.raw["compile"], policy_order(c.raw["ac"]),
                                                     OPTIMIZERS.index(c.raw["optimizer"])))
     return predict_cells(ordered, force=spec.force)
@@ -121,9 +124,9 @@ def _degrees_of(spec: SweepSpec, strategy: str, world: int, size) -> Sequence[di
 
 def _levers(spec: SweepSpec) -> list[dict]:
     """Every combination of the lever axes, as cell fields."""
-    return [dict(compile=c, ac=a, optimizer=o, sequence_parallel=sp, fp8_recipe=r, fp8_all_gather=ag)
-            for c, a, o, sp, r, ag in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels,
-                                             spec.fp8_recipes, spec.fp8_all_gathers)]
+    return [dict(compile=c, ac=a, optimizer=o, sequence_parallel=sp, fp8_recipe=r, fp8_all_gather=ag, pp_schedule=ps)
+            for c, a, o, sp, r, ag, ps in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels,
+                                                 spec.fp8_recipes, spec.fp8_all_gathers, spec.pp_schedules)]
 
 
 def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell]) -> list[PlannedCell]:
@@ -133,7 +136,7 @@ def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell]) -> list[Plan
         return []
     out = []
     plain = dict(compile=False, ac="none", optimizer="adamw", sequence_parallel=True, fp8_recipe="tensorwise",
-                 fp8_all_gather=False)
+                 fp8_all_gather=False, pp_schedule=spec.pp_schedules[0])
     for c in cells.values():
         r = c.raw
         if r["precision"] != "fp8":
@@ -160,7 +163,7 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
     raw = dict(size=size_name, strategy=strategy, precision=precision, world_size=world, global_batch=gb,
                seq_len=seq, steps=spec.steps, warmup=spec.warmup, device_kind=spec.device_kind,
                nnodes=1 if world == 1 else spec.nnodes, grad_accum=spec.grad_accum,
-               microbatches=spec.microbatches or 1, pp_schedule=spec.pp_schedule, scaling=scaling, lr_rule=rule,
+               microbatches=spec.microbatches or 1, scaling=scaling, lr_rule=rule,
                base_lr=spec.base_lr, base_batch=base_batch, lr=scaled_lr(rule, spec.base_lr, base_batch, gb),
                lr_warmup_steps=spec.lr_warmup_steps, seed=spec.seed, target_loss=spec.target_loss,
                nvtx=spec.nvtx, monitor_hz=spec.monitor_hz, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
@@ -173,7 +176,7 @@ def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, sc
         plan = PrecisionPlan(precision, Fp8Options(levers["fp8_recipe"], levers["fp8_all_gather"], raw["fp8_emulate"]))
         plan.check_device(spec.device_kind)
         layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], replace(size, seq_len=seq), precision,
-                                                   pp_schedule=spec.pp_schedule, microbatches=spec.microbatches,
+                                                   pp_schedule=levers["pp_schedule"], microbatches=spec.microbatches,
                                                    grad_accum=spec.grad_accum, global_batch=gb,
                                                    sequence_parallel=levers["sequence_parallel"])
         check_levers(spec.device_kind, layout.dims.tp_enabled, spec.warmup, levers["compile"], levers["ac"],

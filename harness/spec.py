@@ -266,7 +266,8 @@ class SweepSpec:
     """``--fp8-emulate``: a GPU without FP8 tensor cores runs fp8 as torchao's emulation (a CPU always does)."""
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
-    pp_schedule: str = "1f1b"
+    pp_schedules: tuple[str, ...] = ("1f1b",)
+    """Pipeline schedules to sweep (``--pp-schedule 1f1b,zb``); a layout without a pipeline takes the first only."""
     grad_accum: int = 1
     base_lr: float = 1e-3
     base_batch: int | None = None

@@ -148,7 +148,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", help="measured steps")
     g.add_argument("--warmup", help="unmeasured steps first")
     g.add_argument("--microbatches", help="pipeline microbatches (default 2 x pp)")
-    g.add_argument("--pp-schedule", help=", ".join(PP_SCHEDULES) + " (zb: interleaved zero-bubble, two stages per rank)")
+    g.add_argument("--pp-schedule", help=", ".join(PP_SCHEDULES) + " (zb: interleaved zero-bubble, two stages per "
+                                         "rank); a list sweeps them across the pipelined strategies")
     g.add_argument("--grad-accum", help="gradient-accumulation micro-steps (non-pipeline)")
     g.add_argument("--base-lr", help="LR at --base-batch")
     g.add_argument("--base-batch", help="global batch at which --base-lr holds (default: --batch)")
@@ -277,10 +278,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     strategies = v.get("strategies") or ("single" if max(gpus) == 1 else ",".join(s for s in STRATEGIES if s != "single"))
     compiles = tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES))
     schedules = choices(v.label("pp_schedule"), v.get("pp_schedule", "1f1b"), PP_SCHEDULES)
-    if len(schedules) > 1:
-        raise UsageError(f"{v.label('pp_schedule')} {','.join(schedules)}: one schedule per sweep; run a sweep for each")
-    pp_schedule = schedules[0]
-    check_schedule_compile((pp_schedule,), compiles)
+    check_schedule_compile(schedules, compiles)
     return SweepSpec(
         sizes=csv_list(v.get("sizes", d["sizes"])),
         strategies=csv_list(strategies),
@@ -305,7 +303,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
                                                          COMPILE_MODES)),
         fp8_emulate=bool(v.get("fp8_emulate", False)),
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
-        pp_schedule=pp_schedule,
+        pp_schedules=schedules,
         grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),
         base_lr=positive_float(v.label("base_lr"), v.get("base_lr", 1e-3)),
         base_batch=int_arg(v.label("base_batch"), v["base_batch"], 1) if "base_batch" in v else None,

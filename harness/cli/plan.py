@@ -27,6 +27,7 @@ from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
 from harness.model.device_file import device_arg
 from harness.model.whatif import CompileGain, plan_at_scale, scenario
 from harness.parallel.levers import COMPILE_MODES
+from harness.parallel.presets import PP_SCHEDULES
 from harness.planner import expand
 from harness.records.reader import load_records
 from harness.report.lever_gains import compile_speedup
@@ -119,10 +120,11 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
              else [get_size(WHATIF_DEFAULT_SIZE[a], a).key for a in archs])
     strategies = csv_list(v["strategies"]) if v.get("strategies") else None
     seq_lens = seq_lens_arg(v.label("seq_len"), v["seq_len"]) if "seq_len" in v else (None,)
+    pp_schedules = choices(v.label("pp_schedule"), v.get("pp_schedule", "1f1b"), PP_SCHEDULES)
     opts = dict(global_batch=int_arg(v.label("batch"), v["batch"], 1) if "batch" in v else None,
                 recompute=v.get("recompute", "none"),
                 microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
-                efficiency=efficiency, pp_schedule=v.get("pp_schedule", "1f1b"),
+                efficiency=efficiency, pp_schedule=pp_schedules[0],
                 grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")),
                 moe_imbalance=_imbalance(v.label("moe_imbalance"), v["moe_imbalance"]) if "moe_imbalance" in v else 1.0)
     sps = tuple(x == "on" for x in choices(v.label("sp"), v.get("sp", "on"), SP_MODES))
@@ -142,7 +144,7 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
         print("\n".join(assumptions_lines(s)))
         print()
         rows = plan_at_scale(size, device, gpus, strategies, precision=prec, seq_len=seq, sequence_parallels=sps,
-                             **opts)
+                             pp_schedules=pp_schedules, **opts)
         if fit_records is not None:
             rows = with_measured_peaks(rows, fit_records, size, prec, s.size.seq_len, device.hbm_gib, args.fit_from)
         print(whatif_table(rows))

@@ -12,7 +12,8 @@
 * expert load: under expert parallel the experts' share of the compute (:func:`expert_flop_share`) is
   scaled by the busiest expert's load over the mean (``CellShape.moe_imbalance``), the rank holding it
   being the one every other waits for at the combine (an upper bound when a rank holds several experts);
-* pipeline bubble: ``(p - 1) / (v * m)`` of the slowest stage's compute (Narayanan et al.
+* pipeline bubble: ``(p - 1) / (v * m)`` of the slowest stage's compute for GPipe, 1F1B and interleaved 1F1B,
+  and the bubble simulated from its action list for any schedule (:mod:`harness.model.pipeline_sim`) (Narayanan et al.
   2021, section 2.2.1 and eq. for interleaving); CPU stages that share cores are priced slot by
   slot (:func:`harness.model.compute.pipeline_time_s`): a slot with fewer stages busy runs
   faster, so an oversubscribed node fills part of the bubble.
@@ -37,6 +38,7 @@ from harness.model.inventory import coords
 from harness.model.memory import state_bytes_by_rank
 from harness.model.pipeline_sim import schedule_bubble
 from harness.model.shape import CellShape
+from harness.parallel.presets import expected_bubble
 
 CommTime = Callable[[str, int, int, str], float | None]
 """(collective, nbytes, group size, mesh dim) -> seconds per call, or None when not calibrated."""
@@ -109,8 +111,11 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing
             exposed += max(sum(edge), hidden_ok - compute)
         bubble = 0.0
         if dims.pp_enabled:  # max(0, ...): only float rounding can make the schedule shorter than its work
+            # the slot model's bubble is (p - 1) / (v m) of the compute, cores shared as the slots fill; a schedule
+            # whose simulated bubble differs (zero-bubble: W fills it) scales it by simulated over formula (1 for
+            # gpipe, 1f1b and interleaved1f1b, whose simulation equals the formula)
             bubble = max(0.0, pipeline_time_s(one_pass, dims.pp, v, c.microbatches, max(1, sharing.node_ranks // dims.pp),
-                                              sharing) - compute)
+                                              sharing) - compute) * bubble_frac / expected_bubble(dims.pp, v, c.microbatches)
         comm_known = not missing
         step = compute + optimizer + exposed + bubble
         if missing:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import product
 from typing import Any
 
 from harness.errors import UsageError
@@ -249,10 +250,12 @@ def rank_rows(rows: list[dict]) -> list[dict]:
 
 
 def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: tuple[str, ...] | list[str] | None = None,
-                  *, sequence_parallels: tuple[bool, ...] = (True,), **options: Any) -> list[dict]:
+                  *, sequence_parallels: tuple[bool, ...] = (True,), pp_schedules: tuple[str, ...] | None = None,
+                  **options: Any) -> list[dict]:
     """Predicted rows for each strategy at ``gpus`` devices, ranked (see :func:`rank_rows`); ``options`` are
     :func:`scenario`'s. With ``sequence_parallels=(True, False)`` a layout with tensor parallel appears with and
-    without sequence parallel."""
+    without sequence parallel; with ``pp_schedules`` a pipelined layout once per schedule, labelled with it
+    where it is not 1F1B (``pp+fsdp+tp (zb)``), its bubble simulated from the schedule's action list."""
     s = scenario(size_name, device, gpus, **options)
     names = tuple(strategies) if strategies else default_strategies(s.size)
     unknown = [n for n in names if n not in STRATEGIES]
@@ -261,9 +264,11 @@ def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: t
     rows, seen = [], set()
     for n in names:
         for v in degree_variants(s, n):
-            for sp in sequence_parallels:
-                row = predict_row(replace(v, sequence_parallel=sp), n)
-                key = (n, str(row.get("degrees")), row["reason"])
+            for sp, ps in product(sequence_parallels, pp_schedules or (s.pp_schedule,)):
+                row = predict_row(replace(v, sequence_parallel=sp, pp_schedule=ps), n)
+                if ps != "1f1b" and "pp" in n.split("+"):
+                    row["strategy"] = f"{n} ({ps})"
+                key = (row["strategy"], str(row.get("degrees")), row["reason"])
                 if key not in seen:  # a layout without tp is the same with sp on or off
                     seen.add(key)
                     rows.append(row)
