@@ -48,12 +48,12 @@ def _ranges(xs: tuple[int, ...]) -> str:
     return ",".join(out)
 
 
-def _stage_kind(pp_rank: int, pp: int, virtual: int) -> str:
+def _stage_kind(pp_rank: int, pp: int, virtual: int, v_shape: bool) -> str:
     if pp == 1:
         return "all"
     n = pp * virtual
     kinds = ["first" if s == 0 else "last" if s == n - 1 else f"middle {pp_rank}"
-             for s in stages_of_rank(pp_rank, pp, virtual)]
+             for s in stages_of_rank(pp_rank, pp, virtual, v_shape)]
     return "+".join(dict.fromkeys(kinds))
 
 
@@ -63,8 +63,8 @@ def rank_roles(c: CellShape) -> list[Role]:
     shard = dims.fsdp_shards if c.fsdp else 1
     groups: dict[tuple, list] = {}
     for k in coords(dims):
-        kind = _stage_kind(k.pp, dims.pp, c.virtual)
-        specs = rank_params(c.size, dims, c.virtual, k.pp)
+        kind = _stage_kind(k.pp, dims.pp, c.virtual, c.v_shape)
+        specs = rank_params(c.size, dims, c.virtual, k.pp, c.v_shape)
         held = tuple(held_numel(p, dims, shard > 1, k) for p in specs)
         groups.setdefault((kind, held), []).append(k)
     roles = []

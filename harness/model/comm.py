@@ -152,8 +152,8 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
     hi, lo = act * c.residual_bytes, act * c.compute_bytes
     logits = rows * c.local_seq * size.vocab_size * c.compute_bytes
     stages = n_stages(c.dims, c.virtual)
-    mine = stages_of_rank(coord.pp, c.dims.pp, c.virtual)
-    layer_ids = rank_layer_ids(size.n_layers, c.dims.pp, c.virtual, coord.pp)
+    mine = stages_of_rank(coord.pp, c.dims.pp, c.virtual, c.v_shape)
+    layer_ids = rank_layer_ids(size.n_layers, c.dims.pp, c.virtual, coord.pp, c.v_shape)
     layers = len(layer_ids)
     first, last = 0 in mine, stages - 1 in mine
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
@@ -212,11 +212,12 @@ def _pp_calls(c: CellShape, coord: RankCoord) -> list[Call]:
     if dims.sequence_parallel:
         act //= dims.tp
     calls = []
-    for s in stages_of_rank(coord.pp, dims.pp, c.virtual):
+    mine = stages_of_rank(coord.pp, dims.pp, c.virtual, c.v_shape)
+    for s in mine:  # a neighbour stage on this rank (the V's turn: stages pp - 1 and pp) is handed over, not sent
         n = c.microbatches
-        if s > 0:  # activation in, its gradient back
+        if s > 0 and s - 1 not in mine:  # activation in, its gradient back
             calls += [Call("recv", act, 2, "pp", False)] * n + [Call("send", act, 2, "pp", True)] * n
-        if s < stages - 1:
+        if s < stages - 1 and s + 1 not in mine:
             calls += [Call("send", act, 2, "pp", True)] * n + [Call("recv", act, 2, "pp", False)] * n
     return calls
 
@@ -289,7 +290,7 @@ def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
 
 def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
     """Every collective ``coord``'s rank issues in one optimizer step."""
-    specs = rank_params(c.size, c.dims, c.virtual, coord.pp)
+    specs = rank_params(c.size, c.dims, c.virtual, coord.pp, c.v_shape)
     calls: list[Call] = []
     if c.fsdp:
         calls += _fsdp_calls(c, specs, coord)

@@ -127,8 +127,8 @@ def stage_shares(c: CellShape) -> list[tuple[float, float]]:
     total = c.size.n_layers * lf + hf
     out = []
     for p in range(c.dims.pp):
-        mine = stages_of_rank(p, c.dims.pp, c.virtual)
-        layers = rank_layers(c.size.n_layers, c.dims.pp, c.virtual, p)
+        mine = stages_of_rank(p, c.dims.pp, c.virtual, c.v_shape)
+        layers = rank_layers(c.size.n_layers, c.dims.pp, c.virtual, p, c.v_shape)
         head = stages - 1 in mine
         out.append(((layers * lf + (hf if head else 0)) / total, (layers + (1 if head else 0)) / (c.size.n_layers + 1)))
     return out

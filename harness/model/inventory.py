@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import layer_ranges
+from harness.parallel.presets import layer_ranges, placement
 from workloads.moe import WIDTH_DIM
 from workloads.sizes import ModelSize
 
@@ -171,14 +171,14 @@ def stage_of(spec: ParamSpec, stages: int, n_layers: int) -> int:
     return _layer_owner(n_layers, stages)[spec.layer]
 
 
-def rank_layers(n_layers: int, pp: int, virtual: int, pp_rank: int) -> int:
+def rank_layers(n_layers: int, pp: int, virtual: int, pp_rank: int, v_shape: bool = False) -> int:
     """Blocks on the stages a pipeline rank holds."""
-    return len(rank_layer_ids(n_layers, pp, virtual, pp_rank))
+    return len(rank_layer_ids(n_layers, pp, virtual, pp_rank, v_shape))
 
 
-def rank_layer_ids(n_layers: int, pp: int, virtual: int, pp_rank: int) -> list[int]:
+def rank_layer_ids(n_layers: int, pp: int, virtual: int, pp_rank: int, v_shape: bool = False) -> list[int]:
     """The model's indices of the blocks on the stages a pipeline rank holds, in order."""
-    mine = set(stages_of_rank(pp_rank, pp, virtual))
+    mine = set(stages_of_rank(pp_rank, pp, virtual, v_shape))
     return [i for i, s in enumerate(_layer_owner(n_layers, pp * virtual)) if s in mine]
 
 
@@ -216,17 +216,18 @@ def coords(dims: ParallelDims) -> list[RankCoord]:
     return out
 
 
-def stages_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """Stages a pipeline rank holds (looped placement for interleaved schedules)."""
-    return [pp_rank + k * pp for k in range(virtual)]
+def stages_of_rank(pp_rank: int, pp: int, virtual: int, v_shape: bool = False) -> list[int]:
+    """Stages a pipeline rank holds: looped for interleaved schedules, a V for zbv and dualpipev
+    (:func:`harness.parallel.presets.placement`, what the pipeline builds)."""
+    return placement(pp_rank, pp, virtual, v_shape)
 
 
-def rank_params(size: ModelSize, dims: ParallelDims, virtual: int, pp_rank: int) -> list[ParamSpec]:
+def rank_params(size: ModelSize, dims: ParallelDims, virtual: int, pp_rank: int, v_shape: bool = False) -> list[ParamSpec]:
     """Parameters (global specs) on the stages a pipeline rank holds."""
-    return list(_stage_params(size, dims.pp, virtual, pp_rank))
+    return list(_stage_params(size, dims.pp, virtual, pp_rank, v_shape))
 
 
 @functools.lru_cache(maxsize=1024)
-def _stage_params(size: ModelSize, pp: int, virtual: int, pp_rank: int) -> tuple[ParamSpec, ...]:
-    mine = set(stages_of_rank(pp_rank, pp, virtual))
+def _stage_params(size: ModelSize, pp: int, virtual: int, pp_rank: int, v_shape: bool = False) -> tuple[ParamSpec, ...]:
+    mine = set(stages_of_rank(pp_rank, pp, virtual, v_shape))
     return tuple(p for p in param_specs(size) if stage_of(p, pp * virtual, size.n_layers) in mine)

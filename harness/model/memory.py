@@ -70,7 +70,7 @@ def state_bytes_by_rank(c: CellShape) -> list[StateBytes]:
     for k in coords(c.dims):
         key = (k.pp, k.dp_shard if shard > 1 else 0)
         if key not in priced:
-            specs = rank_params(c.size, c.dims, c.virtual, k.pp)
+            specs = rank_params(c.size, c.dims, c.virtual, k.pp, c.v_shape)
             numel = sum(held_numel(p, c.dims, c.fsdp, k) for p in specs)
             priced[key] = StateBytes(params=4 * numel, grads=4 * numel,
                                      optimizer=ADAM_STATE_BYTES * numel + ADAM_STEP_BYTES * len(specs))
@@ -188,7 +188,7 @@ def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
     ``pp_rank`` (the first holds the most): what each of its layers keeps under the policy
     (:func:`kept_token_bytes`); in a pipeline, also each in-flight microbatch's stage output, which the
     schedule keeps for its backward (but on the last stage, whose output is the loss)."""
-    layers = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank)
+    layers = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape)
     tokens = c.microbatch_rows * c.local_seq * inflight_microbatches(c, pp_rank)
     sp = c.dims.tp if c.dims.sequence_parallel else 1
     stage_output = c.size.d_model * c.residual_bytes / sp if c.dims.pp_enabled and pp_rank < c.dims.pp - 1 else 0
@@ -241,7 +241,7 @@ def _gathered_groups(c: CellShape, pp_rank: int) -> tuple[int, list[int]]:
     block's, largest first."""
     per_block: dict[int, int] = {}
     root = 0
-    for p in rank_params(c.size, c.dims, c.virtual, pp_rank):
+    for p in rank_params(c.size, c.dims, c.virtual, pp_rank, c.v_shape):
         n = fsdp_padded_numel(held_shape(p, c.dims), fsdp_ways(p, c.dims)) * c.param_bytes
         if p.layer is None:
             root += n
@@ -270,13 +270,13 @@ def pipeline_unsharded_grad_bytes(c: CellShape, pp_rank: int) -> int:
     ``perform_reduce_grad``): from a rank's first backward to the step's end it holds its stage's
     gradients and parameters unsharded, the memory ZeRO-3 saves given back for the step.
     """
-    return 4 * sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank))
+    return 4 * sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank, c.v_shape))
 
 
 def _top_block_adds(c: CellShape, pp_rank: int) -> int:
     """What the rank's last block's backward (the first it runs) adds to the saved activations: the whole block
     recomputed when it is checkpointed whole, what ``op`` did not keep of it, and its MLP gradients."""
-    top = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank)[-1]
+    top = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape)[-1]
     if checkpointed_layer(c.recompute, top):
         return block_backward_bytes(c)
     if c.recompute == "op":

@@ -4,7 +4,9 @@ The action list of a multi-stage schedule is torch's own (``pipeline_order`` of
 ``torch.distributed.pipelining.schedules``: each rank's forwards ``F``, input-gradient backwards ``I``,
 weight-gradient backwards ``W``, whole backwards ``B`` per stage and microbatch), built from stand-in stages,
 so a schedule torch adds is predicted without a formula of its own. GPipe and 1F1B run one stage per rank and
-build no such list in torch; theirs is :func:`harness.model.schedule.stage_actions`.
+build no such list in torch; theirs is :func:`harness.model.schedule.stage_actions`. DualPipeV's overlapped
+forward-and-backward pairs (``OVERLAP_F_B``) run one after the other here: on one device the two share its
+compute, and what the overlap hides (transfers, an MoE's all-to-all) is not in this count.
 
 Each rank runs its actions in order; an action starts when the rank is free and what it needs is done: a
 forward the previous stage's forward of that microbatch, a backward (``I`` or ``B``) the next stage's backward
@@ -60,7 +62,8 @@ class _Stage:
 
 
 _KINDS = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
-_TORCH_CLASSES = {"interleaved1f1b": "ScheduleInterleaved1F1B", "zb": "ScheduleInterleavedZeroBubble"}
+_TORCH_CLASSES = {"interleaved1f1b": "ScheduleInterleaved1F1B", "zb": "ScheduleInterleavedZeroBubble",
+                  "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
 def schedule_order(schedule: str, pp: int, microbatches: int) -> dict[int, list[Action]]:
@@ -81,8 +84,8 @@ def schedule_order(schedule: str, pp: int, microbatches: int) -> dict[int, list[
     n_stages = pp * stages_per_rank(schedule)
     stages = [_Stage(s, n_stages, 0, pp) for s in stage_ids(0, pp, schedule)]
     order = cls(stages, n_microbatches=microbatches, loss_fn=lambda out, target: out).pipeline_order
-    return {rank: [(_KINDS[a.computation_type.name], a.stage_index, a.microbatch_index)
-                   for a in actions if a is not None] for rank, actions in order.items()}
+    return {rank: [(_KINDS[b.computation_type.name], b.stage_index, b.microbatch_index)
+                   for a in actions if a is not None for b in (a.sub_actions or (a,))] for rank, actions in order.items()}
 
 
 def simulate(schedule: str, pp: int, microbatches: int, times: ActionTimes = ActionTimes()) -> list[RankBubble]:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import Layout
+from harness.parallel.presets import V_SCHEDULES, Layout
 from workloads.sizes import ModelSize
 
 if TYPE_CHECKING:  # for annotations only: harness.spec imports torch, which the model never needs
@@ -74,6 +74,11 @@ class CellShape:
     @property
     def virtual(self) -> int:
         return self.layout.virtual_stages(self.pp_schedule)
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether a pipeline rank holds its two stages in a V (zbv, dualpipev), not looped."""
+        return self.dims.pp_enabled and self.pp_schedule in V_SCHEDULES
 
     @property
     def local_batch(self) -> int:

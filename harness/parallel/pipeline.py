@@ -18,7 +18,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
+    ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from harness.parallel.dims import ParallelDims
@@ -146,8 +148,10 @@ def build_pipeline(stage_modules: Mapping[int, nn.Module], n_stages: int, pp_gro
                                input_args=shapes.io(sid, n_stages)[0], output_args=shapes.io(sid, n_stages)[1])
                   for sid, mod in sorted(stage_modules.items())]
     sched: PipelineScheduleSingle | PipelineScheduleMulti
-    if schedule in ("interleaved1f1b", "zb"):
-        multi = ScheduleInterleaved1F1B if schedule == "interleaved1f1b" else ScheduleInterleavedZeroBubble
+    multis = {"interleaved1f1b": ScheduleInterleaved1F1B, "zb": ScheduleInterleavedZeroBubble,
+              "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+    if schedule in multis:
+        multi = multis[schedule]
         # the ignore: torch annotates ``stages`` as an invariant list of its private base class
         # (_PipelineStageBase); a list of PipelineStage, a subclass, is what it takes
         sched = multi(stages,  # type: ignore[arg-type]

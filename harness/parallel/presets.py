@@ -17,10 +17,13 @@ from workloads.sizes import ModelSize
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp",
               "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep")
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zb")
-ZERO_BUBBLE_SCHEDULES = ("zb",)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zb", "zbv", "dualpipev")
+ZERO_BUBBLE_SCHEDULES = ("zb", "zbv", "dualpipev")
 """Schedules that split each backward into its input-gradient (I) and weight-gradient (W) parts and fill the
-bubble with W (Qi et al. 2023): ``zb`` is torch's ``ScheduleInterleavedZeroBubble``, two looped stages per rank."""
+bubble with W (Qi et al. 2023): ``zb`` is torch's ``ScheduleInterleavedZeroBubble``, two looped stages per rank;
+``zbv`` (``ScheduleZBVZeroBubble``) and ``dualpipev`` (``ScheduleDualPipeV``, DeepSeek-V3's, which also overlaps a
+forward with a backward) hold two stages per rank in a V: rank r the stages r and 2 pp - 1 - r."""
+V_SCHEDULES = ("zbv", "dualpipev")
 SP_NAMED = {"tp": False, "tp-sp": True}
 """Presets whose name says whether tensor parallel runs with sequence parallel. Every other layout with
 tp > 1 runs it by default, as torchtitan's 2-D/3-D layouts and Megatron's TP runs always do
@@ -278,10 +281,11 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
     check_batch_split(layout.dims, global_batch, mb, grad_accum)
     check_moe(layout.dims, size)
     if layout.dims.pp_enabled and pp_schedule in ZERO_BUBBLE_SCHEDULES and layout.fsdp:
-        raise UsageError(f"{strategy} with --pp-schedule {pp_schedule}: under FSDP the zero-bubble schedule's split "
-                         f"backward does not train as one device does on torch 2.13 (measured: pp+fsdp at 4 ranks, "
-                         f"parameters off after one step); use --strategies pp, or --pp-schedule 1f1b or "
-                         f"interleaved1f1b")
+        why = ("does not train as one device does on torch 2.13 (measured: pp+fsdp at 4 ranks, parameters off after "
+               "one step)" if pp_schedule == "zb" else "is not checked here: the zb schedule's split backward under "
+               "FSDP did not train as one device does, and the model does not count a V's FSDP gathers")
+        raise UsageError(f"{strategy} with --pp-schedule {pp_schedule}: under FSDP the zero-bubble schedule {why}; "
+                         f"use --strategies pp, or --pp-schedule 1f1b or interleaved1f1b")
     return layout, mb
 
 
@@ -345,7 +349,7 @@ def check_model_fit(dims: ParallelDims, n_heads: int, d_ff: int, n_layers: int, 
                 f"schedule {pp_schedule} with pp {dims.pp} needs >= {need} microbatches, got {microbatches}; "
                 f"raise --microbatches"
             )
-        if stages_per_rank(pp_schedule) > 1 and microbatches % dims.pp:
+        if pp_schedule in ("interleaved1f1b", "zb") and microbatches % dims.pp:  # torch's rounds of pp microbatches
             raise UsageError(
                 f"schedule {pp_schedule} needs microbatches ({microbatches}) divisible by pp ({dims.pp}); "
                 f"use a multiple of {dims.pp}"
@@ -357,7 +361,7 @@ def stages_per_rank(pp_schedule: str) -> int:
     else 1."""
     if pp_schedule not in PP_SCHEDULES:
         raise UsageError(f"unknown pipeline schedule {pp_schedule!r}; choose from {', '.join(PP_SCHEDULES)}")
-    return 2 if pp_schedule in ("interleaved1f1b", "zb") else 1
+    return 2 if pp_schedule in ("interleaved1f1b", "zb", *V_SCHEDULES) else 1
 
 
 def check_schedule_compile(pp_schedules: tuple[str, ...], compiles: tuple[bool, ...]) -> None:
@@ -372,8 +376,11 @@ def check_schedule_compile(pp_schedules: tuple[str, ...], compiles: tuple[bool, 
 
 
 def min_microbatches(pp_schedule: str, pp: int) -> int:
-    """1F1B-style schedules need at least one microbatch in flight per stage."""
-    return 1 if pp_schedule == "gpipe" else pp
+    """1F1B-style schedules need at least one microbatch in flight per rank; the V schedules one per stage
+    (torch's ``ScheduleDualPipeV`` checks it; ZBV's order assumes it)."""
+    if pp_schedule == "gpipe":
+        return 1
+    return 2 * pp if pp_schedule in V_SCHEDULES else pp
 
 
 def expected_bubble(pp: int, virtual: int, microbatches: int) -> float:
@@ -392,6 +399,14 @@ def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
     return out
 
 
+def placement(pp_rank: int, pp: int, virtual: int, v_shape: bool = False) -> list[int]:
+    """Stage indices a pipeline rank holds: looped (``r, r + pp, ...``, one per virtual stage) or, for the V
+    schedules, ``r`` and ``2 pp - 1 - r`` (the first rank holds the first and the last stage)."""
+    if v_shape:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
 def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
-    """Stage indices a rank holds (looped placement for interleaved schedules)."""
-    return [pp_rank + k * pp for k in range(stages_per_rank(schedule))]
+    """Stage indices a rank holds under ``schedule`` (:func:`placement`)."""
+    return placement(pp_rank, pp, stages_per_rank(schedule), schedule in V_SCHEDULES)

@@ -36,10 +36,12 @@ def _pp_kw(strategy: str, world: int) -> dict:
 
 
 def schedule_cells(make) -> list[dict]:
-    """The other pipeline schedules at 2 ranks (1F1B is the ``pp`` preset's): ``make`` is a cell maker. Interleaved
-    zero-bubble (``zb``) splits each backward into its input and weight parts: tiny's 4 layers, one per stage."""
+    """The other pipeline schedules at 2 ranks (1F1B is the ``pp`` preset's): ``make`` is a cell maker. The
+    zero-bubble ones split each backward into its input and weight parts; zbv and dualpipev hold their two stages
+    in a V (rank 0 the first and the last): tiny's 4 layers, one per stage."""
     return [make("pp", 2, pp_schedule="interleaved1f1b", microbatches=4), make("pp", 2, pp_schedule="gpipe", microbatches=2),
-            make("pp", 2, pp_schedule="zb", microbatches=4)]
+            make("pp", 2, pp_schedule="zb", microbatches=4), make("pp", 2, pp_schedule="zbv", microbatches=4),
+            make("pp", 2, pp_schedule="dualpipev", microbatches=4)]
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +77,10 @@ def _by_strategy(results, strategy):
     return [r for cid, r in results.items() if cid.split("-fp32-")[0] == f"tiny-{strategy}"]
 
 
-@pytest.mark.parametrize("strategy", W2 + ["pp-interleaved", "pp-gpipe", "pp-zb", "ddp-ga2"])
+@pytest.mark.parametrize("strategy", W2 + ["pp-interleaved", "pp-gpipe", "pp-zb", "pp-zbv", "pp-dualpipev", "ddp-ga2"])
 def test_parity_world2(world2, reference, strategy):
-    picks = {"pp-interleaved": "interleaved1f1b", "pp-gpipe": "gpipe", "pp-zb": "-zb-", "ddp-ga2": "ga2"}
+    picks = {"pp-interleaved": "interleaved1f1b", "pp-gpipe": "gpipe", "pp-zb": "-zb-", "pp-zbv": "-zbv-",
+             "pp-dualpipev": "dualpipev", "ddp-ga2": "ga2"}
     if strategy in picks:
         res = next(r for cid, r in world2.items() if picks[strategy] in cid)
     else:

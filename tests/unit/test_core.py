@@ -88,6 +88,13 @@ def test_zero_bubble_refusals_name_the_value_and_the_fix():
     with pytest.raises(UsageError, match=r"--pp-schedule zb with --compile on: .*use --compile off"):
         check_schedule_compile(("zb",), (False, True))
     check_schedule_compile(("interleaved1f1b",), (True,))
+    with pytest.raises(UsageError, match=r"--pp-schedule zbv,dualpipev with --compile on"):
+        check_schedule_compile(("1f1b", "zbv", "dualpipev"), (True,))
+    with pytest.raises(UsageError, match=r"schedule dualpipev with pp 2 needs >= 4 microbatches, got 2"):
+        check_model_fit(ParallelDims(pp=2, world_size=2), 4, 512, 4, "dualpipev", 2)
+    with pytest.raises(UsageError, match=r"pipeline stages \(4 = pp 2 x 2 per rank\) exceed layers \(3\)"):
+        check_model_fit(ParallelDims(pp=2, world_size=2), 4, 512, 3, "zbv", 4)
+    check_model_fit(ParallelDims(pp=2, world_size=2), 4, 512, 4, "zbv", 6)  # no rounds of pp: 6 is fine
     size = replace(get_size("mini"), seq_len=64)
     with pytest.raises(UsageError, match=r"pp\+fsdp with --pp-schedule zb: .*use --strategies pp"):
         resolve_cell("pp+fsdp", 4, None, size, "fp32", pp_schedule="zb", microbatches=4, grad_accum=1, global_batch=8)
@@ -99,6 +106,9 @@ def test_zero_bubble_refusals_name_the_value_and_the_fix():
 def test_pipeline_split():
     assert [list(r) for r in layer_ranges(5, 2)] == [[0, 1, 2], [3, 4]]
     assert stage_ids(1, 2, "interleaved1f1b") == stage_ids(1, 2, "zb") == [1, 3]
+    # the V: rank r holds stages r and 2 pp - 1 - r (rank 0 the first and the last)
+    assert [stage_ids(r, 4, "zbv") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert stage_ids(0, 2, "dualpipev") == [0, 3]
     assert expected_bubble(4, 2, 8) == pytest.approx(3 / 16)
 
 

@@ -27,9 +27,23 @@ def test_interleaved_1f1b_from_torchs_own_action_list_equals_the_formula(pp, m):
 
 
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16)])
-def test_zero_bubble_fills_most_of_interleaved_1f1bs_bubble_with_weight_gradients(pp, m):
-    zb, interleaved = schedule_bubble("zb", pp, m), schedule_bubble("interleaved1f1b", pp, m)
+@pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
+def test_zero_bubble_fills_most_of_interleaved_1f1bs_bubble_with_weight_gradients(schedule, pp, m):
+    zb, interleaved = schedule_bubble(schedule, pp, m), schedule_bubble("interleaved1f1b", pp, m)
     assert 0 <= zb < interleaved / 2, (zb, interleaved)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_the_v_schedules_run_each_ranks_two_stages_of_the_v(schedule):
+    """Rank r runs stages r and 2 pp - 1 - r; DualPipeV's overlapped forward-and-backward pairs are both run."""
+    pp, m = 4, 8
+    for rank, actions in schedule_order(schedule, pp, m).items():
+        assert {s for _, s, _ in actions} == {rank, 2 * pp - 1 - rank}
+        for stage in (rank, 2 * pp - 1 - rank):
+            forwards = [mb for k, s, mb in actions if k == "F" and s == stage]
+            assert sorted(forwards) == list(range(m)), (rank, stage)
+            backward = sum(2 if k == "B" else 1 for k, s, _ in actions if s == stage and k in "BIW")
+            assert backward == 2 * m, (rank, stage)  # each microbatch's I and W, or one B standing for both
 
 
 def test_zb_splits_every_backward_and_runs_each_weight_gradient_after_its_input_gradient():
@@ -44,7 +58,7 @@ def test_zb_splits_every_backward_and_runs_each_weight_gradient_after_its_input_
 def test_busy_time_is_the_work_of_the_ranks_stages():
     """Each rank computes m microbatches of F, I and W on each of its stages, whatever the order."""
     times = ActionTimes(f=1.0, i=2.0, w=3.0)
-    for schedule, v in (("1f1b", 1), ("interleaved1f1b", 2), ("zb", 2)):
+    for schedule, v in (("1f1b", 1), ("interleaved1f1b", 2), ("zb", 2), ("zbv", 2), ("dualpipev", 2)):
         assert [b.busy for b in simulate(schedule, 2, 4, times)] == [v * 4 * 6.0] * 2
 
 

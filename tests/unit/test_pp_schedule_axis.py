@@ -47,11 +47,11 @@ def test_the_flag_takes_a_list():
 def test_the_whatif_ranks_each_schedule_with_its_simulated_bubble():
     """llama3 8b on 8 H100 as pp 8 at 16 microbatches: 1F1B's bubble (p - 1) / m = 7/16 (Narayanan et al. 2021),
     interleaved's half of it, zero-bubble's less again."""
-    rows = plan_at_scale("llama3-8b", "h100", 8, ["pp"], pp_schedules=("1f1b", "interleaved1f1b", "zb"),
+    rows = plan_at_scale("llama3-8b", "h100", 8, ["pp"], pp_schedules=("1f1b", "interleaved1f1b", "zb", "zbv"),
                          microbatches=16, global_batch=16)
     by = {r["strategy"]: r for r in rows}
-    assert set(by) == {"pp", "pp (interleaved1f1b)", "pp (zb)"}
+    assert set(by) == {"pp", "pp (interleaved1f1b)", "pp (zb)", "pp (zbv)"}
     assert by["pp"]["bubble_fraction"] == pytest.approx(7 / 16)
     assert by["pp (interleaved1f1b)"]["bubble_fraction"] == pytest.approx(7 / 32)
-    assert 0 < by["pp (zb)"]["bubble_fraction"] < 7 / 64
+    assert 0 < by["pp (zb)"]["bubble_fraction"] == by["pp (zbv)"]["bubble_fraction"] < 7 / 64
     assert by["pp (zb)"]["tokens_per_s_per_device"] > by["pp (interleaved1f1b)"]["tokens_per_s_per_device"]
