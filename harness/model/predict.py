@@ -26,6 +26,7 @@ from harness.model.compute import (
     wrapper_of,
 )
 from harness.model.memory import peak_bytes, state_bytes_by_rank
+from harness.model.pipeline_sim import simulate
 from harness.model.shape import CellShape
 from harness.model.step_time import CommTime, predict_step
 from harness.units import GIB
@@ -119,4 +120,6 @@ def predict_cell(cfg: CellConfig, cal: CalibrationInputs) -> dict:
         "peak_tensor_gib": peak_bytes(c, 0.0) / GIB,  # without the process: against measured tensor bytes
         "notes": notes,
         **({"fp8_linears": fp8_linears(cfg.model_size)} if cfg.precision == "fp8" else {}),
+        **({"pipeline_bubble_by_rank": [b.fraction for b in simulate(cfg.pp_schedule, c.dims.pp, c.microbatches)]}
+           if c.dims.pp_enabled else {}),
     }

@@ -18,6 +18,7 @@ from harness.report.lever_gains import lever_frame
 from harness.report.load_table import expert_load_frame
 from harness.report.model_attribution import memory_attribution, step_attribution
 from harness.report.model_error import model_frame
+from harness.report.pipeline_bubble import bubble_frame
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class RunFrames:
     memory_ranks: pd.DataFrame
     levers: pd.DataFrame
     expert_load: pd.DataFrame
+    pipeline_bubble: pd.DataFrame
+    """Simulated against measured bubble per pipelined cell (:func:`~harness.report.pipeline_bubble.bubble_frame`)."""
 
     @classmethod
     def of(cls, records: Sequence[dict[str, Any]]) -> RunFrames:
@@ -42,4 +45,4 @@ class RunFrames:
                    step_attribution=step_attribution(records), memory_attribution=memory_attribution(records),
                    composition=composition_frame(records), top_ops=top_ops_frame(records),
                    memory_ranks=memory_rank_frame(records), levers=lever_frame(records),
-                   expert_load=expert_load_frame(records))
+                   expert_load=expert_load_frame(records), pipeline_bubble=bubble_frame(records))

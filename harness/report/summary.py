@@ -17,6 +17,7 @@ from harness.report.lever_gains import levers_section
 from harness.report.load_table import expert_load_section
 from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
+from harness.report.pipeline_bubble import bubble_section
 from harness.report.run_frames import RunFrames
 from harness.report.ties import spread_text, tied_with
 from harness.text import first_line, fmt_or
@@ -276,6 +277,9 @@ def summary_markdown(frames: RunFrames) -> str:
     load = expert_load_section(frames.expert_load)
     if load:
         lines += [load, ""]
+    bubble = bubble_section(frames.pipeline_bubble)
+    if bubble:
+        lines += [bubble, ""]
     lines += [FORMULAS, ""]
     flags = _flags(df)
     if flags:

@@ -18,6 +18,9 @@ class RankMeasurement:
     rank: int
     times: list[float]
     """Every step's time on this rank, warmup first (s)."""
+    cpu_times: list[float] | None
+    """CPU ranks: the process's CPU seconds in each step (``time.process_time``), warmup first: what the rank
+    computed; its step time less this is what it waited (a pipeline's bubble and transfers). None on CUDA."""
     losses: list[float] | None
     """Every step's loss, or None on a pipeline rank without the loss (a rank has every step's or none)."""
     g_small: list[float] | None

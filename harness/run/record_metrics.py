@@ -9,6 +9,7 @@ Rank 0 of the worker summarises what every rank measured into :class:`WorkerMetr
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -165,6 +166,19 @@ def _gns(gathered: list[RankMeasurement], g_big: list[float], cfg: CellConfig) -
     return gns.b_simple(g_small, g_big, float(cfg.global_batch // dims.dp), float(cfg.global_batch))
 
 
+def _idle_over_busy(gathered: list[RankMeasurement], warmup: int) -> list[float | None] | None:
+    """Per rank, the median over the measured steps of (step time - CPU time) / CPU time: what a CPU rank waited
+    (its pipeline bubble and transfers) over what it computed, comparable to the schedule's simulated bubble
+    (``predicted.pipeline_bubble_by_rank``). None on CUDA, where a rank's CPU time is not its device's work."""
+    if any(g.cpu_times is None for g in gathered):
+        return None
+    out = []
+    for g in sorted(gathered, key=lambda g: g.rank):
+        pairs = list(zip(g.times, g.cpu_times or []))[warmup:]
+        out.append(statistics.median((t - c) / c for t, c in pairs) if pairs and all(c > 0 for _, c in pairs) else None)
+    return out
+
+
 def _instruments(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRun) -> InstrumentMetrics:
     dims, monitor_result = cfg.layout.dims, run.monitor
     m: InstrumentMetrics = {"gns": _gns(gathered, run.g_big, cfg)}
@@ -174,7 +188,8 @@ def _instruments(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRun)
         # of its action list (harness.model.pipeline_sim, record.predicted's step time)
         formula = cfg.pp_schedule not in ZERO_BUBBLE_SCHEDULES
         m["pipeline"] = {"stages": dims.pp * v, "virtual_per_rank": v, "microbatches": cfg.microbatches,
-                         "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches) if formula else None}
+                         "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches) if formula else None,
+                         "idle_over_busy_by_rank": _idle_over_busy(gathered, cfg.warmup)}
     if cfg.monitor_hz == 0:
         m["monitor"] = {"note": "n/a: monitor off (--monitor-hz 0)"}
     elif monitor_result is not None:

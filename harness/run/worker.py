@@ -112,6 +112,7 @@ class Window:
     """What the warmup and measured steps left on this rank."""
 
     times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
     losses: list[float | None] = field(default_factory=list)
     skipped: int = 0
     g_big: list[float] = field(default_factory=list)
@@ -149,8 +150,10 @@ def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, 
         scale = ctx.scaler.get_scale() if ctx.scaler is not None else 1.0
         with ranges.range("step", payload=step), ranges.train_step(step):
             timer.start()
+            cpu0 = time.process_time()
             loss, was_skipped = train.train_step(ctx, x, y, batches.lr(step))
             w.times.append(timer.stop())
+            w.cpu_times.append(time.process_time() - cpu0)
         if step >= cfg.warmup:
             beat.beat()
         if step == 0:  # after the clock stopped: the probe's gathers are never timed
@@ -190,7 +193,7 @@ def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, 
     if cfg.profile:
         marks.mark("profile")
     return RankMeasurement(
-        rank=where.rank, times=w.times, losses=[x for x in w.losses if x is not None] or None,
+        rank=where.rank, times=w.times, cpu_times=w.cpu_times if cfg.device_kind == "cpu" else None, losses=[x for x in w.losses if x is not None] or None,
         g_small=cell.gns_state.history if cell.gns_state else None, mem=mem,
         state_bytes=model_state_bytes(ctx.par.parts, ctx.optimizer), comm=counter.per_step(1),
         comm_cp=counter.per_step_labelled(CP_LABEL, 1), moe_ep_rows=ep_rows, trace=trace_paths,
