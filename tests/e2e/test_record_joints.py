@@ -121,7 +121,11 @@ def test_pipeline_schedule_and_its_sends_are_the_cells(cells):
     rec = cells["pp"]
     cfg, pipe, comm = rec["config"], rec["metrics"]["pipeline"], rec["metrics"]["comm"]
     p, m = cfg["degrees"]["pp"], cfg["microbatches"]
+    idle = pipe.pop("idle_over_busy_by_rank")
     assert pipe == {"stages": p, "virtual_per_rank": 1, "microbatches": m, "expected_bubble": (p - 1) / m}
+    # each rank's wait over its compute: one per rank, and a pipeline rank does wait ((step - CPU) / CPU > 0)
+    assert len(idle) == cfg["world_size"] and all(x is not None and x > 0 for x in idle), idle
+    assert rec["predicted"]["pipeline_bubble_by_rank"] == pytest.approx([(p - 1) / m] * p)
     activation = cfg["global_batch"] // m * cfg["seq_len"] * get_size(cfg["size"]).d_model * 4  # fp32 (b, S, d)
     assert comm["send"] == {"calls_per_step": m, "bytes_per_step": m * activation}, "one send per microbatch"
 
