@@ -26,7 +26,8 @@ from harness.errors import UsageError
 from harness.model.predict import CalibrationInputs, predict_cell
 from harness.parallel.activation_checkpoint import policy_order
 from harness.parallel.levers import OPTIMIZERS, check_levers
-from harness.parallel.presets import EP_PRESETS, PP_SCHEDULES, STRATEGIES, degree_variants, resolve_cell, world_for
+from harness.parallel.presets import EP_PRESETS, PP_PRESETS, STRATEGIES, degree_variants, resolve_cell, world_for
+from harness.parallel.schedules import PP_SCHEDULES
 from harness.precision import Fp8Options, PrecisionPlan, check_fp8
 from harness.scaling import global_batch, scaled_lr
 from harness.spec import CellConfig, SweepSpec, cell_id_of
@@ -90,7 +91,7 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
             continue
         if prec != "fp8" and (levers["fp8_recipe"] != "tensorwise" or levers["fp8_all_gather"]):
             continue  # the fp8 options vary fp8 cells only
-        if levers["pp_schedule"] != spec.pp_schedules[0] and "pp" not in strat.split("+"):
+        if levers["pp_schedule"] != spec.pp_schedules[0] and strat not in PP_PRESETS:
             continue  # the schedules vary pipelined cells only
         for degrees in _degrees_of(spec, strat, gpus * spec.nnodes, get_size(size, arch)):
             cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus=gpus, levers=levers, arch=arch, seq_len=seq,

@@ -15,7 +15,8 @@ import torch
 from harness.errors import UsageError
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.levers import OPTIMIZERS
-from harness.parallel.presets import PP_SCHEDULES, SP_NAMED, STRATEGIES, Layout, resolve
+from harness.parallel.presets import SP_NAMED, STRATEGIES, Layout, resolve
+from harness.parallel.schedules import PP_SCHEDULES
 from harness.precision import FP8_RECIPES, PRECISIONS, Fp8Options, PrecisionPlan
 from harness.scaling import LR_RULES, SCALINGS
 from workloads.moe import ROUTINGS

@@ -18,7 +18,8 @@ from harness.errors import UsageError
 from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
 from harness.parallel.levers import COMPILE_MODES, OPTIMIZERS
-from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, check_schedule_compile
+from harness.parallel.presets import STRATEGIES
+from harness.parallel.schedules import PP_SCHEDULES, check_schedule_compile
 from harness.precision import FP8_RECIPES, PRECISIONS
 from harness.spec import SweepSpec, default_device_kind
 from workloads.moe import ROUTINGS

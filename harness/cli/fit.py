@@ -20,7 +20,8 @@ from harness.fit.role_spec import COMPUTE
 from harness.model.device_file import device_from_file
 from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
-from harness.parallel.presets import PP_SCHEDULES, degree_variants
+from harness.parallel.presets import degree_variants
+from harness.parallel.schedules import PP_SCHEDULES
 from harness.records.atomic import write_text_atomic
 from harness.records.record import new_run_id
 from harness.report.fit_text import BANNER, fit_table, legend

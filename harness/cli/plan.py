@@ -27,7 +27,7 @@ from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
 from harness.model.device_file import device_arg
 from harness.model.whatif import CompileGain, plan_at_scale, scenario
 from harness.parallel.levers import COMPILE_MODES
-from harness.parallel.presets import PP_SCHEDULES
+from harness.parallel.schedules import PP_SCHEDULES
 from harness.planner import expand
 from harness.records.reader import load_records
 from harness.report.lever_gains import compile_speedup

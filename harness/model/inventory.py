@@ -3,7 +3,7 @@
 Built from the size alone (no model is instantiated), so it works for a 1.3B-parameter model
 at 1,024 ranks as fast as for ``tiny``. What a rank holds follows the code that shards it:
 
-* pipeline: stages are contiguous layer ranges (:func:`harness.parallel.presets.layer_ranges`);
+* pipeline: stages are contiguous layer ranges (:func:`harness.parallel.schedules.layer_ranges`);
   stage 0 adds the embeddings, the last stage the final norm and LM head; a rank holds
   stages ``r, r + pp, ...`` (one per virtual stage);
 * tensor parallel (:mod:`harness.parallel.tp`): q/k/v and the MLP's input linears (fc, or
@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import layer_ranges, placement
+from harness.parallel.schedules import layer_ranges, placement
 from workloads.moe import WIDTH_DIM
 from workloads.sizes import ModelSize
 
@@ -160,7 +160,7 @@ def n_stages(dims: ParallelDims, virtual: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _layer_owner(n_layers: int, stages: int) -> tuple[int, ...]:
-    """Stage of each layer (:func:`harness.parallel.presets.layer_ranges`)."""
+    """Stage of each layer (:func:`harness.parallel.schedules.layer_ranges`)."""
     return tuple(s for s, r in enumerate(layer_ranges(n_layers, stages)) for _ in r)
 
 
@@ -218,7 +218,7 @@ def coords(dims: ParallelDims) -> list[RankCoord]:
 
 def stages_of_rank(pp_rank: int, pp: int, virtual: int, v_shape: bool = False) -> list[int]:
     """Stages a pipeline rank holds: looped for interleaved schedules, a V for zbv and dualpipev
-    (:func:`harness.parallel.presets.placement`, what the pipeline builds)."""
+    (:func:`harness.parallel.schedules.placement`, what the pipeline builds)."""
     return placement(pp_rank, pp, virtual, v_shape)
 
 

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 from harness.errors import UsageError
 from harness.model.schedule import stage_actions
-from harness.parallel.presets import stage_ids, stages_per_rank
+from harness.parallel.schedules import stage_ids, stages_per_rank
 
 Action = tuple[str, int, int]
 """(kind, stage, microbatch): kind F, I (input gradient), W (weight gradient) or B (both)."""
@@ -42,6 +42,8 @@ class ActionTimes:
 
 @dataclass(frozen=True)
 class RankBubble:
+    """One pipeline rank's time over a simulated step: computing, and waiting until the step's last action ends."""
+
     busy: float
     idle: float
 

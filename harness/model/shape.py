@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import V_SCHEDULES, Layout
+from harness.parallel.presets import Layout
+from harness.parallel.schedules import V_SCHEDULES
 from workloads.sizes import ModelSize
 
 if TYPE_CHECKING:  # for annotations only: harness.spec imports torch, which the model never needs

@@ -38,7 +38,7 @@ from harness.model.inventory import coords
 from harness.model.memory import state_bytes_by_rank
 from harness.model.pipeline_sim import schedule_bubble
 from harness.model.shape import CellShape
-from harness.parallel.presets import expected_bubble
+from harness.parallel.schedules import expected_bubble
 
 CommTime = Callable[[str, int, int, str], float | None]
 """(collective, nbytes, group size, mesh dim) -> seconds per call, or None when not calibrated."""

@@ -35,7 +35,8 @@ from harness.model.step_time import predict_step
 from harness.parallel import presets
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import PP_SCHEDULES, STRATEGIES, resolve, resolve_cell, world_for
+from harness.parallel.presets import STRATEGIES, resolve, resolve_cell, world_for
+from harness.parallel.schedules import PP_SCHEDULES
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
 SEQUENCES_PER_DEVICE = 8
@@ -266,7 +267,7 @@ def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: t
         for v in degree_variants(s, n):
             for sp, ps in product(sequence_parallels, pp_schedules or (s.pp_schedule,)):
                 row = predict_row(replace(v, sequence_parallel=sp, pp_schedule=ps), n)
-                if ps != "1f1b" and "pp" in n.split("+"):
+                if ps != "1f1b" and n in presets.PP_PRESETS:
                     row["strategy"] = f"{n} ({ps})"
                 key = (row["strategy"], str(row.get("degrees")), row["reason"])
                 if key not in seen:  # a layout without tp is the same with sp on or off

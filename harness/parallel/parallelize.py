@@ -18,19 +18,27 @@ Order, and why:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
 
 from harness.parallel.activation_checkpoint import apply_ac
 from harness.parallel.cp import apply_cp
 from harness.parallel.data_parallel import apply_ddp, apply_fsdp
-from harness.parallel.dims import FSDP_SHARD_DIM
+from harness.parallel.dims import FSDP_SHARD_DIM, ParallelDims
 from harness.parallel.ep import apply_ep, shard_experts
 from harness.parallel.levers import apply_compile
 from harness.parallel.parallelized import Parallelized
 from harness.parallel.pipeline import StageShapes, build_pipeline, build_stage_module
-from harness.parallel.presets import Layout, stage_ids, stages_per_rank
-from harness.parallel.tp import apply_tp
+from harness.parallel.presets import Layout
+from harness.parallel.schedules import stage_ids, stages_per_rank
+from harness.parallel.tp import apply_tp, reduce_partial_grads
 from harness.precision import float8_tp_styles
 from workloads.model import Decoder
 
@@ -86,6 +94,36 @@ def parallelize(model: Decoder, layout: Layout, device: torch.device, precision,
         pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn,
                               stage_shapes)
         return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp,
-                            sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel, fp8_linears=fp8)
-    return Parallelized(parts=[parts[0]], model=wrapped or parts[0], pipeline=None, data_parallel=dp,
-                        sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel, fp8_linears=fp8)
+                            fp8_linears=fp8, **_step_hooks(dims, list(parts.values())))
+    callable_model = wrapped or parts[0]
+    return Parallelized(parts=[parts[0]], model=callable_model, pipeline=None, data_parallel=dp,
+                        fp8_linears=fp8, **_step_hooks(dims, [parts[0]], callable_model))
+
+
+def _step_hooks(dims: ParallelDims, parts: list[nn.Module], model: nn.Module | None = None) -> dict:
+    """What the layout adds to each step, bound once: data parallel's ``no_sync`` for gradient accumulation (the
+    callable ``model``'s), sequence parallel's one all-reduce of the norms' partial gradients before the optimizer,
+    and loss parallel's context for the loss and its backward."""
+    def reduce() -> int:
+        return reduce_partial_grads(p for part in parts for p in part.parameters())
+
+    return {"no_sync": _no_sync(model), "after_backward": reduce if dims.sequence_parallel else None,
+            "loss_parallel": loss_parallel if dims.loss_parallel else None}
+
+
+def _no_sync(model: nn.Module | None) -> Callable[[], AbstractContextManager[None]] | None:
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync
+    if not isinstance(model, FSDPModule):
+        return None
+    fsdp = model
+
+    @contextlib.contextmanager
+    def fsdp_no_sync() -> Iterator[None]:
+        fsdp.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            fsdp.set_requires_gradient_sync(True)
+
+    return fsdp_no_sync

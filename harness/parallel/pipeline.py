@@ -24,7 +24,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import layer_ranges
+from harness.parallel.schedules import layer_ranges
 from workloads.model import Decoder
 
 

@@ -11,19 +11,13 @@ from dataclasses import dataclass, replace
 
 from harness.errors import UsageError
 from harness.parallel.dims import ParallelDims
+from harness.parallel.schedules import check_pipeline, check_schedule_layout, stages_per_rank
 from harness.precision import check_strategy
 from workloads.sizes import ModelSize
 
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp",
               "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep")
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zb", "zbv", "dualpipev")
-ZERO_BUBBLE_SCHEDULES = ("zb", "zbv", "dualpipev")
-"""Schedules that split each backward into its input-gradient (I) and weight-gradient (W) parts and fill the
-bubble with W (Qi et al. 2023): ``zb`` is torch's ``ScheduleInterleavedZeroBubble``, two looped stages per rank;
-``zbv`` (``ScheduleZBVZeroBubble``) and ``dualpipev`` (``ScheduleDualPipeV``, DeepSeek-V3's, which also overlaps a
-forward with a backward) hold two stages per rank in a V: rank r the stages r and 2 pp - 1 - r."""
-V_SCHEDULES = ("zbv", "dualpipev")
 SP_NAMED = {"tp": False, "tp-sp": True}
 """Presets whose name says whether tensor parallel runs with sequence parallel. Every other layout with
 tp > 1 runs it by default, as torchtitan's 2-D/3-D layouts and Megatron's TP runs always do
@@ -194,6 +188,8 @@ def resolve(strategy: str, world: int, override: dict | None = None, sequence_pa
     return Layout(strategy, dims)
 
 
+PP_PRESETS = tuple(s for s in STRATEGIES if "pp" in s.split("+"))
+"""Presets with a pipeline: the ones a pipeline schedule varies."""
 CP_PRESETS = {"fsdp+cp": 1, "fsdp+tp+cp": 2}
 """The context-parallel presets and the tp degree each holds fixed."""
 EP_PRESETS = {"fsdp+ep": 1, "fsdp+tp+ep": 2}
@@ -280,12 +276,8 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
     check_seq_split(layout.dims, size.seq_len)
     check_batch_split(layout.dims, global_batch, mb, grad_accum)
     check_moe(layout.dims, size)
-    if layout.dims.pp_enabled and pp_schedule in ZERO_BUBBLE_SCHEDULES and layout.fsdp:
-        why = ("does not train as one device does on torch 2.13 (measured: pp+fsdp at 4 ranks, parameters off after "
-               "one step)" if pp_schedule == "zb" else "is not checked here: the zb schedule's split backward under "
-               "FSDP did not train as one device does, and the model does not count a V's FSDP gathers")
-        raise UsageError(f"{strategy} with --pp-schedule {pp_schedule}: under FSDP the zero-bubble schedule {why}; "
-                         f"use --strategies pp, or --pp-schedule 1f1b or interleaved1f1b")
+    if layout.dims.pp_enabled:
+        check_schedule_layout(strategy, pp_schedule, layout.fsdp)
     return layout, mb
 
 
@@ -337,76 +329,4 @@ def check_model_fit(dims: ParallelDims, n_heads: int, d_ff: int, n_layers: int, 
         if d_ff % dims.tp:
             raise UsageError(f"tp ({dims.tp}) must divide the MLP width ({d_ff}); choose a tp that divides {d_ff}")
     if dims.pp_enabled:
-        stages = dims.pp * stages_per_rank(pp_schedule)
-        if stages > n_layers:
-            raise UsageError(
-                f"pipeline stages ({stages} = pp {dims.pp} x {stages_per_rank(pp_schedule)} per rank) exceed "
-                f"layers ({n_layers}); lower pp or use a deeper size"
-            )
-        need = min_microbatches(pp_schedule, dims.pp)
-        if microbatches < need:
-            raise UsageError(
-                f"schedule {pp_schedule} with pp {dims.pp} needs >= {need} microbatches, got {microbatches}; "
-                f"raise --microbatches"
-            )
-        if pp_schedule in ("interleaved1f1b", "zb") and microbatches % dims.pp:  # torch's rounds of pp microbatches
-            raise UsageError(
-                f"schedule {pp_schedule} needs microbatches ({microbatches}) divisible by pp ({dims.pp}); "
-                f"use a multiple of {dims.pp}"
-            )
-
-
-def stages_per_rank(pp_schedule: str) -> int:
-    """Virtual stages per rank: 2 for interleaved 1F1B (Narayanan et al. 2021) and interleaved zero-bubble,
-    else 1."""
-    if pp_schedule not in PP_SCHEDULES:
-        raise UsageError(f"unknown pipeline schedule {pp_schedule!r}; choose from {', '.join(PP_SCHEDULES)}")
-    return 2 if pp_schedule in ("interleaved1f1b", "zb", *V_SCHEDULES) else 1
-
-
-def check_schedule_compile(pp_schedules: tuple[str, ...], compiles: tuple[bool, ...]) -> None:
-    """torch 2.13's zero-bubble schedules refuse stage modules that were torch.compile'd (their backward is split
-    into input and weight parts by autograd; ``_check_torch_compile_compatibility`` raises)."""
-    zb = [s for s in pp_schedules if s in ZERO_BUBBLE_SCHEDULES]
-    if zb and any(compiles):
-        raise UsageError(f"--pp-schedule {','.join(zb)} with --compile on: torch's zero-bubble schedules split each "
-                         f"backward by autograd and refuse compiled stages (torch.distributed.pipelining."
-                         f"schedules._check_torch_compile_compatibility); use --compile off, or --pp-schedule "
-                         f"1f1b or interleaved1f1b")
-
-
-def min_microbatches(pp_schedule: str, pp: int) -> int:
-    """1F1B-style schedules need at least one microbatch in flight per rank; the V schedules one per stage
-    (torch's ``ScheduleDualPipeV`` checks it; ZBV's order assumes it)."""
-    if pp_schedule == "gpipe":
-        return 1
-    return 2 * pp if pp_schedule in V_SCHEDULES else pp
-
-
-def expected_bubble(pp: int, virtual: int, microbatches: int) -> float:
-    """Pipeline bubble fraction ``(p - 1) / (v * m)`` (Narayanan et al. 2021, eq. for interleaving)."""
-    return (pp - 1) / (virtual * microbatches)
-
-
-def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
-    """Split layers as evenly as possible; earlier stages take the remainder."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def placement(pp_rank: int, pp: int, virtual: int, v_shape: bool = False) -> list[int]:
-    """Stage indices a pipeline rank holds: looped (``r, r + pp, ...``, one per virtual stage) or, for the V
-    schedules, ``r`` and ``2 pp - 1 - r`` (the first rank holds the first and the last stage)."""
-    if v_shape:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual)]
-
-
-def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
-    """Stage indices a rank holds under ``schedule`` (:func:`placement`)."""
-    return placement(pp_rank, pp, stages_per_rank(schedule), schedule in V_SCHEDULES)
+        check_pipeline(dims.pp, n_layers, pp_schedule, microbatches)

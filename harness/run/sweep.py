@@ -27,8 +27,9 @@ from harness.run.batch_search import BatchSearch
 from harness.run.fork_client import ForkServer
 from harness.run.launch import Outcome, Rendezvous, run_cell_job
 from harness.run.nsys_capture import NsysTool, captured_job
+from harness.run.parity import parity_key
 from harness.run.progress import Progress
-from harness.run.record_metrics import RunFacts, cell_metrics, parity_key, run_metrics
+from harness.run.record_metrics import RunFacts, cell_metrics, run_metrics
 from harness.run.rounds import RoundsPlan, RoundState, round_order
 from harness.run.rounds import summary as rounds_summary
 from harness.run.rundir import existing_records

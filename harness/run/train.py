@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,28 +40,8 @@ class StepContext:
 
 
 def _sync_context(par: Parallelized, sync: bool) -> AbstractContextManager[Any]:
-    """Skip the gradient reduction on all but the last accumulation micro-step."""
-    model = par.model
-    if sync or model is None:
-        return contextlib.nullcontext()
-    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (grad accumulation only; see parallelized.py)
-    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
-
-    if isinstance(model, DistributedDataParallel):
-        return model.no_sync()
-    if isinstance(model, FSDPModule):
-        fsdp = model
-        fsdp.set_requires_gradient_sync(False)
-
-        @contextlib.contextmanager
-        def _restore() -> Iterator[None]:
-            try:
-                yield
-            finally:
-                fsdp.set_requires_gradient_sync(True)
-
-        return _restore()
-    return contextlib.nullcontext()
+    """Skip the gradient reduction on all but the last accumulation micro-step (the layout's ``no_sync``)."""
+    return contextlib.nullcontext() if sync or par.no_sync is None else par.no_sync()
 
 
 def _value(loss: torch.Tensor) -> torch.Tensor:
@@ -99,10 +79,8 @@ def train_step(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) ->
         group["lr"] = lr
     ctx.optimizer.zero_grad(set_to_none=True)
     loss = _forward_backward(ctx, x, y)
-    if ctx.par.sequence_parallel:  # the LayerNorms' partial gradients, summed once (not at every AdamW use)
-        from harness.parallel.tp import reduce_partial_grads  # noqa: PLC0415 (tp layouts only)
-
-        reduce_partial_grads(ctx.par.parameters())
+    if ctx.par.after_backward is not None:  # sequence parallel: the norms' partial gradients, summed once
+        ctx.par.after_backward()
     skipped = False
     with ctx.ranges.range("optimizer"):
         if ctx.scaler is None:

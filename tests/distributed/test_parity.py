@@ -16,7 +16,8 @@ from dataclasses import replace
 import pytest
 
 from harness.run.formulas import max_rel_diff
-from harness.run.record_metrics import RunFacts, cell_metrics, parity_diffs
+from harness.run.parity import parity_diffs
+from harness.run.record_metrics import RunFacts, cell_metrics
 from tests.distributed import _inject
 from tests.distributed._spawn import cell, run_cells
 from workloads.sizes import get_size

@@ -14,7 +14,7 @@ from harness.model.comm import comm_by_rank
 from harness.model.memory import state_bytes_by_rank
 from harness.model.shape import CellShape
 from harness.run.formulas import max_rel_diff
-from harness.run.record_metrics import parity_diffs
+from harness.run.parity import parity_diffs
 from harness.spec import CellConfig
 from tests.distributed._spawn import cell, run_cells
 from tests.distributed.test_parity import GRAD_NORM_TOL, PARAMS_TOL, TOL

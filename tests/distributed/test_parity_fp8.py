@@ -1,7 +1,7 @@
 """fp8 on CPU ranks, as torchao's emulation (its float8 casts and scales, the matmuls in high precision), held to
 bf16's curve: every layout that takes fp8, and the three faults fp8 parity exists to catch.
 
-The reference is the bf16 single-device cell of the same work (:func:`harness.run.record_metrics.parity_key`);
+The reference is the bf16 single-device cell of the same work (:func:`harness.run.parity.parity_key`);
 the tolerance is fp8's (``PARITY_TOL["fp8"]``, its reason beside it). Each planted fault runs one device:
 a scale 4x too large (values above a quarter of the amax saturate), one MLP linear left in bf16, the LM head
 converted. The first fails on the numbers; the other two on the converted linears, which the loss cannot
@@ -15,7 +15,8 @@ import importlib.util
 import pytest
 
 from harness.model.block_ops import fp8_linears
-from harness.run.record_metrics import PARITY_TOL, RunFacts, cell_metrics
+from harness.run.parity import PARITY_TOL
+from harness.run.record_metrics import RunFacts, cell_metrics
 from harness.spec import CellConfig
 from tests.distributed import _inject
 from tests.distributed._spawn import cell, run_cells

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from harness.run.formulas import max_rel_diff
-from harness.run.record_metrics import parity_diffs
+from harness.run.parity import parity_diffs
 from tests.distributed._spawn import cell, run_cells
 from tests.distributed.test_parity import GRAD_NORM_TOL, PARAMS_TOL, TOL, _check_model, _pp_kw, schedule_cells
 

@@ -19,7 +19,7 @@ import pytest
 from harness.model.comm import comm_for_routing
 from harness.model.shape import CellShape
 from harness.run.formulas import max_rel_diff
-from harness.run.record_metrics import parity_diffs
+from harness.run.parity import parity_diffs
 from harness.spec import CellConfig
 from tests.distributed._spawn import cell, run_cells
 from tests.distributed.test_parity import GRAD_NORM_TOL, PARAMS_TOL, TOL, _check_model

@@ -11,15 +11,8 @@ from harness.errors import UsageError
 from harness.measure.peaks import datasheet_peak_tflops
 from harness.measure.step_stats import Stats, percentile
 from harness.parallel.dims import ParallelDims
-from harness.parallel.presets import (
-    check_model_fit,
-    check_schedule_compile,
-    degrees_for,
-    expected_bubble,
-    layer_ranges,
-    resolve_cell,
-    stage_ids,
-)
+from harness.parallel.presets import check_model_fit, degrees_for, resolve_cell
+from harness.parallel.schedules import check_schedule_compile, expected_bubble, layer_ranges, stage_ids
 from harness.precision import PrecisionPlan, check_strategy
 from harness.run.formulas import global_loss, max_rel_diff, slowest_per_step, steps_to_target, throughput
 from harness.scaling import global_batch, lr_at, scaled_lr

@@ -9,7 +9,7 @@ from harness.cli import build_parser, spec_from_args
 from harness.errors import UsageError
 from harness.model.block_ops import fp8_linears
 from harness.planner import expand
-from harness.run.record_metrics import parity_key
+from harness.run.parity import parity_key
 from harness.spec import CellConfig
 from workloads.sizes import get_size
 

@@ -27,7 +27,7 @@ from harness.parallel.levers import OPTIMIZERS, build_optimizer, check_levers
 from harness.parallel.presets import STRATEGIES
 from harness.planner import expand
 from harness.records.record import fingerprint_fields, pulled_levers
-from harness.run.record_metrics import DEAD_GRAD_FRACTION
+from harness.run.parity import DEAD_GRAD_FRACTION
 from harness.spec import cell_id_of
 from workloads.model import Decoder, lm_loss
 from workloads.sizes import get_size

@@ -16,7 +16,7 @@ from harness.model.shape import CellShape
 from harness.parallel.expert_load import ExpertLoad
 from harness.parallel.presets import degrees_for
 from harness.planner import expand
-from harness.run.record_metrics import parity_diffs, routing_divergence
+from harness.run.parity import parity_diffs, routing_divergence
 from harness.spec import SweepSpec
 from tests.unit.test_workloads import counted_flops_per_token
 from workloads.model import Decoder
@@ -290,7 +290,7 @@ def test_each_routing_is_held_to_its_own_single_device_reference_also_after_a_re
     """A sweep with --moe-routing learned,balanced has two single-device references. A resume re-reads the finished
     records in file order, both singles among them: each routing's cells must still find their own (before the fix
     the parity key had no routing, so the last single read was every cell's reference)."""
-    from harness.run.record_metrics import parity_key
+    from harness.run.parity import parity_key
     from harness.run.sweep import _keep_reference
 
     base = dict(arch="moe", size="tiny", precision="fp32", global_batch=8, seq_len=64, lr=1e-3, lr_warmup_steps=0,
