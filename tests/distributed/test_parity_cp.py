@@ -37,13 +37,14 @@ def cp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cp4(tmp_path_factory):
     """cp = 4 over every rank (one id per strategy in a run, so the tp and AC cells run beside it)."""
-    cells = [cell("fsdp+cp", 4, arch=a, degrees={"cp": 4}) for a in ARCHS]
+    # 3 measured steps (5 before issue 43): a wrong layout shows in step 1's gradients and loss
+    cells = [cell("fsdp+cp", 4, arch=a, degrees={"cp": 4}, steps=3) for a in ARCHS]
     return run_cells(cells, 4, tmp_path_factory.mktemp("cp-w4"))
 
 
 @pytest.fixture(scope="module")
 def cp_hybrids(tmp_path_factory):
-    cells = [cell("fsdp+tp+cp", 4, arch="llama3"), cell("fsdp+cp", 4, arch="llama3", ac="selective")]
+    cells = [cell("fsdp+tp+cp", 4, arch="llama3", steps=3), cell("fsdp+cp", 4, arch="llama3", ac="selective", steps=3)]
     return run_cells(cells, 4, tmp_path_factory.mktemp("cp-w4-hybrids"))
 
 

@@ -32,7 +32,7 @@ REF = "tiny-single-bf16-w1-gb8-strong-s64"
 
 
 def fp8(strategy: str, world: int, **kw) -> dict:
-    return cell(strategy, world, **{"precision": "fp8", "fp8_emulate": True, "steps": 6, **kw})
+    return cell(strategy, world, **{"precision": "fp8", "fp8_emulate": True, "steps": 3, **kw})
 
 
 def _record(res: dict, cid: str, ref: dict) -> dict:
@@ -47,7 +47,7 @@ def _record(res: dict, cid: str, ref: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    cells = [cell("single", 1, precision="bf16", steps=6), fp8("single", 1), fp8("single", 1, fp8_recipe="rowwise")]
+    cells = [cell("single", 1, precision="bf16", steps=3), fp8("single", 1), fp8("single", 1, fp8_recipe="rowwise")]
     return run_cells(cells, 1, tmp_path_factory.mktemp("fp8w1"))
 
 
@@ -58,7 +58,7 @@ def two_ranks(tmp_path_factory):
     return run_cells(cells, 2, tmp_path_factory.mktemp("fp8w2"))
 
 
-@pytest.mark.slow  # 7 cells at 2 ranks (~30 s); the one-device cells and the planted faults are fast
+@pytest.mark.slow  # 7 cells at 2 ranks, 3 steps each (6 before issue 43: the layouts and conversions show from step 1); the one-device cells and the planted faults are fast
 def test_every_fp8_layout_matches_bf16_and_converts_the_models_linears(one_device, two_ranks):
     results = {**{k: v for k, v in one_device.items() if "-fp8-" in k}, **two_ranks}
     assert len(results) == 9, sorted(results)

@@ -55,8 +55,10 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
+    # Learned routing only where no rank exchanges rows (its load all-reduce and bias step are the harder case;
+    # balanced routing under these layouts is the fast tier's at world 2); both routings where experts move.
     strategies = {"zero2": {}, "hsdp": {}, "pp+fsdp": {"microbatches": 4}, "fsdp+cp": {"degrees": {"cp": 4}}}
-    cells = [_moe(s, 4, r, **kw) for s, kw in strategies.items() for r in ROUTINGS]
+    cells = [_moe(s, 4, "learned", **kw) for s, kw in strategies.items()]
     cells += [_moe("fsdp+ep", 4, r, **kw) for kw in ({}, {"degrees": {"dp_shard": 4, "ep": 2}}) for r in ROUTINGS]
     cells += [_moe("fsdp+tp+ep", 4, r) for r in ROUTINGS]
     return run_cells(cells, 4, tmp_path_factory.mktemp("moe-w4"))
@@ -141,7 +143,7 @@ def test_moe_world2_load_and_model(world2, reference):
 
 @pytest.mark.slow
 def test_moe_world4_matches_one_device(world4, reference16):
-    _assert_matches_one_device(world4, reference16, 7 * len(ROUTINGS))
+    _assert_matches_one_device(world4, reference16, 4 + 3 * len(ROUTINGS))
     _assert_load_counted({**world4, **reference16})
     _assert_ep(world4, {2, 4})
     _check_ep_model(world4)

@@ -1,6 +1,8 @@
 """A poisoned calibration is not reused silently: the run names it after the first cell it mispredicts.
 
-A real bench calibrates a fresh store; the test then makes its tiny workload entry 30x slower, evenly
+``harness calibrate`` fills a fresh store with what the single-device cell reads (the matmul peak and the tiny
+workload; no collectives: one rank; a first bench calibrated the same and ran a cell besides, issue 43); the test
+then makes its tiny workload entry 30x slower, evenly
 (every pass and repeat, so its own spread stays steady and the store's checks cannot see it: the case
 of a calibration taken while a neighbour slowed every repeat alike). The next bench predicts the cell
 ~30x too slow, and its stderr must name the entry, its age and the command that re-measures it.
@@ -30,7 +32,7 @@ def _slower(value, factor: float):
 
 
 def test_a_poisoned_workload_entry_is_named_after_the_cell_it_mispredicts(harness_cli):
-    first = harness_cli.run("bench", *CELL, "--out", str(harness_cli.tmp / "first"), timeout=420, log="first")
+    first = harness_cli.run("calibrate", "--device", "cpu", "--no-comm", "--workloads", "tiny", timeout=420, log="first")
     assert first.returncode == 0, first.stderr[-2000:]
     store = harness_cli.tmp / "calibration.json"
     entries = json.loads(store.read_text())
