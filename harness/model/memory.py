@@ -38,9 +38,12 @@ from harness.model.inventory import (
     held_shape,
     rank_layer_ids,
     rank_params,
+    stages_of_rank,
 )
+from harness.model.pipeline_sim import live_peak, schedule_order
 from harness.model.shape import CellShape
 from harness.parallel.activation_checkpoint import checkpointed_layer
+from harness.parallel.schedules import layer_ranges
 
 ADAM_STATE_BYTES = 8
 """exp_avg and exp_avg_sq in fp32."""
@@ -183,18 +186,41 @@ def rope_table_bytes(c: CellShape, layer: int) -> int:
     return 4 * c.local_seq * c.size.head_dim if c.size.llama and kept else 0
 
 
-def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
-    """Activations saved for backward at the turn from forward to backward on pipeline rank
-    ``pp_rank`` (the first holds the most): what each of its layers keeps under the policy
-    (:func:`kept_token_bytes`); in a pipeline, also each in-flight microbatch's stage output, which the
-    schedule keeps for its backward (but on the last stage, whose output is the loss)."""
-    layers = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape)
-    tokens = c.microbatch_rows * c.local_seq * inflight_microbatches(c, pp_rank)
+def _stage_keep_bytes(c: CellShape, layers: list[int], last_stage: bool) -> int:
+    """What one microbatch saves for its backward on a stage of ``layers``: what each layer keeps under the policy
+    (:func:`kept_token_bytes`), the stage's output (but on the last stage, whose output is the loss), and RoPE's
+    tables."""
     sp = c.dims.tp if c.dims.sequence_parallel else 1
-    stage_output = c.size.d_model * c.residual_bytes / sp if c.dims.pp_enabled and pp_rank < c.dims.pp - 1 else 0
+    stage_output = 0 if last_stage else c.size.d_model * c.residual_bytes / sp
     kept = sum(kept_token_bytes(c, i) for i in layers)
-    tables = sum(rope_table_bytes(c, i) for i in layers) * inflight_microbatches(c, pp_rank)
-    return int(tokens * (kept + stage_output)) + tables
+    tables = sum(rope_table_bytes(c, i) for i in layers)
+    return int(c.microbatch_rows * c.local_seq * (kept + stage_output)) + tables
+
+
+def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
+    """Activations saved for backward at their most on pipeline rank ``pp_rank`` (the first holds the most): one
+    microbatch's without a pipeline; in a pipeline, each stage's (:func:`_stage_keep_bytes`) for every microbatch
+    the schedule's own action order holds in flight at once (:func:`harness.model.pipeline_sim.live_peak`: GPipe all,
+    1F1B ``pp - pp_rank``, a zero-bubble schedule each microbatch until its weight-gradient step)."""
+    if not c.dims.pp_enabled:
+        return _stage_keep_bytes(c, list(range(c.size.n_layers)), last_stage=True)
+    n_stages = c.dims.pp * c.virtual
+    layers = layer_ranges(c.size.n_layers, n_stages)
+    keeps = {s: _stage_keep_bytes(c, list(layers[s]), last_stage=s == n_stages - 1)
+             for s in stages_of_rank(pp_rank, c.dims.pp, c.virtual, c.v_shape)}
+    held = {s: _weight_grad_inputs(c, list(layers[s]), last_stage=s == n_stages - 1) for s in keeps}
+    order = schedule_order(c.pp_schedule, c.dims.pp, c.microbatches)[pp_rank]
+    return int(live_peak(order, keeps, held))
+
+
+def _weight_grad_inputs(c: CellShape, layers: list[int], last_stage: bool) -> int:
+    """What a split backward's input-gradient step (I) holds for the weight-gradient step (W), one microbatch:
+    the gradient at each linear's output (the intermediates torch's ``stage_backward_input`` keeps), and on the
+    last stage the head's (the logits' gradient, fp32)."""
+    widths = sum(m.n * m.rows for m in block_matmuls(c.size, c.dims.ep)) / c.dims.tp
+    tokens = c.microbatch_rows * c.local_seq
+    head = tokens * c.size.vocab_size * 4 / c.dims.tp if last_stage else 0
+    return int(tokens * widths * c.compute_bytes * len(layers) + head)
 
 
 def _mlp_grad_bytes(c: CellShape) -> int:

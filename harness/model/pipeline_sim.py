@@ -68,17 +68,19 @@ _TORCH_CLASSES = {"interleaved1f1b": "ScheduleInterleaved1F1B", "zb": "ScheduleI
                   "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
-def schedule_order(schedule: str, pp: int, microbatches: int) -> dict[int, list[Action]]:
-    """Each pipeline rank's actions in the order torch runs them."""
+@lru_cache(maxsize=128)
+def schedule_order(schedule: str, pp: int, microbatches: int) -> dict[int, tuple[Action, ...]]:
+    """Each pipeline rank's actions in the order torch runs them (cached: read it, do not change it)."""
     if schedule not in _TORCH_CLASSES:  # one stage per rank: GPipe or 1F1B, microbatches in order per kind
-        out: dict[int, list[Action]] = {}
+        out: dict[int, tuple[Action, ...]] = {}
         for rank in range(pp):
             (stage, kinds), = stage_actions(schedule, pp, 1, microbatches, rank).items()
             seen = {"F": 0, "B": 0}
-            out[rank] = []
+            actions = []
             for k in kinds:
-                out[rank].append((k, stage, seen[k]))
+                actions.append((k, stage, seen[k]))
                 seen[k] += 1
+            out[rank] = tuple(actions)
         return out
     from torch.distributed.pipelining import schedules  # noqa: PLC0415 (0.8 s; only a multi-stage schedule needs it)
 
@@ -86,8 +88,9 @@ def schedule_order(schedule: str, pp: int, microbatches: int) -> dict[int, list[
     n_stages = pp * stages_per_rank(schedule)
     stages = [_Stage(s, n_stages, 0, pp) for s in stage_ids(0, pp, schedule)]
     order = cls(stages, n_microbatches=microbatches, loss_fn=lambda out, target: out).pipeline_order
-    return {rank: [(_KINDS[b.computation_type.name], b.stage_index, b.microbatch_index)
-                   for a in actions if a is not None for b in (a.sub_actions or (a,))] for rank, actions in order.items()}
+    return {rank: tuple((_KINDS[b.computation_type.name], b.stage_index, b.microbatch_index)
+                        for a in actions if a is not None for b in (a.sub_actions or (a,)))
+            for rank, actions in order.items()}
 
 
 def simulate(schedule: str, pp: int, microbatches: int, times: ActionTimes = ActionTimes()) -> list[RankBubble]:
@@ -139,3 +142,27 @@ def schedule_bubble(schedule: str, pp: int, microbatches: int) -> float:
     half of it the weights' gradients (each linear's two backward matmuls). GPipe, 1F1B and interleaved 1F1B
     come out at their formula ``(p - 1) / (v m)`` whatever the ratio; zero-bubble schedules lower."""
     return max(b.fraction for b in simulate(schedule, pp, microbatches))
+
+
+def live_peak(order: tuple[Action, ...], keeps: dict[int, float], held_for_w: dict[int, float]) -> float:
+    """The most bytes a rank's in-flight microbatches hold at once, played out from its own action order.
+
+    A forward of stage ``s`` keeps ``keeps[s]`` (what the stage saves for its backward, one microbatch) until that
+    microbatch's whole backward (B) or, when the backward is split, its weight-gradient part (W): torch's
+    ``stage_backward_input`` computes the input gradient with ``retain_graph=True`` and keeps the graph for the W
+    that follows, and its I adds ``held_for_w[s]`` (the gradients at the weights' outputs, which W starts from) until
+    then. Memory follows the order alone, not the times: 1F1B's rank r holds ``pp - r`` microbatches, GPipe's all;
+    a zero-bubble schedule holds each microbatch until its W, later than its I.
+    """
+    live = peak = 0.0
+    for kind, s, _ in order:
+        if kind == "F":
+            live += keeps[s]
+        elif kind == "I":
+            live += held_for_w[s]
+        elif kind == "W":
+            live -= keeps[s] + held_for_w[s]
+        else:
+            live -= keeps[s]
+        peak = max(peak, live)
+    return peak

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from harness.errors import UsageError
-from harness.model.pipeline_sim import ActionTimes, schedule_bubble, schedule_order, simulate
+from harness.model.pipeline_sim import ActionTimes, live_peak, schedule_bubble, schedule_order, simulate
 
 
 @pytest.mark.parametrize("pp, m", [(2, 2), (2, 4), (4, 4), (4, 8), (8, 16)])
@@ -65,3 +65,43 @@ def test_busy_time_is_the_work_of_the_ranks_stages():
 def test_an_unknown_schedule_is_refused():
     with pytest.raises(UsageError, match="unknown pipeline schedule 'zbx'"):
         simulate("zbx", 2, 4)
+
+
+# ---- memory: the activations a rank holds in flight, from the same action list ----
+
+def _chunks_in_flight(schedule: str, pp: int, m: int) -> list[float]:
+    """Each rank's most stage-microbatches held at once, one unit each, nothing held for W."""
+    order = schedule_order(schedule, pp, m)
+    stages = range(2 * pp)
+    return [live_peak(order[r], dict.fromkeys(stages, 1.0), dict.fromkeys(stages, 0.0)) for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_one_stage_per_rank_schedules_hold_what_their_papers_say(pp, m):
+    """GPipe holds every microbatch (Huang et al. 2019); 1F1B's rank r holds ``pp - r`` (Narayanan et al. 2021)."""
+    assert _chunks_in_flight("gpipe", pp, m) == [m] * pp
+    assert _chunks_in_flight("1f1b", pp, m) == [pp - r for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_interleaved_1f1b_holds_korthikantis_factor_more_than_1f1b_on_the_first_rank(pp, m):
+    """Korthikanti et al. 2022 (sec. 4.2.3): the interleaved schedule's first stage holds ``1 + (p - 1) / (p v)``
+    times 1F1B's ``p`` microbatches of activations; with v = 2 chunks of half a rank's layers each, that is
+    ``p v (1 + (p - 1) / (p v)) = p v + p - 1`` chunks. Each later rank holds two chunks fewer (torch's warmup)."""
+    v = 2
+    assert _chunks_in_flight("interleaved1f1b", pp, m) == [pp * v + pp - 1 - 2 * r for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16)])
+def test_zbv_holds_1f1bs_first_rank_activations_on_every_rank(pp, m):
+    """Qi et al. 2023 (ZB-V): the V schedule's peak activation memory equals 1F1B's, ``p`` microbatches of a rank's
+    layers: ``2 p`` chunks of half of them, on every rank (the V balances it)."""
+    assert _chunks_in_flight("zbv", pp, m) == [2 * pp] * pp
+
+
+def test_a_split_backward_holds_its_microbatch_until_the_weight_gradient_step():
+    """By hand: F0 keeps 1, I0 holds 0.5 more for its W, F1 keeps 1 (2.5 live), W0 frees 1.5, I1 and W1 the rest."""
+    order = (("F", 0, 0), ("I", 0, 0), ("F", 0, 1), ("W", 0, 0), ("I", 0, 1), ("W", 0, 1))
+    assert live_peak(order, {0: 1.0}, {0: 0.5}) == 2.5
+    merged = (("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1))  # a whole backward frees at once
+    assert live_peak(merged, {0: 1.0}, {0: 0.5}) == 1.0
