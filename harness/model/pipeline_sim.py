@@ -17,6 +17,7 @@ equal stages and free transfers (Narayanan et al. 2021), less for zero-bubble sc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -144,7 +145,7 @@ def schedule_bubble(schedule: str, pp: int, microbatches: int) -> float:
     return max(b.fraction for b in simulate(schedule, pp, microbatches))
 
 
-def live_peak(order: tuple[Action, ...], keeps: dict[int, float], held_for_w: dict[int, float]) -> float:
+def live_peak(order: tuple[Action, ...], keeps: Mapping[int, float], held_for_w: Mapping[int, float]) -> float:
     """The most bytes a rank's in-flight microbatches hold at once, played out from its own action order.
 
     A forward of stage ``s`` keeps ``keeps[s]`` (what the stage saves for its backward, one microbatch) until that
