@@ -299,6 +299,24 @@ def pipeline_unsharded_grad_bytes(c: CellShape, pp_rank: int) -> int:
     return 4 * sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank, c.v_shape))
 
 
+def pipeline_recv_bytes(c: CellShape, pp_rank: int) -> int:
+    """The receive buffers a pipeline rank's stages hold for the whole step, one per microbatch each: a stage
+    that is not the first receives its input (``microbatch rows x local seq x d_model / sp`` in the residual
+    stream's dtype), one that is not the last the gradient of its output, the same shape.
+
+    torch's ``PipelineStage`` allocates them once for every microbatch when the schedule first runs
+    (``_setup_forward_recv_info`` and ``_create_grad_recv_info`` in ``torch.distributed.pipelining.stage``), and
+    a V's same-rank hand-over keeps the handed tensor in the buffer's place (``set_local_fwd_input``).
+    """
+    if not c.dims.pp_enabled:
+        return 0
+    n_stages = c.dims.pp * c.virtual
+    sp = c.dims.tp if c.dims.sequence_parallel else 1
+    hidden = c.microbatch_rows * c.local_seq * c.size.d_model * c.residual_bytes // sp
+    ends = sum((s > 0) + (s < n_stages - 1) for s in stages_of_rank(pp_rank, c.dims.pp, c.virtual, c.v_shape))
+    return c.microbatches * ends * hidden
+
+
 def _top_block_adds(c: CellShape, pp_rank: int) -> int:
     """What the rank's last block's backward (the first it runs) adds to the saved activations: the whole block
     recomputed when it is checkpointed whole, what ``op`` did not keep of it, and its MLP gradients."""
@@ -334,6 +352,7 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
     transient = transient_param_bytes(c, pp_rank)
     saved = activation_bytes(c, pp_rank)
     logits = logits_bytes(c) if pp_rank == c.dims.pp - 1 else 0
+    recv = pipeline_recv_bytes(c, pp_rank)
     if c.fsdp and c.dims.pp_enabled:
         unsharded = pipeline_unsharded_grad_bytes(c, pp_rank)
         root, blocks = _gathered_groups(c, pp_rank)
@@ -342,10 +361,10 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
         moments: tuple[float, ...] = (saved + logits + at_turn + transient, saved + top_adds + at_turn + transient,
                                       saved * (inflight - 1) // inflight + block + unsharded + root + sum(blocks),
                                       states.grads + unsharded + root + sum(blocks))
-        return states.params + states.optimizer + max(moments) + base_bytes
+        return states.params + states.optimizer + recv + max(moments) + base_bytes
     live_grads = states.grads if grads_live_in_forward(c) else 0
     moments = (saved + logits + live_grads, saved + top_adds + live_grads, states.grads + block)
-    return states.params + states.optimizer + transient + max(moments) + base_bytes
+    return states.params + states.optimizer + recv + transient + max(moments) + base_bytes
 
 
 def peak_bytes(c: CellShape, base_bytes: float) -> float:

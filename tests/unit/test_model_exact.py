@@ -149,10 +149,40 @@ def test_peak_is_the_largest_moment_of_the_step() -> None:
     pp = shape("pp", 2, microbatches=4)  # gradients live from the first microbatch's backward on
     first, last = memory.state_bytes_by_rank(pp)
     rows = 2 * 128
-    peak_first = first.total + rows * 2 * (2 * 64 * 128 + 4 * 128) + rows * 4 * 128 * 4  # 2 in flight + GELU grad
-    peak_last = last.total + rows * 2 * 64 * 128 + rows * 256 * 16  # one in flight and its logits, kept
+    # torch's PipelineStage holds one receive buffer per microbatch for the whole step (stage.py's
+    # _create_grad_recv_info / _setup_forward_recv_info): rank 0 its output's gradient, rank 1 its input
+    recv = 4 * rows * 128 * 4
+    peak_first = first.total + rows * 2 * (2 * 64 * 128 + 4 * 128) + rows * 4 * 128 * 4 + recv  # 2 in flight + GELU grad
+    peak_last = last.total + rows * 2 * 64 * 128 + rows * 256 * 16 + recv  # one in flight and its logits, kept
     assert [memory.stage_peak_bytes(pp, r) for r in (0, 1)] == [peak_first, peak_last]
     assert memory.peak_bytes(pp, 0.0) == max(peak_first, peak_last)
+
+
+@pytest.mark.parametrize("schedule, ends", [
+    # receive buffers per microbatch by placement, counted by hand: a stage that is not the first receives its
+    # input, one that is not the last its output's gradient (torch.distributed.pipelining.stage)
+    ("1f1b", [1, 1]),  # rank 0: stage 0 (a gradient); rank 1: stage 1, the last (an input)
+    ("gpipe", [1, 1]),
+    ("interleaved1f1b", [3, 3]),  # looped: rank 0 stages 0 (1) and 2 (2); rank 1 stages 1 (2) and 3 (1)
+    ("zb", [3, 3]),
+    ("zbv", [2, 4]),  # a V: rank 0 stages 0 (1) and 3 (1); rank 1 stages 1 and 2 (2 each)
+    ("dualpipev", [2, 4]),
+])
+def test_pipeline_receive_buffers_per_stage_and_microbatch(schedule, ends) -> None:
+    c = shape("pp", 2, microbatches=4, pp_schedule=schedule)  # 8 rows / 4 microbatches: 2 rows of 128 tokens
+    hidden = 2 * 128 * 128 * 4  # rows x seq x d_model, fp32 stream
+    assert [memory.pipeline_recv_bytes(c, r) for r in (0, 1)] == [4 * e * hidden for e in ends]
+
+
+def test_pipeline_receive_buffers_follow_the_stream_dtype_and_sequence_shards() -> None:
+    """bf16 under FSDP's param dtype halves each buffer; sequence parallel at tp 2 hands half the sequence on;
+    without a pipeline there is none."""
+    fsdp = shape("pp+fsdp", 4, microbatches=2, precision="bf16")  # 8 rows / dp 2 / 2: 2 rows each
+    assert memory.pipeline_recv_bytes(fsdp, 0) == 2 * (2 * 128 * 128 * 2)
+    sp = shape("pp+fsdp+tp", 8, microbatches=2)
+    assert sp.dims.sequence_parallel and sp.dims.tp == 2
+    assert memory.pipeline_recv_bytes(sp, 1) == 2 * (2 * 128 * 128 * 4 // 2)
+    assert memory.pipeline_recv_bytes(shape("fsdp", 2), 0) == 0
 
 
 def test_pipeline_fsdp_holds_its_stage_unsharded_from_the_first_backward() -> None:
@@ -171,13 +201,14 @@ def test_pipeline_fsdp_holds_its_stage_unsharded_from_the_first_backward() -> No
     gelu = tokens * 4 * 128 * 4
     window = 4 * ((256 + 128) * 128 + 2 * BLOCK)  # the root (embeddings) and two blocks gathered: all of stage 0
     turn = saved + 4 * stage0 + window + gelu  # the top block's backward, gradients whole
-    assert memory.stage_peak_bytes(c, 0) == first.params + first.optimizer + turn
+    recv = 4 * tokens * 128 * 4  # stage 0's gradient receive buffers, one per microbatch (fp32 stream)
+    assert memory.stage_peak_bytes(c, 0) == first.params + first.optimizer + recv + turn
     # one microbatch each: no turn after a backward, so the bottom block's backward with everything whole wins
     one = shape("pp+fsdp", 4, microbatches=2, global_batch=4)
     assert memory.inflight_microbatches(one, 0) == 2
     s = memory.state_bytes_by_rank(one)[0]
     bottom = tokens * (2 * 64 * 128 + 4 * 128) + tokens * 64 * 128 + gelu + 4 * stage0 + window  # 1 other in flight
-    assert memory.stage_peak_bytes(one, 0) == s.params + s.optimizer + bottom
+    assert memory.stage_peak_bytes(one, 0) == s.params + s.optimizer + 2 * tokens * 128 * 4 + bottom
 
 
 # ---- communication per rank: exact calls, bytes, mesh dimension and overlap (harness/model/comm.py)
