@@ -290,6 +290,8 @@ _VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 128 (nanoGPT)
 _GPT2 = (
     ModelSize("tiny", n_layers=4, d_model=128, n_heads=4, seq_len=128, vocab_size=256, device_kind="cpu"),
     ModelSize("mini", n_layers=6, d_model=256, n_heads=8, seq_len=256, vocab_size=1024, device_kind="cpu"),
+    # tiny's block, 8 of them: a layer for each stage of a two-stage-per-rank schedule at 4 pipeline ranks
+    ModelSize("deep", n_layers=8, d_model=128, n_heads=4, seq_len=128, vocab_size=256, device_kind="cpu"),
     ModelSize("small", n_layers=12, d_model=768, n_heads=12, seq_len=1024, vocab_size=_VOCAB, device_kind="gpu"),
     ModelSize("medium", n_layers=24, d_model=1024, n_heads=16, seq_len=1024, vocab_size=_VOCAB, device_kind="gpu"),
     ModelSize("large", n_layers=24, d_model=1536, n_heads=16, seq_len=1024, vocab_size=_VOCAB, device_kind="gpu"),

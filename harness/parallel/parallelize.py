@@ -94,7 +94,7 @@ def parallelize(model: Decoder, layout: Layout, device: torch.device, precision,
         pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn,
                               stage_shapes)
         return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp,
-                            fp8_linears=fp8, **_step_hooks(dims, list(parts.values())))
+                            fp8_linears=fp8, step_parts=pipe.clock.lap, **_step_hooks(dims, list(parts.values())))
     callable_model = wrapped or parts[0]
     return Parallelized(parts=[parts[0]], model=callable_model, pipeline=None, data_parallel=dp,
                         fp8_linears=fp8, **_step_hooks(dims, [parts[0]], callable_model))

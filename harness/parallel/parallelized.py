@@ -42,6 +42,9 @@ class Parallelized:
     loss and its backward run (:meth:`loss_context`); bound when built, so the step imports nothing."""
     fp8_linears: list[str] = field(default_factory=list)
     """``fp8``: the linears this rank trains in float8 (their names in the whole model)."""
+    step_parts: Callable[[], dict[str, float]] | None = None
+    """The seconds each named part of the step took since the last call (a pipeline's stage actions and waits,
+    :meth:`harness.parallel.pipeline_clock.ActionClock.lap`); None where a step has no such parts."""
 
     def parameters(self):
         for p in self.parts:

@@ -24,6 +24,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from harness.parallel.dims import ParallelDims
+from harness.parallel.pipeline_clock import ActionClock, attach
 from harness.parallel.schedules import layer_ranges
 from workloads.model import Decoder
 
@@ -113,6 +114,8 @@ class Pipeline:
     has_first: bool
     has_last: bool
     n_stages: int
+    clock: ActionClock
+    """Times this rank's stage actions and waits (:mod:`harness.parallel.pipeline_clock`)."""
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         """One forward+backward over all microbatches; returns this rank's microbatch losses.
@@ -166,4 +169,5 @@ def build_pipeline(stage_modules: Mapping[int, nn.Module], n_stages: int, pp_gro
         has_first=0 in ids,
         has_last=n_stages - 1 in ids,
         n_stages=n_stages,
+        clock=attach(stages),
     )

@@ -13,6 +13,23 @@ bubble with W (Qi et al. 2023): ``zb`` is torch's ``ScheduleInterleavedZeroBubbl
 ``zbv`` (``ScheduleZBVZeroBubble``) and ``dualpipev`` (``ScheduleDualPipeV``, DeepSeek-V3's, which also overlaps a
 forward with a backward) hold two stages per rank in a V: rank r the stages r and 2 pp - 1 - r."""
 V_SCHEDULES = ("zbv", "dualpipev")
+STAGE_ACTIONS = ("forward", "backward", "backward_input", "backward_weight", "reduce_grad", "p2p_wait")
+"""What a pipeline rank's step time splits into (:mod:`harness.parallel.pipeline_clock` times them), besides
+``other``: a whole backward, or under a zero-bubble schedule its input-gradient (I) and weight-gradient (W) parts;
+the gradient reduce after the last microbatch; and the waits on sends and receives (the bubble, on a rank that
+has the CPU to itself)."""
+
+
+def stage_action_split_ms(laps: list[dict[str, float]], step_times: list[float]) -> dict[str, float] | None:
+    """The mean of the measured steps' splits (``laps``: seconds per action, one per step), in ms, and ``other``:
+    the mean step time less the actions' (the schedule's bookkeeping, posting transfers). None without laps."""
+    if not laps or len(laps) != len(step_times):
+        return None
+    n = len(laps)
+    out = {a: 1e3 * sum(lap.get(a, 0.0) for lap in laps) / n for a in STAGE_ACTIONS}
+    out["other"] = 1e3 * sum(step_times) / n - sum(out.values())
+    return out
+
 
 def stages_per_rank(pp_schedule: str) -> int:
     """Virtual stages per rank: 2 for interleaved 1F1B (Narayanan et al. 2021) and interleaved zero-bubble,

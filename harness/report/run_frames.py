@@ -19,6 +19,7 @@ from harness.report.load_table import expert_load_frame
 from harness.report.model_attribution import memory_attribution, step_attribution
 from harness.report.model_error import model_frame
 from harness.report.pipeline_bubble import bubble_frame
+from harness.report.stage_actions import actions_frame
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class RunFrames:
     expert_load: pd.DataFrame
     pipeline_bubble: pd.DataFrame
     """Simulated against measured bubble per pipelined cell (:func:`~harness.report.pipeline_bubble.bubble_frame`)."""
+    stage_actions: pd.DataFrame
+    """Each pipeline rank's step split into its stage actions (:func:`~harness.report.stage_actions.actions_frame`)."""
 
     @classmethod
     def of(cls, records: Sequence[dict[str, Any]]) -> RunFrames:
@@ -45,4 +48,5 @@ class RunFrames:
                    step_attribution=step_attribution(records), memory_attribution=memory_attribution(records),
                    composition=composition_frame(records), top_ops=top_ops_frame(records),
                    memory_ranks=memory_rank_frame(records), levers=lever_frame(records),
-                   expert_load=expert_load_frame(records), pipeline_bubble=bubble_frame(records))
+                   expert_load=expert_load_frame(records), pipeline_bubble=bubble_frame(records),
+                   stage_actions=actions_frame(records))

@@ -19,6 +19,7 @@ from harness.report.model_attribution import attribution_section
 from harness.report.model_error import model_section
 from harness.report.pipeline_bubble import bubble_section
 from harness.report.run_frames import RunFrames
+from harness.report.stage_actions import actions_section
 from harness.report.ties import spread_text, tied_with
 from harness.text import first_line, fmt_or
 
@@ -280,6 +281,9 @@ def summary_markdown(frames: RunFrames) -> str:
     bubble = bubble_section(frames.pipeline_bubble)
     if bubble:
         lines += [bubble, ""]
+    actions = actions_section(frames.stage_actions)
+    if actions:
+        lines += [actions, ""]
     lines += [FORMULAS, ""]
     flags = _flags(df)
     if flags:

@@ -17,7 +17,12 @@ from harness.measure import gns
 from harness.measure.compile_stats import DynamoCounts, compile_metrics
 from harness.measure.parity_probe import merge
 from harness.measure.step_stats import Stats
-from harness.parallel.schedules import ZERO_BUBBLE_SCHEDULES, expected_bubble, stages_per_rank
+from harness.parallel.schedules import (
+    ZERO_BUBBLE_SCHEDULES,
+    expected_bubble,
+    stage_action_split_ms,
+    stages_per_rank,
+)
 from harness.precision import float8_tp_styles
 from harness.records.schema import (
     CalibratedMfuMetrics,
@@ -140,6 +145,16 @@ def _idle_over_busy(gathered: list[RankMeasurement], warmup: int) -> list[float 
     return out
 
 
+def _actions_ms(gathered: list[RankMeasurement], warmup: int) -> list[dict[str, float] | None] | None:
+    """Per rank, the mean measured step split into its stage actions and the rest, in ms
+    (:func:`harness.parallel.schedules.stage_action_split_ms`). None on CUDA, where the host's clock around an
+    action does not time its kernels."""
+    if any(g.step_parts is None for g in gathered):
+        return None
+    return [stage_action_split_ms((g.step_parts or [])[warmup:], g.times[warmup:])
+            for g in sorted(gathered, key=lambda g: g.rank)]
+
+
 def _instruments(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRun) -> InstrumentMetrics:
     dims, monitor_result = cfg.layout.dims, run.monitor
     m: InstrumentMetrics = {"gns": _gns(gathered, run.g_big, cfg)}
@@ -150,7 +165,8 @@ def _instruments(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRun)
         formula = cfg.pp_schedule not in ZERO_BUBBLE_SCHEDULES
         m["pipeline"] = {"stages": dims.pp * v, "virtual_per_rank": v, "microbatches": cfg.microbatches,
                          "expected_bubble": expected_bubble(dims.pp, v, cfg.microbatches) if formula else None,
-                         "idle_over_busy_by_rank": _idle_over_busy(gathered, cfg.warmup)}
+                         "idle_over_busy_by_rank": _idle_over_busy(gathered, cfg.warmup),
+                         "actions_ms_by_rank": _actions_ms(gathered, cfg.warmup)}
     if cfg.monitor_hz == 0:
         m["monitor"] = {"note": "n/a: monitor off (--monitor-hz 0)"}
     elif monitor_result is not None:

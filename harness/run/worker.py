@@ -113,6 +113,7 @@ class Window:
 
     times: list[float] = field(default_factory=list)
     cpu_times: list[float] = field(default_factory=list)
+    step_parts: list[dict[str, float]] = field(default_factory=list)
     losses: list[float | None] = field(default_factory=list)
     skipped: int = 0
     g_big: list[float] = field(default_factory=list)
@@ -154,6 +155,8 @@ def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, 
             loss, was_skipped = train.train_step(ctx, x, y, batches.lr(step))
             w.times.append(timer.stop())
             w.cpu_times.append(time.process_time() - cpu0)
+        if ctx.par.step_parts is not None:
+            w.step_parts.append(ctx.par.step_parts())
         if step >= cfg.warmup:
             beat.beat()
         if step == 0:  # after the clock stopped: the probe's gathers are never timed
@@ -197,7 +200,8 @@ def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, 
         g_small=cell.gns_state.history if cell.gns_state else None, mem=mem,
         state_bytes=model_state_bytes(ctx.par.parts, ctx.optimizer), comm=counter.per_step(1),
         comm_cp=counter.per_step_labelled(CP_LABEL, 1), moe_ep_rows=ep_rows, trace=trace_paths,
-        profiled_times=profiled, probe=w.probe, dynamo=w.dynamo, fp8_linears=ctx.par.fp8_linears)
+        profiled_times=profiled, probe=w.probe, dynamo=w.dynamo, fp8_linears=ctx.par.fp8_linears,
+        step_parts=w.step_parts if w.step_parts and cfg.device_kind == "cpu" else None)
 
 
 def _tensor_peak_bytes(ctx: train.StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) -> int:

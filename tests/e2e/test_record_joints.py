@@ -121,8 +121,9 @@ def test_pipeline_schedule_and_its_sends_are_the_cells(cells):
     rec = cells["pp"]
     cfg, pipe, comm = rec["config"], rec["metrics"]["pipeline"], rec["metrics"]["comm"]
     p, m = cfg["degrees"]["pp"], cfg["microbatches"]
-    idle = pipe.pop("idle_over_busy_by_rank")
-    assert pipe == {"stages": p, "virtual_per_rank": 1, "microbatches": m, "expected_bubble": (p - 1) / m}
+    idle = pipe["idle_over_busy_by_rank"]  # the measured parts (actions_ms_by_rank: the test below)
+    assert {k: v for k, v in pipe.items() if k not in ("idle_over_busy_by_rank", "actions_ms_by_rank")} == {
+        "stages": p, "virtual_per_rank": 1, "microbatches": m, "expected_bubble": (p - 1) / m}
     # each rank's wait over its compute: one per rank, and a pipeline rank does wait ((step - CPU) / CPU > 0)
     assert len(idle) == cfg["world_size"] and all(x is not None and x > 0 for x in idle), idle
     assert rec["predicted"]["pipeline_bubble_by_rank"] == pytest.approx([(p - 1) / m] * p)
@@ -173,3 +174,20 @@ def test_bench_writes_records_summary_and_report(bench_run, cells):
              if p.is_file() and not p.stat().st_size and not p.name.startswith(".harness.lock")]  # the run's flock
     assert empty == [], f"a run directory keeps no empty file (torchrun's silent rank logs): {empty}"
     assert "summary: " in bench_run.stdout
+
+
+def test_each_pipeline_rank_splits_its_measured_steps_into_its_stage_actions(cells, bench_run):
+    """The pp cell (1F1B, 4 stages): every rank ran forwards and whole backwards (no I or W: not a zero-bubble
+    schedule); the first rank receives nothing before its forwards, yet waits on its gradients; the parts and
+    ``other`` add up to the rank's mean measured step, recomputed from the record's samples."""
+    rec = cells["pp"]
+    split = rec["metrics"]["pipeline"]["actions_ms_by_rank"]
+    per_rank = rec["samples"]["step_time_s_per_rank"]
+    assert len(split) == rec["config"]["world_size"] == 4
+    for parts, steps in zip(split, per_rank):
+        assert parts["forward"] > 0 and parts["backward"] > 0 and parts["p2p_wait"] > 0
+        assert parts["backward_input"] == parts["backward_weight"] == 0.0
+        assert sum(parts.values()) == pytest.approx(1e3 * statistics.fmean(steps), rel=1e-9)
+        assert parts["other"] > 0  # the schedule's own bookkeeping is not one of the timed calls
+    summary = (bench_run.out / "summary.md").read_text()
+    assert "## Pipeline stage actions" in summary and rec["cell_id"] in summary.split("## Pipeline stage actions")[1]

@@ -27,7 +27,7 @@ def test_param_count_formula_matches_model(name):
 def test_sizes_span_tiny_to_13b():
     assert get_size("small").params_nonembedding == pytest.approx(124e6, rel=0.01)
     assert 1.3e9 <= get_size("xl").params <= 1.5e9
-    with pytest.raises(ValueError, match="unknown gpt2 size 'huge'; choose from tiny, mini, small"):
+    with pytest.raises(ValueError, match="unknown gpt2 size 'huge'; choose from tiny, mini, deep, small"):
         get_size("huge")
 
 
@@ -168,4 +168,8 @@ def test_gpu_sizes_match_the_recorded_workloads():
     assert small.flops_per_token_megatron() == 798_759_936
     assert [(get_size(n).n_layers, get_size(n).d_model, get_size(n).n_heads) for n in ("medium", "large", "xl")] == [
         (24, 1024, 16), (24, 1536, 16), (24, 2048, 16)]
-    assert [n for n in SIZES if SIZES[n].device_kind == "cpu"] == ["tiny", "mini"]
+    assert [n for n in SIZES if SIZES[n].device_kind == "cpu"] == ["tiny", "mini", "deep"]
+    deep, tiny = get_size("deep"), get_size("tiny")  # tiny's block, twice the layers: one per stage of 8
+    assert (deep.n_layers, deep.d_model, deep.n_heads, deep.seq_len, deep.vocab_size) == (8, 128, 4, 128, 256)
+    # four more blocks of 12 d^2 weights and 13 d biases and norm parameters each (GPT-2's block, by hand)
+    assert deep.params_nonembedding - tiny.params_nonembedding == 4 * (12 * 128**2 + 13 * 128)
