@@ -25,6 +25,7 @@ from tabulate import tabulate
 from harness.compare.stats import CompareOptions, PairResult, judge_samples
 from harness.compare.verdicts import _index_cells, fingerprint_diff, throughput_samples
 from harness.measure.step_composition import PARTS
+from harness.parallel.schedules import STAGE_ACTIONS
 from harness.text import fmt_or
 from harness.units import MIB
 
@@ -247,6 +248,22 @@ def composition_table(cell: CellDiff) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def stage_actions_table(cell: CellDiff) -> pd.DataFrame | None:
+    """Each pipeline rank's measured step split (``metrics.pipeline.actions_ms_by_rank``) on both sides, ``A -> B``
+    ms per part, with the wait's change in %: where a schedule's or a change's bubble moved, rank by rank. None
+    unless both sides measured it (CPU pipeline ranks)."""
+    a, b = (((r.get("metrics") or {}).get("pipeline") or {}).get("actions_ms_by_rank") for r in (cell.a, cell.b))
+    if not a or not b or len(a) != len(b) or any(x is None for x in (*a, *b)):
+        return None
+    rows = []
+    for rank, (pa, pb) in enumerate(zip(a, b)):
+        wait_a, wait_b = pa.get("p2p_wait", 0.0), pb.get("p2p_wait", 0.0)
+        rows.append({"rank": rank, **{part: _pair(pa.get(part, 0.0), pb.get(part, 0.0), ".1f")
+                                      for part in (*STAGE_ACTIONS, "other")},
+                     "wait change %": f"{100 * (wait_b / wait_a - 1):+.0f}" if wait_a > 0 else "n/a"})
+    return pd.DataFrame(rows)
+
+
 def _md(df: pd.DataFrame, floatfmt: str = ".1f") -> str:
     return tabulate(df.astype(object).where(df.notna(), None), headers="keys", tablefmt="github", showindex=False,
                     floatfmt=floatfmt, missingval="")
@@ -297,6 +314,14 @@ def diff_markdown(diff: RunDiff, a_name: str, b_name: str, a_records: Sequence[d
                 f"Per profiled step, mean over ranks, from {source} "
                 "(`metrics.trace.composition`; the parts sum to the profiled step):", "",
                 _md(composition_table(c)), ""]
+    staged = [(c, t) for c in diff.cells if (t := stage_actions_table(c)) is not None]
+    if staged:
+        out += ["", "## Pipeline stage actions, A -> B", "",
+                "Per pipeline rank, ms per measured step (mean): forward, whole backward, a zero-bubble schedule's "
+                "input- and weight-gradient parts, the gradient reduce, the waits on sends and receives (the bubble) "
+                "and the rest (`metrics.pipeline.actions_ms_by_rank`, CPU ranks)."]
+        for c, t in staged:
+            out += ["", f"### `{c.cell_id}`", "", _md(t)]
     out += ["", "## Unmatched cells", ""]
     if not diff.only_a and not diff.only_b:
         out += ["None: every cell is in both runs."]

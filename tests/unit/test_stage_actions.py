@@ -3,9 +3,12 @@ per-rank split, and the summary's section with what a schedule saved of 1F1B's w
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from harness.compare.run_diff import stage_actions_table
 from harness.parallel import pipeline_clock
 from harness.parallel.schedules import STAGE_ACTIONS, stage_action_split_ms
 from harness.report.stage_actions import actions_frame, actions_section, wait_saved
@@ -117,3 +120,13 @@ def test_the_section_splits_each_rank_and_says_what_a_schedule_saved_of_1f1bs_wa
     assert "b-zbv`)" not in text
     assert "| a-1f1b | pp         | 0      | 40.0      | 10.0   | 20.0   | 0.0    | 0.0    | 0.0         | 8.0       | 2.0" in text
     assert actions_section(actions_frame([])) is None
+
+
+def test_harness_diff_holds_each_ranks_split_a_to_b_and_the_waits_change():
+    a, b = _record("c", "1f1b", [8.0, 4.0]), _record("c", "1f1b", [2.0, 0.0])
+    table = stage_actions_table(SimpleNamespace(a=a, b=b))
+    assert table is not None
+    assert list(table["p2p_wait"]) == ["8.0 -> 2.0", "4.0 -> 0.0"]
+    assert list(table["wait change %"]) == ["-75", "-100"]  # 2/8 - 1, 0/4 - 1
+    assert list(table["forward"]) == ["10.0 -> 10.0"] * 2
+    assert stage_actions_table(SimpleNamespace(a=a, b={"metrics": {}})) is None  # one side without: no table
