@@ -30,7 +30,7 @@ from harness.parallel.presets import EP_PRESETS, PP_PRESETS, STRATEGIES, degree_
 from harness.parallel.schedules import PP_SCHEDULES
 from harness.precision import Fp8Options, PrecisionPlan, check_fp8
 from harness.scaling import global_batch, scaled_lr
-from harness.spec import CellConfig, SweepSpec, cell_id_of
+from harness.spec import CHECKPOINT_MODES, CellConfig, SweepSpec, cell_id_of
 from harness.units import GIB
 from workloads.sizes import ARCHS, get_size, seq_len_error
 
@@ -109,7 +109,8 @@ def expand(spec: SweepSpec) -> list[PlannedCell]:
                                                     not c.raw["sequence_parallel"],
                                                     PP_SCHEDULES.index(c.raw["pp_schedule"]),
                                                     c.raw["compile"], policy_order(c.raw["ac"]),
-                                                    OPTIMIZERS.index(c.raw["optimizer"])))
+                                                    OPTIMIZERS.index(c.raw["optimizer"]),
+                                                    CHECKPOINT_MODES.index(c.raw.get("checkpoint", "off"))))
     return predict_cells(ordered, force=spec.force)
 
 
@@ -125,9 +126,11 @@ def _degrees_of(spec: SweepSpec, strategy: str, world: int, size) -> Sequence[di
 
 def _levers(spec: SweepSpec) -> list[dict]:
     """Every combination of the lever axes, as cell fields."""
-    return [dict(compile=c, ac=a, optimizer=o, sequence_parallel=sp, fp8_recipe=r, fp8_all_gather=ag, pp_schedule=ps)
-            for c, a, o, sp, r, ag, ps in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels,
-                                                 spec.fp8_recipes, spec.fp8_all_gathers, spec.pp_schedules)]
+    return [dict(compile=c, ac=a, optimizer=o, sequence_parallel=sp, fp8_recipe=r, fp8_all_gather=ag, pp_schedule=ps,
+                 checkpoint=k, checkpoint_every=spec.checkpoint_every)
+            for c, a, o, sp, r, ag, ps, k in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels,
+                                                    spec.fp8_recipes, spec.fp8_all_gathers, spec.pp_schedules,
+                                                    spec.checkpoints)]
 
 
 def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell]) -> list[PlannedCell]:
@@ -137,7 +140,7 @@ def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell]) -> list[Plan
         return []
     out = []
     plain = dict(compile=False, ac="none", optimizer="adamw", sequence_parallel=True, fp8_recipe="tensorwise",
-                 fp8_all_gather=False, pp_schedule=spec.pp_schedules[0])
+                 fp8_all_gather=False, pp_schedule=spec.pp_schedules[0], checkpoint="off")
     for c in cells.values():
         r = c.raw
         if r["precision"] != "fp8":

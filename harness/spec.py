@@ -32,6 +32,11 @@ def _default_seq_len(c: dict) -> int | None:
         return None
 
 
+CHECKPOINT_MODES = ("off", "sync", "async")
+"""``--checkpoint``: no saves; ``dcp.save`` (the step waits for the write); ``dcp.async_save`` (it waits for the
+state to be staged, the write runs beside training) (:mod:`harness.run.checkpoint`)."""
+
+
 def cell_id_of(c: dict) -> str:
     """Readable and unique within a sweep: every field that varies in a matrix appears.
 
@@ -67,6 +72,8 @@ def cell_id_of(c: dict) -> str:
         parts.append(c["fp8_recipe"].replace("_", "-"))
     if c.get("fp8_all_gather"):
         parts.append("fp8ag")
+    if c.get("checkpoint", "off") != "off":
+        parts.append(f"ckpt-{c['checkpoint']}{c.get('checkpoint_every', 5)}")
     return "-".join(str(p) for p in parts)
 
 
@@ -148,6 +155,10 @@ class CellConfig:
     fp8_emulate: bool = False
     """``--precision fp8`` without FP8 tensor cores (a CPU always, a GPU with ``--fp8-emulate``): torchao's
     emulation; the throughput is labelled emulated and never priced as fp8."""
+    checkpoint: str = "off"
+    """Model and optimizer state saved through ``torch.distributed.checkpoint`` (:data:`CHECKPOINT_MODES`)."""
+    checkpoint_every: int = 5
+    """With ``checkpoint`` on: a save after every this many measured steps."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ac", ac_policy(self.ac))  # a policy's earlier name reads as today's
@@ -162,11 +173,13 @@ class CellConfig:
             (self.arch, ARCHS, "architecture"),
             (self.moe_routing, ROUTINGS, "MoE routing"),
             (self.fp8_recipe, FP8_RECIPES, "fp8 recipe"),
+            (self.checkpoint, CHECKPOINT_MODES, "checkpoint mode"),
         )
         for value, valid, what in checks:
             if value not in valid:
                 raise UsageError(f"unknown {what} {value!r}; choose from {', '.join(valid)}")
-        for name in ("world_size", "global_batch", "seq_len", "steps", "grad_accum", "microbatches", "nnodes"):
+        for name in ("world_size", "global_batch", "seq_len", "steps", "grad_accum", "microbatches", "nnodes",
+                     "checkpoint_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
@@ -265,6 +278,10 @@ class SweepSpec:
     """FSDP's float8 all-gather off and/or on (``--fp8-all-gather off,on``); layouts without FSDP take off."""
     fp8_emulate: bool = False
     """``--fp8-emulate``: a GPU without FP8 tensor cores runs fp8 as torchao's emulation (a CPU always does)."""
+    checkpoints: tuple[str, ...] = ("off",)
+    """Checkpoint modes to sweep (``--checkpoint off,sync,async``)."""
+    checkpoint_every: int = 5
+    """``--checkpoint-every``: measured steps between saves."""
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
     pp_schedules: tuple[str, ...] = ("1f1b",)

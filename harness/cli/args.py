@@ -21,7 +21,7 @@ from harness.parallel.levers import COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
 from harness.parallel.schedules import PP_SCHEDULES, check_schedule_compile
 from harness.precision import FP8_RECIPES, PRECISIONS
-from harness.spec import SweepSpec, default_device_kind
+from harness.spec import CHECKPOINT_MODES, SweepSpec, default_device_kind
 from workloads.moe import ROUTINGS
 from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
 
@@ -66,6 +66,25 @@ def choices(name: str, s, valid: tuple[str, ...]) -> tuple[str, ...]:
     if not out:
         raise UsageError(f"{name} is empty; choose from {', '.join(valid)}")
     return out
+
+
+def checkpoint_modes() -> tuple[str, ...]:
+    """``--checkpoint``'s values on this torch: ``async`` only where ``torch.distributed.checkpoint`` has
+    ``async_save``."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy: DCP, only when checkpoints are asked for)
+
+    return CHECKPOINT_MODES if hasattr(dcp, "async_save") else tuple(m for m in CHECKPOINT_MODES if m != "async")
+
+
+def checkpoints_arg(v) -> tuple[str, ...]:
+    """``--checkpoint off,sync,async`` (default off): each mode a cell of its own."""
+    if v.get("checkpoint", "off") == "off":
+        return ("off",)
+    modes = checkpoint_modes()
+    if "async" in csv_list(str(v["checkpoint"])) and "async" not in modes:
+        raise UsageError("--checkpoint async: this torch's torch.distributed.checkpoint has no async_save; "
+                         "use --checkpoint sync, or a torch >= 2.4")
+    return choices(v.label("checkpoint"), v["checkpoint"], CHECKPOINT_MODES)
 
 
 def workload_keys(archs: tuple[str, ...], sizes: tuple[str, ...]) -> list[str]:
@@ -163,6 +182,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                                 "'selective' before), op (per-op: keep attention and every other matmul), layerN "
                                 "(every N-th block whole, e.g. layer2), full (every block)")
     g.add_argument("--optimizer", help="adamw (torch's default kernel) or adamw-fused (default adamw)")
+    g.add_argument("--checkpoint", help="off,sync,async: save the model and optimizer state through "
+                   "torch.distributed.checkpoint every --checkpoint-every measured steps; sync waits for the write, "
+                   "async for the staging only (default off); each mode a cell")
+    g.add_argument("--checkpoint-every", help="measured steps between checkpoint saves (default 5)")
     g.add_argument("--device", default=None,
                    help="auto (default), cpu or cuda; harness plan also takes a hardware preset "
                         "(h100, h100-pcie, h200, a100) for a what-if prediction")
@@ -303,6 +326,8 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         fp8_all_gathers=tuple(x == "on" for x in choices(v.label("fp8_all_gather"), v.get("fp8_all_gather", "off"),
                                                          COMPILE_MODES)),
         fp8_emulate=bool(v.get("fp8_emulate", False)),
+        checkpoints=checkpoints_arg(v),
+        checkpoint_every=int_arg(v.label("checkpoint_every"), v.get("checkpoint_every", 5), 1),
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedules=schedules,
         grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),

@@ -53,9 +53,10 @@ from harness.measure.step_composition import PHASE_PREFIX
 DOMAIN_NAME = "harness"
 STEP_RANGE_PREFIX = "train_step_"
 PHASES: tuple[str, ...] = ("step", "data", "forward", "backward", "optimizer", "microbatch", "window",
-                           "dispatch", "experts", "combine")
-"""The last three: inside each MoE layer's forward (:class:`workloads.moe.MoE`, attached by
-:class:`harness.parallel.expert_load.ExpertLoad`)."""
+                           "dispatch", "experts", "combine", "checkpoint")
+"""``dispatch``, ``experts``, ``combine``: inside each MoE layer's forward (:class:`workloads.moe.MoE`, attached by
+:class:`harness.parallel.expert_load.ExpertLoad`); ``checkpoint``: a save's blocking part, after its step
+(:mod:`harness.run.checkpoint`)."""
 PHASE_COLORS: dict[str, int] = {
     # ARGB; distinct hues so phases read apart on the nsys timeline.
     "step": 0xFF4C72B0,
@@ -68,6 +69,7 @@ PHASE_COLORS: dict[str, int] = {
     "dispatch": 0xFFDD8452,
     "experts": 0xFF937860,
     "combine": 0xFFDA8BC3,
+    "checkpoint": 0xFF2CA02C,
 }
 
 

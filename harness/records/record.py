@@ -28,7 +28,7 @@ def pulled_levers(config: dict) -> dict:
 
 
 FINGERPRINT_AXES = {"arch": "gpt2", "moe_routing": "learned", "fp8_recipe": "tensorwise", "fp8_all_gather": False,
-                    "fp8_emulate": False}
+                    "fp8_emulate": False, "checkpoint": "off"}
 """Workload axes and their default: a cell off the default enters them in its fingerprint, a default one
 does not, so records from before the axis keep their fingerprints."""
 

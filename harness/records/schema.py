@@ -103,6 +103,11 @@ class InstrumentMetrics(TypedDict, total=False):
     (:meth:`harness.measure.nvtx_ranges.Ranges.describe`)."""
     compile: dict[str, Any]
     """``compile on`` only (:func:`harness.measure.compile_stats.compile_metrics`)."""
+    checkpoint: dict[str, Any]
+    """``--checkpoint sync|async`` only (:func:`harness.run.checkpoint_metrics.checkpoint_metrics`): ``mode``,
+    ``every``, ``saves``, per save the slowest rank's ``blocking_s`` and their median, ``background_s_median``
+    (async), ``cost_per_step_pct``, ``bytes_written_by_rank``, ``write_gib_per_s`` and the ``restore`` check
+    (``from_step``, ``steps_replayed``, ``load_s``, ``bytes_read_by_rank``, ``loss_max_abs_diff``)."""
 
 
 class ProbeMetrics(TypedDict, total=False):

@@ -123,11 +123,13 @@ def _time_use(parts: dict[str, Any]) -> dict[str, float]:
 def strategy_label(cfg: dict[str, Any]) -> str | None:
     """The strategy, with ``(no sp)`` for a layout with tensor parallel but not sequence parallel, where the
     preset's name does not say so (its resolved degrees have tp > 1 and no ``sp``), and a pipeline's schedule
-    where it is not 1F1B, the presets' (``pp (zb)``)."""
+    where it is not 1F1B, the presets' (``pp (zb)``); a cell that checkpoints says how (``fsdp (ckpt async)``)."""
     strategy, degrees = cfg.get("strategy"), cfg.get("degrees") or {}
     tags = [] if strategy in SP_NAMED or degrees.get("tp", 1) < 2 or degrees.get("sp") else ["no sp"]
     if degrees.get("pp", 1) > 1 and cfg.get("pp_schedule", "1f1b") != "1f1b":
         tags.append(cfg["pp_schedule"])
+    if cfg.get("checkpoint", "off") != "off":
+        tags.append(f"ckpt {cfg['checkpoint']}")
     return f"{strategy} ({', '.join(tags)})" if tags else strategy
 
 

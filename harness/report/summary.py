@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
+from harness.report.checkpoint_table import checkpoint_section
 from harness.report.frame import TIME_USE, device_title, text
 from harness.report.lever_gains import levers_section
 from harness.report.load_table import expert_load_section
@@ -266,24 +267,13 @@ def summary_markdown(frames: RunFrames) -> str:
         lines += [f"## Size: {size}", "", _size_table(part), "", what_to_pick(part), ""]
         if _has_outcomes(part):
             lines += [f"### Loss outcomes: {size}", "", _outcome_table(part), ""]
-    model = model_section(frames.model)
-    if model:
-        lines += [model, ""]
-    attribution = attribution_section(frames.step_attribution, frames.memory_attribution)
-    if attribution:
-        lines += [attribution, ""]
-    levers = levers_section(frames.levers)
-    if levers:
-        lines += [levers, ""]
-    load = expert_load_section(frames.expert_load)
-    if load:
-        lines += [load, ""]
-    bubble = bubble_section(frames.pipeline_bubble)
-    if bubble:
-        lines += [bubble, ""]
-    actions = actions_section(frames.stage_actions)
-    if actions:
-        lines += [actions, ""]
+    sections = (model_section(frames.model), attribution_section(frames.step_attribution, frames.memory_attribution),
+                levers_section(frames.levers), expert_load_section(frames.expert_load),
+                bubble_section(frames.pipeline_bubble), actions_section(frames.stage_actions),
+                checkpoint_section(frames.records))
+    for section in sections:  # each only where the run has what it reads
+        if section:
+            lines += [section, ""]
     lines += [FORMULAS, ""]
     flags = _flags(df)
     if flags:

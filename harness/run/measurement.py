@@ -45,6 +45,8 @@ class RankMeasurement:
     """``--compile on``: dynamo's counts over the warmup and the measured window."""
     fp8_linears: list[str]
     """``fp8``: the linears this rank trained in float8 (torchao's ``Float8Linear``), by name in the model."""
+    checkpoint: dict[str, Any] | None = None
+    """``--checkpoint``: this rank's saves and restore check (:class:`harness.run.checkpoint.CheckpointLog`)."""
     step_parts: list[dict[str, float]] | None = None
     """CPU pipeline ranks: the seconds of each stage action in each step, warmup first
     (:data:`harness.parallel.schedules.STAGE_ACTIONS`); None elsewhere."""

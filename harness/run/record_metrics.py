@@ -36,6 +36,7 @@ from harness.records.schema import (
     TimingMetrics,
     WorkerMetrics,
 )
+from harness.run.checkpoint_metrics import checkpoint_metrics
 from harness.run.formulas import (
     CONVENTIONS,
     calibrated_mfu_fields,
@@ -222,6 +223,11 @@ def worker_metrics(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRu
         m["compile"] = _compile(gathered, all_steps[: cfg.warmup], stats.median)
     if cfg.precision == "fp8":
         m["fp8"] = _fp8(cfg, gathered)
+    if cfg.checkpoint != "off":
+        ranks = sorted(gathered, key=lambda g: g.rank)
+        m["checkpoint"] = checkpoint_metrics([g.checkpoint or {} for g in ranks], stats.median,
+                                             [g.state_bytes["params"] + g.state_bytes["optimizer"] for g in ranks],
+                                             replicas=cfg.layout.dims.dp_replicate)
     step1 = merge([g.probe for g in gathered])
     m["grad_norm_step1"] = step1["grad_norm"]
     m["param_norm_step1"] = step1["param_norm"]

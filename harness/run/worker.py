@@ -16,7 +16,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -46,6 +46,9 @@ from harness.run.measurement import CellRun, RankMeasurement
 from harness.run.record_metrics import worker_metrics
 from harness.spec import CellConfig
 from harness.units import GIB
+
+if TYPE_CHECKING:
+    from harness.run.checkpoint import Checkpointer
 
 PROFILE_WARMUP = 1  # after the measured window: 1 profiler warmup step + 3 recorded steps
 PROFILE_STEPS = 4
@@ -87,8 +90,13 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     cell = build_cell(cfg, where.device)
     marks.mark("build")
     batches = Batches(cfg, cell, where.device)
-    window = _measure(cfg, cell, batches, out_dir, where, marks)
+    ckpt = _checkpointer(cfg, cell, out_dir)
+    window = _measure(cfg, cell, batches, out_dir, where, marks, ckpt=ckpt)
+    if ckpt is not None:  # untimed, like the extra steps (its phase: theirs)
+        _restore_check(cfg, cell, batches, window, ckpt)
     local = _extra_steps(cfg, cell, batches, window, out_dir, where, marks)
+    if ckpt is not None:
+        local = replace(local, checkpoint=ckpt.log.to_json())
     gathered = [RankMeasurement.from_json(g) for g in _gather_json(local.to_json(), where.device)]
     if where.rank != 0:
         return None
@@ -128,10 +136,39 @@ class Window:
         return len(self.times)
 
 
+def _checkpointer(cfg: CellConfig, cell: BuiltCell, out_dir: Path) -> Checkpointer | None:
+    """``--checkpoint``: this rank's :class:`harness.run.checkpoint.Checkpointer` (its saves in the cell's folder)."""
+    if cfg.checkpoint == "off":
+        return None
+    from harness.run.checkpoint import Checkpointer  # noqa: PLC0415 (heavy: DCP, only for a cell that checkpoints)
+
+    return Checkpointer(cell.ctx.par.parts, cell.ctx.optimizer, out_dir / "checkpoints", cfg.checkpoint,
+                        cfg.checkpoint_every)
+
+
+def _restore_check(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, ckpt: Checkpointer) -> None:
+    """Load the newest save with steps after it and run those steps again on the same batches: their losses must be
+    the ones the window recorded (this rank's, where it has the loss). The state ends where the window left it."""
+    last = cfg.warmup + cfg.steps - 1
+    start = ckpt.replay_step(last)
+    if start is not None:
+        loaded = ckpt.load(start)
+        diffs = []
+        for step in range(start + 1, last + 1):
+            loss, _ = train.train_step(cell.ctx, *batches(step), batches.lr(step))
+            first = w.losses[step]
+            if loss is not None and first is not None:
+                diffs.append(abs(float(loss) - first))
+        ckpt.log.restore = {"from_step": start, "steps_replayed": last - start, **loaded,
+                            "loss_max_abs_diff": max(diffs) if diffs else None}
+    ckpt.remove()
+
+
 def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, where: Placement,
-             marks: PhaseMarks) -> Window:
+             marks: PhaseMarks, ckpt: Checkpointer | None = None) -> Window:
     """Warmup steps, then the measured ones: each step timed alone, the monitor, NVTX window and heartbeat
-    around the measured ones only; step 1's norms probed after its clock stopped."""
+    around the measured ones only; step 1's norms probed after its clock stopped; with ``ckpt`` a save after every
+    ``--checkpoint-every`` measured steps, outside the step's clock (its blocking seconds are the save's own)."""
     ctx, ranges, moe, w = cell.ctx, cell.ranges, cell.moe, Window()
     timer = StepTimer(cfg.device_kind)
     reset_peak(cfg.device_kind)
@@ -163,6 +200,9 @@ def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, 
             w.probe = tensor_sq_norms(ctx.par.parts)
         w.skipped += int(was_skipped)
         w.losses.append(float(loss) if loss is not None else None)
+        if ckpt is not None and step >= cfg.warmup and ckpt.due(step - cfg.warmup + 1):
+            with ranges.range("checkpoint", payload=step):
+                ckpt.save(step)
         if cell.gns_state is not None:
             # The hook saw the loss-scaled local gradient; the optimizer step unscaled p.grad in place.
             cell.gns_state.take(scale=scale)

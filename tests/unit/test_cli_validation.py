@@ -22,6 +22,9 @@ CASES = {
     "monitor-hz": (["--monitor-hz", "-1"], "--monitor-hz '-1': must be a rate in Hz in [0, 1000]"),
     "rounds0": (["--rounds", "0"], "--rounds '0': must be an integer >= 1"),
     "rounds-nsys": (["--rounds", "3", "--nsys"], "--rounds 3 with --nsys: a capture covers one job per cell"),
+    "checkpoint-every0": (["--checkpoint", "sync", "--checkpoint-every", "0"],
+                          "--checkpoint-every '0': must be an integer >= 1"),
+    "checkpoint-mode": (["--checkpoint", "often"], "--checkpoint 'often': choose from off, sync, async"),
     # Every requested cell invalid: exit 2, though the added single-device reference is valid.
     "only-reference-valid": (["--gpus", "2", "--degrees", "pp=3"],
                              "no valid cell to run: 14 cells (tiny-ddp-fp32-w2-gb8-strong, ...): dp_replicate (1) x "

@@ -20,16 +20,6 @@ from harness.measure.comm_counter import BUS_FACTOR, CommCounter
 
 
 @pytest.fixture
-def gloo_world1(tmp_path) -> Iterator[None]:
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def fake_world4() -> Iterator[None]:
     # torch's own test backend: collectives return at once, one process plays rank 0 of 4.
     from torch.testing._internal.distributed.fake_pg import FakeStore

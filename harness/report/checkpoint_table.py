@@ -1,0 +1,53 @@
+"""What checkpoints cost each cell that saved them (``metrics.checkpoint``, :mod:`harness.run.checkpoint`): the
+seconds a save blocks the step, an async save's write beside training, the cost per step at the interval, the bytes
+each rank wrote against the model and optimizer state it holds, the write rate, and the restore check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.report.frame import strategy_label
+from harness.text import fmt_or
+from harness.units import MIB
+
+
+def checkpoint_rows(records: list[dict[str, Any]] | Any) -> list[list[Any]]:
+    """One row per ok cell with ``metrics.checkpoint``."""
+    rows = []
+    for r in records:
+        ck = (r.get("metrics") or {}).get("checkpoint")
+        if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not ck:
+            continue
+        restore = ck.get("restore") or {}
+        written = ck.get("bytes_written_by_rank") or []
+        rows.append([r.get("cell_id"), strategy_label(r.get("config") or {}), f"{ck['mode']}, every {ck['every']}",
+                     str(ck["saves"]), _ms(ck.get("blocking_s_median")), _ms(ck.get("background_s_median")),
+                     fmt_or(ck.get("cost_per_step_pct"), ".1f"), ", ".join(f"{b / MIB:.2f}" for b in written),
+                     fmt_or(ck.get("written_over_states"), ".3f"), fmt_or(ck.get("write_gib_per_s"), ".3f"),
+                     _ms(restore.get("load_s")), str(restore.get("steps_replayed", "-")),
+                     fmt_or(restore.get("loss_max_abs_diff"), ".1e")])
+    return rows
+
+
+def _ms(seconds: float | None) -> str:
+    return fmt_or(None if seconds is None else 1e3 * seconds, ".1f")
+
+
+def checkpoint_section(records: list[dict[str, Any]] | Any) -> str | None:
+    rows = checkpoint_rows(records)
+    if not rows:
+        return None
+    return "\n".join([
+        "## Checkpoints: what a save costs", "",
+        tabulate(rows, headers=["cell", "strategy", "saves", "n", "blocking ms", "async write ms", "cost % per step",
+                                "MiB written per rank", "written / states", "write GiB/s", "restore ms",
+                                "steps replayed", "replayed loss diff"], tablefmt="github", disable_numparse=True), "",
+        "blocking = the median over saves of the slowest rank's wait (sync: the whole write; async: staging, and an "
+        "earlier save still writing); async write = from a save's start to its write's end, beside training; cost % "
+        "per step = blocking / interval / median step time; written / states = the bytes DCP wrote over the "
+        "parameters and optimizer state of one replica (gradients are not saved; a little above 1: DCP's per-item "
+        "headers); restore = load of the newest save with steps after it, those steps run again on the same batches: "
+        "the largest |loss - the first run's loss| (0 when the state came back whole).",
+    ])
