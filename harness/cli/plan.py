@@ -24,6 +24,7 @@ from harness.cli.args import (
 )
 from harness.errors import UsageError
 from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
+from harness.model.checkpoint import DEFAULT_WRITE_GBPS
 from harness.model.device_file import device_arg
 from harness.model.whatif import CompileGain, plan_at_scale, scenario
 from harness.parallel.levers import COMPILE_MODES
@@ -66,6 +67,9 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-from", type=Path, default=None,
                    help="with --compile on: run directories whose compiled cells beside eager ones on the device's "
                         "product price the gain (default results/gpu); none there: compile is not priced, and said")
+    g.add_argument("--checkpoint-gbps", default=None,
+                   help="with --checkpoint-every: the write bandwidth per GPU its saves are priced at, GB/s "
+                        "(default 1, an assumption the output names)")
     g.add_argument("--fit-from", type=Path, default=None,
                    help="harness fit run directory: its measured peaks replace the predicted ones where a record "
                         "matches (size, strategy, N, precision, global batch)")
@@ -126,7 +130,11 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
                 microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
                 efficiency=efficiency, pp_schedule=pp_schedules[0],
                 grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1), degrees=degrees_arg(v.get("degrees")),
-                moe_imbalance=_imbalance(v.label("moe_imbalance"), v["moe_imbalance"]) if "moe_imbalance" in v else 1.0)
+                moe_imbalance=_imbalance(v.label("moe_imbalance"), v["moe_imbalance"]) if "moe_imbalance" in v else 1.0,
+                checkpoint_every=int_arg(v.label("checkpoint_every"), v["checkpoint_every"], 1)
+                if "checkpoint_every" in v else None,
+                checkpoint_gbps=positive_float(v.label("checkpoint_gbps"), v["checkpoint_gbps"])
+                if "checkpoint_gbps" in v else DEFAULT_WRITE_GBPS)
     sps = tuple(x == "on" for x in choices(v.label("sp"), v.get("sp", "on"), SP_MODES))
     opts["compile"] = _compile_gain(v, device, args.compile_from)
     # one ranking per (size, sequence length, precision, device count): strategies compete at fixed work
@@ -157,7 +165,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if merged(args).get("device", "auto") not in RUN_DEVICES:
         return cmd_plan_whatif(args)
     for flag in ("recompute", "efficiency", "error_from", "fit_from", "moe_imbalance", "device_mem", "power_cap",
-                 "compile_from"):
+                 "compile_from", "checkpoint_gbps"):
         if getattr(args, flag, None) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
                              f"(or h100-pcie, h200, a100)")

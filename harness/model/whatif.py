@@ -27,6 +27,7 @@ from typing import Any
 
 from harness.errors import UsageError
 from harness.model.block_ops import fp8_flops_fraction
+from harness.model.checkpoint import DEFAULT_WRITE_GBPS, checkpoint_bytes_by_rank, cost_per_step, save_seconds
 from harness.model.compute import ComputeRates, roofline_rates, with_recompute
 from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn, get_device, placement
 from harness.model.memory import peak_bytes, state_bytes_by_rank
@@ -97,6 +98,10 @@ class Scenario:
     """Sequence parallel wherever a layout has tensor parallel (:func:`harness.parallel.presets.sp_of`)."""
     compile: CompileGain | None = None
     """``--compile on``: its measured gain on this device, or None when compile is off."""
+    checkpoint_every: int | None = None
+    """``--checkpoint-every``: a synchronous save every this many steps, priced per row; None: not priced."""
+    checkpoint_gbps: float = DEFAULT_WRITE_GBPS
+    """Write bandwidth per GPU the saves are priced at (GB/s; ``--checkpoint-gbps``)."""
 
     @property
     def peak_tflops(self) -> float:
@@ -126,7 +131,8 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
              global_batch: int | None = None, seq_len: int | None = None, recompute: str = "none",
              microbatches: int | None = None, efficiency: float | None = None, pp_schedule: str = "1f1b",
              grad_accum: int = 1, degrees: dict | None = None, moe_imbalance: float = 1.0,
-             sequence_parallel: bool = True, compile: CompileGain | None = None) -> Scenario:
+             sequence_parallel: bool = True, compile: CompileGain | None = None, checkpoint_every: int | None = None,
+             checkpoint_gbps: float = DEFAULT_WRITE_GBPS) -> Scenario:
     """Validate the inputs (UsageError naming the value and the fix) and fix the defaults."""
     dev = get_device(device) if isinstance(device, str) else device
     try:
@@ -154,9 +160,14 @@ def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "
         if error := seq_len_error(size, seq_len):
             raise UsageError(f"--seq-len: {error}")
         size = replace(size, seq_len=seq_len)
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every {checkpoint_every}: must be an integer >= 1 (steps between saves)")
+    if not checkpoint_gbps > 0:
+        raise UsageError(f"--checkpoint-gbps {checkpoint_gbps}: must be a write bandwidth per GPU in GB/s > 0, e.g. 2")
     return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
                     recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
-                    degrees=degrees, moe_imbalance=moe_imbalance, sequence_parallel=sequence_parallel, compile=compile)
+                    degrees=degrees, moe_imbalance=moe_imbalance, sequence_parallel=sequence_parallel, compile=compile,
+                    checkpoint_every=checkpoint_every, checkpoint_gbps=checkpoint_gbps)
 
 
 def default_global_batch(seq_len: int, world: int, cp: int) -> int:
@@ -220,6 +231,10 @@ def predict_row(s: Scenario, strategy: str) -> dict:
     if not fits:
         row["reason"] = (f"predicted peak {peak:.1f} GiB > {s.device.hbm_gib:.1f} GiB per GPU; shard more "
                          f"(fsdp, tp, pp), --recompute full or a smaller --batch")
+    if s.checkpoint_every is not None:
+        save_s = save_seconds(c, s.checkpoint_gbps)
+        row.update(checkpoint_gib_per_rank=max(checkpoint_bytes_by_rank(c)) / GIB, checkpoint_save_s=save_s,
+                   checkpoint_pct=100 * cost_per_step(save_s, s.checkpoint_every, step))
     if s.compile is not None and not s.compile.speedup:
         row["notes"].append(f"compile: not priced ({s.compile.source})")
     same = _same_size_dims(dims, where)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from harness.model.checkpoint import DEFAULT_WRITE_GBPS
 from harness.model.hardware import DEFAULT_EFFICIENCY, KERNEL_EFFICIENCY, MAMF_FRACTION
 from harness.model.whatif import TOKENS_PER_DEVICE, Scenario, sequences_per_device
 from harness.text import degrees_label
@@ -64,9 +65,19 @@ def assumptions_lines(s: Scenario) -> list[str]:
         f"{s.size.flops_per_token() / 1e9:,.2f} GFLOP (torchtitan counts {s.size.flops_per_token_torchtitan() / 1e9:,.2f}), "
         f"and by {FLOP_CONVENTION_LABEL['megatron']} = {s.size.flops_per_token_megatron() / 1e9:,.2f} GFLOP "
         f"(Megatron-Bridge's count); recompute not counted{total}",
-    ] + _compile_lines(s) + ([f"expert load: {'balanced (every expert the mean)' if s.moe_imbalance == 1 else f'the busiest expert at {s.moe_imbalance:.3g}x the mean (--moe-imbalance)'}; "
+    ] + _compile_lines(s) + _checkpoint_lines(s) + ([f"expert load: {'balanced (every expert the mean)' if s.moe_imbalance == 1 else f'the busiest expert at {s.moe_imbalance:.3g}x the mean (--moe-imbalance)'}; "
           f"under expert parallel the busiest rank's expert compute scales with it; all-to-all priced as "
           f"if each rank receives as many routed rows as it sends"] if moe else [])
+
+
+def _checkpoint_lines(s: Scenario) -> list[str]:
+    if s.checkpoint_every is None:
+        return []
+    assumed = ", assumed (--checkpoint-gbps sets it; no filesystem of the named hardware is measured)" \
+        if s.checkpoint_gbps == DEFAULT_WRITE_GBPS else " (--checkpoint-gbps)"
+    return [f"checkpoint: a synchronous save every {s.checkpoint_every} steps of each rank's parameters and AdamW "
+            f"state (12 bytes a parameter over its data-parallel replicas), written at {s.checkpoint_gbps:g} GB/s per "
+            f"GPU{assumed}; % of step = save s / ({s.checkpoint_every} x step s)"]
 
 
 def _compile_lines(s: Scenario) -> list[str]:
@@ -87,22 +98,29 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+CHECKPOINT_COLUMNS = ["checkpoint GiB/rank", "save s", "checkpoint % of step"]
+
+
 def whatif_table(rows: list[dict]) -> str:
+    """The ranking; with ``--checkpoint-every`` each row's save priced too (:mod:`harness.model.checkpoint`)."""
+    ckpt = any("checkpoint_save_s" in r for r in rows)
     out = []
     for r in rows:
         if not r["valid"]:
-            out.append(["-", r["strategy"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "invalid", r["reason"]])
+            out.append(["-", r["strategy"], *["-"] * (9 + 3 * ckpt), "invalid", r["reason"]])
             continue
         note = "; ".join(([r["reason"]] if r["reason"] else []) + r["notes"])
+        priced = [_num(r["checkpoint_gib_per_rank"], 2), _num(r["checkpoint_save_s"]), _num(r["checkpoint_pct"], 2)] \
+            if ckpt else []
         out.append([r["rank"] or "-", r["strategy"], degrees_label(r["degrees"]), f"{r['tokens_per_s_per_device']:,.0f}",
                     f"{r['mfu_pct']:.1f}", f"{r['mfu_megatron_pct']:.1f}", _num(r["step_time_s"] * 1e3), _num(r["exposed_comm_s"] * 1e3),
                     _num(r["bubble_s"] * 1e3), _num(r["model_states_gib_per_rank"], 2),
-                    _num(r["peak_mem_gib_per_rank"]), "yes" if r["fits"] else "NO", note])
+                    _num(r["peak_mem_gib_per_rank"]), *priced, "yes" if r["fits"] else "NO", note])
     return tabulate(out, headers=["rank", "strategy", "degrees", "tokens/s/device", "MFU % (PaLM)",
                                   "MFU % (Megatron causal)", "step ms",
                                   "exposed comm ms", "bubble ms", "model states GiB/rank", "peak GiB/rank",
-                                  "fits", "note"], tablefmt="github", disable_numparse=True,
-                    colalign=("right", "left", "left") + ("right",) * 8 + ("left", "left"))
+                                  *(CHECKPOINT_COLUMNS if ckpt else []), "fits", "note"], tablefmt="github",
+                    disable_numparse=True, colalign=("right", "left", "left") + ("right",) * (8 + 3 * ckpt) + ("left", "left"))
 
 
 def error_line(err: dict, run_dir: Path) -> str:

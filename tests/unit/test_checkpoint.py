@@ -3,12 +3,24 @@ whole, training after it is the same), the bytes a rank wrote, and the record's 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from harness.errors import UsageError
+from harness.model.checkpoint import checkpoint_bytes_by_rank, cost_per_step, save_seconds
+from harness.model.shape import CellShape
+from harness.model.whatif import predict_row, scenario, shape_for
+from harness.records.reader import load_records
 from harness.run.checkpoint import Checkpointer, rank_bytes
 from harness.run.checkpoint_metrics import checkpoint_metrics
+from harness.spec import CellConfig
+from workloads.model import Decoder
+from workloads.sizes import get_size
+
+REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference" / "checkpoint-cpu-tiny-mini-w2-w4"
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
@@ -75,3 +87,37 @@ def test_the_record_takes_the_slowest_rank_per_save_and_prices_the_interval():
     ddp = checkpoint_metrics([_log("sync", [0.1], [None], 50, None)] * 2, 1.0, [100, 100], replicas=2)
     # two replicas of 100 B each: DCP writes each tensor once, half per rank, so 100 B over one replica's 100
     assert ddp["written_over_states"] == 1.0 and ddp["background_s_median"] is None and ddp["restore"] is None
+
+
+def test_the_model_prices_a_save_from_the_states_it_counts():
+    """Llama-3 8B under FSDP on 8 H100: 8,030,261,248 parameters (Meta's release), 12 bytes each saved (fp32
+    parameter and AdamW's two moments), an eighth per rank; at 1 GB/s a save takes 12.05 s."""
+    s = scenario("llama3-8b", "h100", 8, "bf16", checkpoint_every=500)
+    c = shape_for(s, "fsdp")
+    assert c.size.params == 8_030_261_248
+    assert max(checkpoint_bytes_by_rank(c)) == pytest.approx(12 * 8_030_261_248 / 8, rel=1e-6)  # shard padding aside
+    assert save_seconds(c, 1.0) == pytest.approx(12.045, rel=1e-3)
+    row = predict_row(s, "fsdp")
+    assert row["checkpoint_pct"] == pytest.approx(100 * row["checkpoint_save_s"] / (500 * row["step_time_s"]))
+    assert cost_per_step(12.0, 500, 1.2) == pytest.approx(0.02)  # 12 s over 500 steps of 1.2 s
+    # DDP's two replicas share the write: each rank a half of the 12 bytes a parameter and AdamW's 4-byte step
+    # per tensor (the tensors counted by torch on the real model)
+    ddp = shape_for(scenario("tiny", "h100", 2, "bf16"), "ddp")
+    with torch.device("meta"):
+        tensors = len(list(Decoder(get_size("tiny")).parameters()))
+    assert checkpoint_bytes_by_rank(ddp) == [(12 * ddp.size.params + 4 * tensors) / 2] * 2
+    with pytest.raises(UsageError, match="--checkpoint-gbps 0: must be a write bandwidth per GPU"):
+        scenario("llama3-8b", "h100", 8, "bf16", checkpoint_every=500, checkpoint_gbps=0)
+
+
+def test_the_models_bytes_are_what_the_cpu_reference_wrote():
+    """Every cell of results/reference/checkpoint-cpu-tiny-mini-w2-w4: the bytes DCP wrote over the model's (its
+    per-item headers above; tensor parallel's norms, replicated on each tp rank and written once, below)."""
+    ratios = {}
+    for r in load_records(REFERENCE):
+        if r.get("kind") != "cell" or r.get("status") != "ok":
+            continue
+        predicted = sum(checkpoint_bytes_by_rank(CellShape.of(CellConfig.from_dict(r["config"]))))
+        ratios[r["cell_id"]] = sum(r["metrics"]["checkpoint"]["bytes_written_by_rank"]) / predicted
+    assert len(ratios) == 28
+    assert all(0.95 < x < 1.15 for x in ratios.values()), ratios
