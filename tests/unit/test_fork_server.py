@@ -110,3 +110,14 @@ def test_a_forked_ranks_environment_is_what_torchrun_gives_the_same_rank(tmp_pat
         assert placing - set(forked) <= {"ROLE_NAME"}, sorted(placing - set(forked))  # ROLE_NAME: "default", unread
         assert set(forked) - set(torchrun) == set(), sorted(set(forked) - set(torchrun))
         assert forked["MASTER_ADDR"] == "127.0.0.1", forked  # loopback: the harness rendezvous on this host by default
+
+
+def test_a_forked_ranks_environment_by_hand():
+    """Rank 2 of 4 on port 29517, every value written out (torchrun's worker environment for a one-node job:
+    the node is group 0 of 1, local rank = rank, role = the whole world), the port the one the leader chose."""
+    from harness.run.fork_server import _rank_env
+
+    assert _rank_env(2, 4, 29517) == {
+        "RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "2", "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29517"}
