@@ -24,7 +24,7 @@ from harness.cli.args import (
 )
 from harness.errors import UsageError
 from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
-from harness.model.checkpoint import DEFAULT_WRITE_GBPS
+from harness.model.checkpoint_cost import DEFAULT_WRITE_GBPS
 from harness.model.device_file import device_arg
 from harness.model.whatif import CompileGain, plan_at_scale, scenario
 from harness.parallel.levers import COMPILE_MODES

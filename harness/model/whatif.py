@@ -27,7 +27,7 @@ from typing import Any
 
 from harness.errors import UsageError
 from harness.model.block_ops import fp8_flops_fraction
-from harness.model.checkpoint import DEFAULT_WRITE_GBPS, checkpoint_bytes_by_rank, cost_per_step, save_seconds
+from harness.model.checkpoint_cost import DEFAULT_WRITE_GBPS, checkpoint_bytes_by_rank, cost_per_step, save_seconds
 from harness.model.compute import ComputeRates, roofline_rates, with_recompute
 from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn, get_device, placement
 from harness.model.memory import peak_bytes, state_bytes_by_rank

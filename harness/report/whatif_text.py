@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from harness.model.checkpoint import DEFAULT_WRITE_GBPS
+from harness.model.checkpoint_cost import DEFAULT_WRITE_GBPS
 from harness.model.hardware import DEFAULT_EFFICIENCY, KERNEL_EFFICIENCY, MAMF_FRACTION
 from harness.model.whatif import TOKENS_PER_DEVICE, Scenario, sequences_per_device
 from harness.text import degrees_label
@@ -102,7 +102,7 @@ CHECKPOINT_COLUMNS = ["checkpoint GiB/rank", "save s", "checkpoint % of step"]
 
 
 def whatif_table(rows: list[dict]) -> str:
-    """The ranking; with ``--checkpoint-every`` each row's save priced too (:mod:`harness.model.checkpoint`)."""
+    """The ranking; with ``--checkpoint-every`` each row's save priced too (:mod:`harness.model.checkpoint_cost`)."""
     ckpt = any("checkpoint_save_s" in r for r in rows)
     out = []
     for r in rows:

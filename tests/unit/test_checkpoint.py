@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from harness.errors import UsageError
-from harness.model.checkpoint import checkpoint_bytes_by_rank, cost_per_step, save_seconds
+from harness.model.checkpoint_cost import checkpoint_bytes_by_rank, cost_per_step, save_seconds
 from harness.model.shape import CellShape
 from harness.model.whatif import predict_row, scenario, shape_for
 from harness.records.reader import load_records
