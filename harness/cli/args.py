@@ -68,23 +68,18 @@ def choices(name: str, s, valid: tuple[str, ...]) -> tuple[str, ...]:
     return out
 
 
-def checkpoint_modes() -> tuple[str, ...]:
-    """``--checkpoint``'s values on this torch: ``async`` only where ``torch.distributed.checkpoint`` has
-    ``async_save``."""
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy: DCP, only when checkpoints are asked for)
-
-    return CHECKPOINT_MODES if hasattr(dcp, "async_save") else tuple(m for m in CHECKPOINT_MODES if m != "async")
-
-
 def checkpoints_arg(v) -> tuple[str, ...]:
-    """``--checkpoint off,sync,async`` (default off): each mode a cell of its own."""
+    """``--checkpoint off,sync,async`` (default off): each mode a cell of its own; ``async`` only where
+    ``torch.distributed.checkpoint`` has ``async_save``."""
     if v.get("checkpoint", "off") == "off":
         return ("off",)
-    modes = checkpoint_modes()
-    if "async" in csv_list(str(v["checkpoint"])) and "async" not in modes:
+    modes = choices(v.label("checkpoint"), v["checkpoint"], CHECKPOINT_MODES)
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy: DCP, only when checkpoints are asked for)
+
+    if "async" in modes and not hasattr(dcp, "async_save"):
         raise UsageError("--checkpoint async: this torch's torch.distributed.checkpoint has no async_save; "
                          "use --checkpoint sync, or a torch >= 2.4")
-    return choices(v.label("checkpoint"), v["checkpoint"], CHECKPOINT_MODES)
+    return modes
 
 
 def workload_keys(archs: tuple[str, ...], sizes: tuple[str, ...]) -> list[str]:

@@ -53,11 +53,16 @@ _ACTIVE: list[ActionClock] = []
 
 
 def _timed_wait(wait: Callable[..., Any]) -> Callable[..., Any]:
+    """``_wait_batch_p2p``, charged to the active clock's ``p2p_wait`` (inside the measured step: no wrapper is
+    built per call)."""
     @functools.wraps(wait)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not _ACTIVE:
+        t0 = time.perf_counter()
+        try:
             return wait(*args, **kwargs)
-        return _ACTIVE[-1].timed("p2p_wait", wait)(*args, **kwargs)
+        finally:
+            if _ACTIVE:
+                _ACTIVE[-1].charge("p2p_wait", time.perf_counter() - t0)
     run.__harness_timed__ = True  # type: ignore[attr-defined]
     return run
 
@@ -66,8 +71,11 @@ def _backward(clock: ActionClock, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``backward_one_chunk``: charged to ``backward`` when whole, ``backward_input`` when only its input part."""
     @functools.wraps(fn)
     def run(*args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
-        name = "backward" if full_backward else "backward_input"
-        return clock.timed(name, fn)(*args, full_backward=full_backward, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, full_backward=full_backward, **kwargs)
+        finally:
+            clock.charge("backward" if full_backward else "backward_input", time.perf_counter() - t0)
     return run
 
 

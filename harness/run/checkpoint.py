@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from harness.run.checkpoint_metrics import CHECKPOINT_MODES
+from harness.spec import CHECKPOINT_MODES
 
 
 @dataclass

@@ -6,9 +6,6 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from harness.spec import CHECKPOINT_MODES
-
-__all__ = ["CHECKPOINT_MODES", "checkpoint_metrics"]
 
 def checkpoint_metrics(logs: list[dict[str, Any]], step_median_s: float, states_by_rank: list[int],
                        replicas: int = 1) -> dict[str, Any]:
