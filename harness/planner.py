@@ -127,7 +127,8 @@ def _degrees_of(spec: SweepSpec, strategy: str, world: int, size) -> Sequence[di
 def _levers(spec: SweepSpec) -> list[dict]:
     """Every combination of the lever axes, as cell fields."""
     return [dict(compile=c, ac=a, optimizer=o, sequence_parallel=sp, fp8_recipe=r, fp8_all_gather=ag, pp_schedule=ps,
-                 checkpoint=k, checkpoint_every=spec.checkpoint_every)
+                 checkpoint=k, checkpoint_every=spec.checkpoint_every, checkpoint_keep=spec.checkpoint_keep and k != "off",
+                 restore_from=spec.restore_from)
             for c, a, o, sp, r, ag, ps, k in product(spec.compiles, spec.acs, spec.optimizers, spec.sequence_parallels,
                                                     spec.fp8_recipes, spec.fp8_all_gathers, spec.pp_schedules,
                                                     spec.checkpoints)]
@@ -140,7 +141,8 @@ def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell]) -> list[Plan
         return []
     out = []
     plain = dict(compile=False, ac="none", optimizer="adamw", sequence_parallel=True, fp8_recipe="tensorwise",
-                 fp8_all_gather=False, pp_schedule=spec.pp_schedules[0], checkpoint="off")
+                 fp8_all_gather=False, pp_schedule=spec.pp_schedules[0], checkpoint="off",
+                 restore_from=spec.restore_from)
     for c in cells.values():
         r = c.raw
         if r["precision"] != "fp8":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
 import torch
 
@@ -74,6 +75,8 @@ def cell_id_of(c: dict) -> str:
         parts.append("fp8ag")
     if c.get("checkpoint", "off") != "off":
         parts.append(f"ckpt-{c['checkpoint']}{c.get('checkpoint_every', 5)}")
+    if c.get("restore_from"):  # started from another run's save: "from" and its step (the save's folder name)
+        parts.append("from" + Path(c["restore_from"]).name.removeprefix("step-").lstrip("0"))
     return "-".join(str(p) for p in parts)
 
 
@@ -159,6 +162,11 @@ class CellConfig:
     """Model and optimizer state saved through ``torch.distributed.checkpoint`` (:data:`CHECKPOINT_MODES`)."""
     checkpoint_every: int = 5
     """With ``checkpoint`` on: a save after every this many measured steps."""
+    checkpoint_keep: bool = False
+    """With ``checkpoint`` on: the saves stay in the cell's folder, with its loss curve (for ``restore_from``)."""
+    restore_from: str | None = None
+    """A save of another run (its ``step-NNNNNN`` folder): the cell starts from that state, any layout's, on the
+    steps after it (:mod:`harness.run.resume`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ac", ac_policy(self.ac))  # a policy's earlier name reads as today's
@@ -185,6 +193,9 @@ class CellConfig:
                 raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
         if self.warmup < 0:
             raise UsageError(f"warmup must be >= 0, got {self.warmup}")
+        if self.checkpoint_keep and self.checkpoint == "off":
+            raise UsageError("checkpoint_keep keeps the saves of a cell that checkpoints, and this one has checkpoint "
+                             "off: add --checkpoint sync or async, or drop --checkpoint-keep")
         if self.moe_routing != "learned" and self.arch != "moe":
             raise UsageError(f"moe_routing {self.moe_routing!r} routes an MoE's tokens, and arch {self.arch} has no "
                              f"experts: use --arch moe, or drop --moe-routing")
@@ -282,6 +293,10 @@ class SweepSpec:
     """Checkpoint modes to sweep (``--checkpoint off,sync,async``)."""
     checkpoint_every: int = 5
     """``--checkpoint-every``: measured steps between saves."""
+    checkpoint_keep: bool = False
+    """``--checkpoint-keep``: the saves stay in each cell's folder (a ``--restore-from`` source)."""
+    restore_from: str | None = None
+    """``--restore-from``: every cell starts from this save (:mod:`harness.run.resume`)."""
     microbatches: int | None = None
     """Pipeline microbatches; default 2 x pp (enough for every schedule)."""
     pp_schedules: tuple[str, ...] = ("1f1b",)

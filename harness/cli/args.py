@@ -21,6 +21,7 @@ from harness.parallel.levers import COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import STRATEGIES
 from harness.parallel.schedules import PP_SCHEDULES, check_schedule_compile
 from harness.precision import FP8_RECIPES, PRECISIONS
+from harness.run.resume import source_error
 from harness.spec import CHECKPOINT_MODES, SweepSpec, default_device_kind
 from workloads.moe import ROUTINGS
 from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
@@ -66,6 +67,16 @@ def choices(name: str, s, valid: tuple[str, ...]) -> tuple[str, ...]:
     if not out:
         raise UsageError(f"{name} is empty; choose from {', '.join(valid)}")
     return out
+
+
+def restore_from_arg(v) -> str | None:
+    """``--restore-from STEP_DIR``: a complete save with the harness's progress files, as an absolute path."""
+    if "restore_from" not in v:
+        return None
+    path = Path(v["restore_from"]).resolve()
+    if error := source_error(path):
+        raise UsageError(error)
+    return str(path)
 
 
 def checkpoints_arg(v) -> tuple[str, ...]:
@@ -181,6 +192,12 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    "torch.distributed.checkpoint every --checkpoint-every measured steps; sync waits for the write, "
                    "async for the staging only (default off); each mode a cell")
     g.add_argument("--checkpoint-every", help="measured steps between checkpoint saves (default 5)")
+    g.add_argument("--checkpoint-keep", action="store_true", default=None,
+                   help="keep each cell's saves in its folder (cells/<id>/checkpoints/step-NNNNNN) with its loss curve, "
+                        "for --restore-from")
+    g.add_argument("--restore-from", metavar="STEP_DIR",
+                   help="start every cell from this save of another run (a step-NNNNNN folder kept by "
+                        "--checkpoint-keep), resharded into the cell's layout; its losses are held against the source's")
     g.add_argument("--device", default=None,
                    help="auto (default), cpu or cuda; harness plan also takes a hardware preset "
                         "(h100, h100-pcie, h200, a100) for a what-if prediction")
@@ -298,6 +315,9 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     compiles = tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES))
     schedules = choices(v.label("pp_schedule"), v.get("pp_schedule", "1f1b"), PP_SCHEDULES)
     check_schedule_compile(schedules, compiles)
+    if v.get("checkpoint_keep") and checkpoints_arg(v) == ("off",):
+        raise UsageError("--checkpoint-keep keeps saves, and --checkpoint is off: add --checkpoint sync (or async), "
+                         "or drop --checkpoint-keep")
     return SweepSpec(
         sizes=csv_list(v.get("sizes", d["sizes"])),
         strategies=csv_list(strategies),
@@ -323,6 +343,8 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         fp8_emulate=bool(v.get("fp8_emulate", False)),
         checkpoints=checkpoints_arg(v),
         checkpoint_every=int_arg(v.label("checkpoint_every"), v.get("checkpoint_every", 5), 1),
+        checkpoint_keep=bool(v.get("checkpoint_keep", False)),
+        restore_from=restore_from_arg(v),
         microbatches=int_arg(v.label("microbatches"), v["microbatches"], 1) if "microbatches" in v else None,
         pp_schedules=schedules,
         grad_accum=int_arg(v.label("grad_accum"), v.get("grad_accum", 1), 1),

@@ -20,6 +20,7 @@ from harness.records.reader import RECORDS_FILENAME, append_record
 from harness.report import write_report
 from harness.run.launch import LAUNCHERS, Rendezvous
 from harness.run.nsys_capture import REPORT_WAIT_S, nsys_tool
+from harness.run.resume import check_same_training
 from harness.run.rounds import ORDERS, RoundsPlan, recorded_rounds
 from harness.run.rundir import (
     check_same_sweep,
@@ -89,6 +90,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cells = expand(spec)
     if args.resume is None:
         check_valid_any(cells)
+    if spec.restore_from is not None:
+        check_same_training(Path(spec.restore_from), [c.config.to_dict() for c in cells if c.config is not None])
     for flag, value in (("--cell-timeout", args.cell_timeout), ("--stall-timeout", args.stall_timeout)):
         if value is not None and value <= 0:
             raise UsageError(f"{flag} {value:g}: must be > 0 seconds")

@@ -106,11 +106,12 @@ def build_cell(cfg: CellConfig, device: torch.device) -> BuiltCell:
 
 class Batches:
     """Each step's batch as this rank sees it: its data-parallel rows of the global batch, its head and tail
-    chunks of each sequence under context parallel (:func:`harness.parallel.cp.shard_sequence`)."""
+    chunks of each sequence under context parallel (:func:`harness.parallel.cp.shard_sequence`). ``offset``: the
+    training step of the cell's step 0 (a cell restored from another run's save after step k starts at k + 1)."""
 
-    def __init__(self, cfg: CellConfig, cell: BuiltCell, device: torch.device) -> None:
+    def __init__(self, cfg: CellConfig, cell: BuiltCell, device: torch.device, offset: int = 0) -> None:
         dims = cell.dims
-        self.cfg, self.device, self.ranges, self.cp = cfg, device, cell.ranges, dims.cp
+        self.cfg, self.device, self.ranges, self.cp, self.offset = cfg, device, cell.ranges, dims.cp, offset
         self.data = MarkovData(cell.size.vocab_size, cfg.seq_len, seed=cfg.seed)
         self.local_batch = cfg.global_batch // dims.dp
         dp_rank = dims.mesh("dp_replicate").get_local_rank() * dims.dp_shard + dims.mesh("dp_shard").get_local_rank()
@@ -119,7 +120,7 @@ class Batches:
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self.ranges.range("data"):
-            x, y = self.data.batch(step, self.cfg.global_batch)
+            x, y = self.data.batch(self.offset + step, self.cfg.global_batch)
             x, y = x[self.rows], y[self.rows]
             if self.cp > 1:
                 x, y = shard_sequence(x, self.cp_rank, self.cp), shard_sequence(y, self.cp_rank, self.cp)
@@ -127,4 +128,4 @@ class Batches:
 
     def lr(self, step: int) -> float:
         """The learning rate at ``step`` (the LR rule's warmup)."""
-        return lr_at(step, self.cfg.lr, self.cfg.lr_warmup_steps)
+        return lr_at(self.offset + step, self.cfg.lr, self.cfg.lr_warmup_steps)

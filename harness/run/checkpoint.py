@@ -19,17 +19,21 @@ from __future__ import annotations
 import copy
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from harness.spec import CHECKPOINT_MODES
+from harness.run import train
+from harness.run.cell_build import Batches
+from harness.run.resume import STEP_DIR, Progress, Start, find_start
+from harness.spec import CHECKPOINT_MODES, CellConfig
 
 
 @dataclass
@@ -70,16 +74,16 @@ class Checkpointer:
     def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, root: Path, mode: str, every: int):
         if mode not in CHECKPOINT_MODES[1:] or every < 1:
             raise ValueError(f"checkpoint mode {mode!r} every {every}: mode sync or async, every >= 1")
-        self.model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+        self.model = model_of(parts)
         self.optimizer, self.root, self.mode, self.every = optimizer, root, mode, every
         self.rank = dist.get_rank()
         # async: the background write's collectives on a group of their own (a collective call: every rank builds it)
         self.group = dist.new_group(backend="gloo") if mode == "async" else None
         self.log = CheckpointLog(mode=mode, every=every)
-        self._pending: tuple[Any, float, Save] | None = None
+        self._pending: tuple[Any, float, Save, Progress] | None = None
 
     def path(self, step: int) -> Path:
-        return self.root / f"step-{step:06d}"
+        return self.root / STEP_DIR.format(step)
 
     def due(self, measured: int) -> bool:
         """Whether the ``measured``-th measured step (1-based) ends with a save."""
@@ -89,18 +93,21 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
-    def save(self, step: int) -> Save:
-        """Save the state after ``step``; returns the save (its blocking seconds known, an async write's not yet)."""
+    def save(self, step: int, progress: Progress) -> Save:
+        """Save the state after ``step``; returns the save (its blocking seconds known, an async write's not yet).
+        ``progress``: this rank's :class:`harness.run.resume.Progress` at the save, written once the save is
+        complete (what a resumed attempt takes over)."""
         t0 = time.perf_counter()
         self.wait()  # an async save still writing is waited for before the next starts
         path = self.path(step)
         if self.mode == "sync":
             dcp.save(self._state(), checkpoint_id=str(path))
             save = Save(step=step, blocking_s=time.perf_counter() - t0, bytes_written=rank_bytes(path, self.rank))
+            replace(progress, saved_at=time.time()).write(path, self.rank)
         else:
             future = dcp.async_save(self._state(), checkpoint_id=str(path), process_group=self.group)
             save = Save(step=step, blocking_s=time.perf_counter() - t0)
-            self._pending = (future, t0, save)
+            self._pending = (future, t0, save, progress)
         self.log.saves.append(save)
         return save
 
@@ -108,35 +115,90 @@ class Checkpointer:
         """Wait for an async save still writing; its background seconds and bytes are then known."""
         if self._pending is None:
             return
-        future, t0, save = self._pending
+        future, t0, save, progress = self._pending
         self._pending = None
         # torch returns a Future, or (newer) an AsyncSaveResponse whose upload_completion is the write's
         getattr(future, "upload_completion", future).result()
         save.background_s = time.perf_counter() - t0
         save.bytes_written = rank_bytes(self.path(save.step), self.rank)
+        replace(progress, saved_at=time.time()).write(self.path(save.step), self.rank)
 
-    def load(self, step: int) -> dict[str, float]:
-        """Load the save taken after ``step`` into the model and optimizer: seconds and this rank's bytes read."""
+    def load(self, path: Path) -> dict[str, float]:
+        """Load the save at ``path`` into the model and optimizer: seconds and this rank's bytes read."""
         self.wait()
-        t0 = time.perf_counter()
-        state = self._state()
-        groups = copy.deepcopy(state["optim"]["param_groups"])  # DCP loads into the same objects
-        dcp.load(state, checkpoint_id=str(self.path(step)))
-        # The hyperparameters stay the live ones (the cell's; the step sets the LR): on torch 2.13 a DCP round trip
-        # of a two-stage pipeline rank's param_groups lost AdamW's 'betas' in set_state_dict (rank 0 of 2, KeyError
-        # at the next step); the moments and step counts are what a save must bring back.
-        state["optim"]["param_groups"] = groups
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return {"load_s": time.perf_counter() - t0, "bytes_read": rank_bytes(self.path(step), self.rank)}
+        return load_state(self.model, self.optimizer, path, self.rank)
 
     def replay_step(self, last_step: int) -> int | None:
         """The newest save with steps after it up to ``last_step`` (None without one): the restore check's start."""
         steps = [s.step for s in self.log.saves if s.step < last_step]
         return max(steps) if steps else None
 
-    def remove(self) -> None:
-        """The saves are measurements, not results: their folder goes once every rank is done with it."""
-        self.wait()
-        dist.barrier()
+    def restore_check(self, ctx: train.StepContext, batches: Batches, losses: list[float | None], last: int) -> None:
+        """Load the newest save with steps after it and run those steps again on the same batches: their losses
+        must be ``losses`` (the window's, this rank's where it has the loss). The state ends where it was."""
+        start = self.replay_step(last)
+        if start is None:
+            return
+        loaded = self.load(self.path(start))
+        diffs = []
+        for step in range(start + 1, last + 1):
+            loss, _ = train.train_step(ctx, *batches(step), batches.lr(step))
+            first = losses[step]
+            if loss is not None and first is not None:
+                diffs.append(abs(float(loss) - first))
+        self.log.restore = {"from_step": start, "steps_replayed": last - start, **loaded,
+                            "loss_max_abs_diff": max(diffs) if diffs else None}
+
+    def clear_stale(self) -> None:
+        """A cell starting at step 0 removes saves an earlier run of it left (a finished cell's kept ones)."""
+        dist.barrier()  # every rank has decided where it starts
         if self.rank == 0:
             shutil.rmtree(self.root, ignore_errors=True)
+        dist.barrier()
+
+    def finish(self, keep: bool) -> None:
+        """The saves are measurements, not results: their folder goes once every rank is done with it, unless
+        kept (``--checkpoint-keep``: for ``--restore-from``; rank 0 writes the loss curve beside them later)."""
+        self.wait()
+        dist.barrier()
+        if self.rank == 0 and not keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def load_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int) -> dict[str, float]:
+    """Load the DCP save at ``path`` (any layout's: DCP reshards it into this one) into ``model`` and
+    ``optimizer``: seconds and this rank's bytes read (of its own layout's files: 0 when it reads another's)."""
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    groups = copy.deepcopy(optim_sd["param_groups"])  # DCP loads into the same objects
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    # The hyperparameters stay the live ones (the cell's; the step sets the LR): on torch 2.13 a DCP round trip
+    # of a two-stage pipeline rank's param_groups lost AdamW's 'betas' in set_state_dict (rank 0 of 2, KeyError
+    # at the next step); the moments and step counts are what a save must bring back.
+    state["optim"]["param_groups"] = groups
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"load_s": time.perf_counter() - t0, "bytes_read": rank_bytes(path, rank)}
+
+
+def model_of(parts: list[nn.Module]) -> nn.Module:
+    """The module whose state a rank saves: its one part, or its pipeline stages together."""
+    return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+
+
+def start_cell(cfg: CellConfig, parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+               cell_dir: Path) -> tuple[Checkpointer | None, Start]:
+    """The cell's checkpointer (None with ``--checkpoint off``) and where it starts (:func:`harness.run.resume.find_start`),
+    the save it starts from loaded (resharded by DCP when another layout took it)."""
+    rank = dist.get_rank()
+    ckpt = Checkpointer(parts, optimizer, cell_dir / "checkpoints", cfg.checkpoint, cfg.checkpoint_every) \
+        if cfg.checkpoint != "off" else None
+    start = find_start(cfg.to_dict(), cell_dir, dist.get_world_size(), rank, psutil.Process().create_time())
+    if ckpt is not None and start.kind != "resume":
+        ckpt.clear_stale()
+    if start.path is not None:
+        start.loaded = load_state(model_of(parts), optimizer, start.path, rank)
+        if start.kind == "restore":  # another layout's files: DCP reads the pieces of any it needs
+            start.loaded = {"load_s": start.loaded["load_s"],
+                            "source_bytes": sum(f.stat().st_size for f in start.path.glob("*.distcp"))}
+    return ckpt, start

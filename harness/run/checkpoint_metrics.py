@@ -22,6 +22,10 @@ def checkpoint_metrics(logs: list[dict[str, Any]], step_median_s: float, states_
     median_block = statistics.median(blocking) if blocking else None
     write_s = statistics.median(background) if background else median_block
     restores = [log["restore"] for log in logs if log.get("restore")]
+    starts = [log["start"] for log in logs if log.get("start")]
+    if n == 0:  # a cell restored from another run's save that takes none of its own
+        return {"mode": logs[0]["mode"], "every": logs[0]["every"], "saves": 0,
+                "start": start_summary(starts) if starts else None}
     return {
         "mode": logs[0]["mode"], "every": logs[0]["every"], "saves": n,
         "blocking_s": blocking, "blocking_s_median": median_block,
@@ -33,6 +37,7 @@ def checkpoint_metrics(logs: list[dict[str, Any]], step_median_s: float, states_
         "written_over_states": sum(written) * replicas / sum(states_by_rank) if sum(states_by_rank) else None,
         "write_gib_per_s": sum(written) / write_s / 2**30 if write_s else None,
         "restore": _restore_summary(restores) if restores else None,
+        "start": start_summary(starts) if starts else None,
     }
 
 
@@ -41,3 +46,22 @@ def _restore_summary(restores: list[dict[str, Any]]) -> dict[str, Any]:
     return {"from_step": restores[0]["from_step"], "steps_replayed": restores[0]["steps_replayed"],
             "load_s": max(r["load_s"] for r in restores), "bytes_read_by_rank": [r["bytes_read"] for r in restores],
             "loss_max_abs_diff": max(diffs) if diffs else None}
+
+
+def start_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the cell started, from every rank's account (:func:`harness.run.resume.start_metrics`): the slowest
+    load; a resume's restart cost as the rank with the lowest goodput saw it; a restore's source (its losses against
+    the source's are rank 0's to add: :func:`harness.run.resume.against_source`)."""
+    out: dict[str, Any] = {"kind": starts[0]["kind"], "from_step": starts[0].get("from_step")}
+    if "load_s" in starts[0]:
+        out["load_s"] = max(s["load_s"] for s in starts)
+    if "bytes_read" in starts[0]:
+        out["bytes_read_by_rank"] = [s["bytes_read"] for s in starts]
+    if "source_bytes" in starts[0]:
+        out["source_bytes"] = starts[0]["source_bytes"]
+    if out["kind"] == "resume":
+        worst = min(starts, key=lambda s: s["goodput"] if s["goodput"] is not None else float("inf"))
+        out.update({k: worst[k] for k in ("attempt", "lost_s", "restart_s", "productive_s", "wall_s", "goodput")})
+    elif out["kind"] == "restore":
+        out["source"] = starts[0]["source"]
+    return out

@@ -15,6 +15,10 @@ import os
 import time
 from pathlib import Path
 
+from harness.records.atomic import write_json_atomic
+
+LAST_BEAT = "heartbeat-last.json"
+
 PREFIX = "heartbeat-rank"
 DONE = "done"
 
@@ -66,6 +70,12 @@ class StallWatch:
 
 
 def clear(cell_dir: Path) -> None:
-    """The files are the job's working state, never a result: removed before and after each job."""
-    for path in heartbeat_files(cell_dir):
+    """The files are the job's working state, never a result: removed before and after each job. When the last
+    measured step ended is kept (``heartbeat-last.json``): a cell resumed from its checkpoint counts the time its
+    cut attempt ran after the save (:mod:`harness.run.resume`)."""
+    files = heartbeat_files(cell_dir)
+    beats = [p.stat().st_mtime for p in files if p.exists()]
+    if beats:
+        write_json_atomic(cell_dir / LAST_BEAT, {"epoch": max(beats)})
+    for path in files:
         path.unlink(missing_ok=True)

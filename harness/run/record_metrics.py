@@ -223,7 +223,7 @@ def worker_metrics(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRu
         m["compile"] = _compile(gathered, all_steps[: cfg.warmup], stats.median)
     if cfg.precision == "fp8":
         m["fp8"] = _fp8(cfg, gathered)
-    if cfg.checkpoint != "off":
+    if cfg.checkpoint != "off" or any(g.checkpoint for g in gathered):
         ranks = sorted(gathered, key=lambda g: g.rank)
         m["checkpoint"] = checkpoint_metrics([g.checkpoint or {} for g in ranks], stats.median,
                                              [g.state_bytes["params"] + g.state_bytes["optimizer"] for g in ranks],

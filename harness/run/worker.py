@@ -44,6 +44,7 @@ from harness.run.cell_build import Batches, BuiltCell, Placement, build_cell, pl
 from harness.run.heartbeat import Heartbeat
 from harness.run.measurement import CellRun, RankMeasurement
 from harness.run.record_metrics import worker_metrics
+from harness.run.resume import Progress, Start, against_source, start_metrics, write_curve
 from harness.spec import CellConfig
 from harness.units import GIB
 
@@ -89,14 +90,17 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     where = place(cfg)
     cell = build_cell(cfg, where.device)
     marks.mark("build")
-    batches = Batches(cfg, cell, where.device)
-    ckpt = _checkpointer(cfg, cell, out_dir)
-    window = _measure(cfg, cell, batches, out_dir, where, marks, ckpt=ckpt)
+    ckpt, start = _start(cfg, cell, out_dir)
+    batches = Batches(cfg, cell, where.device, offset=start.offset)
+    window = _measure(cfg, cell, batches, out_dir, where, marks, ckpt=ckpt, start=start)
     if ckpt is not None:  # untimed, like the extra steps (its phase: theirs)
-        _restore_check(cfg, cell, batches, window, ckpt)
+        ckpt.restore_check(cell.ctx, batches, window.losses, cfg.warmup + cfg.steps - 1)
+        ckpt.finish(cfg.checkpoint_keep)
     local = _extra_steps(cfg, cell, batches, window, out_dir, where, marks)
-    if ckpt is not None:
-        local = replace(local, checkpoint=ckpt.log.to_json())
+    if ckpt is not None or start.kind != "fresh":
+        log = ckpt.log.to_json() if ckpt is not None else {"mode": "off", "every": 0, "saves": []}
+        local = replace(local, checkpoint={**log, "start": start_metrics(start, window.times, window.resumed_at,
+                                                                          window.end)})
     gathered = [RankMeasurement.from_json(g) for g in _gather_json(local.to_json(), where.device)]
     if where.rank != 0:
         return None
@@ -111,6 +115,10 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
                   monitor=window.monitor, trace=trace, worker_wall_s=time.perf_counter() - t0,
                   phase_marks=marks.marks, nvtx=cell.ranges.describe(), moe=window.moe_load)
     metrics, samples = worker_metrics(cfg, gathered, run)
+    if cfg.checkpoint_keep:
+        write_curve(out_dir / "checkpoints", metrics["loss"])
+    if start.kind == "restore":
+        metrics["checkpoint"]["start"].update(against_source(start, metrics["loss"]))
     return {"metrics": metrics, "samples": samples, "env": env, "degrees": cell.dims.degrees(),
             "workload": {**cell.size.as_dict(), "params": cell.size.params}}
 
@@ -129,6 +137,17 @@ class Window:
     monitor: Any = None
     dynamo: dict | None = None
     moe_load: dict | None = None
+    resumed_at: float = 0.0
+    end: float = 0.0
+    """When the first step this attempt ran began, and the measured window ended (seconds since the epoch)."""
+
+    @classmethod
+    def resumed(cls, progress: Progress | None) -> Window:
+        """Empty, or holding what an earlier attempt measured up to the save this one resumes from."""
+        if progress is None:
+            return cls()
+        return cls(times=progress.times[:], cpu_times=progress.cpu_times[:], losses=progress.losses[:],
+                   probe=progress.probe)
 
     @property
     def total(self) -> int:
@@ -136,46 +155,31 @@ class Window:
         return len(self.times)
 
 
-def _checkpointer(cfg: CellConfig, cell: BuiltCell, out_dir: Path) -> Checkpointer | None:
-    """``--checkpoint``: this rank's :class:`harness.run.checkpoint.Checkpointer` (its saves in the cell's folder)."""
-    if cfg.checkpoint == "off":
-        return None
-    from harness.run.checkpoint import Checkpointer  # noqa: PLC0415 (heavy: DCP, only for a cell that checkpoints)
+def _start(cfg: CellConfig, cell: BuiltCell, out_dir: Path) -> tuple[Checkpointer | None, Start]:
+    """``--checkpoint``, ``--restore-from`` or an earlier attempt's save: the cell's checkpointer and where it starts
+    (:func:`harness.run.checkpoint.start_cell`); a cell without either starts at step 0, DCP never imported."""
+    if cfg.checkpoint == "off" and cfg.restore_from is None:
+        return None, Start()
+    from harness.run.checkpoint import start_cell  # noqa: PLC0415 (heavy: DCP, only for a cell that checkpoints)
 
-    return Checkpointer(cell.ctx.par.parts, cell.ctx.optimizer, out_dir / "checkpoints", cfg.checkpoint,
-                        cfg.checkpoint_every)
-
-
-def _restore_check(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, ckpt: Checkpointer) -> None:
-    """Load the newest save with steps after it and run those steps again on the same batches: their losses must be
-    the ones the window recorded (this rank's, where it has the loss). The state ends where the window left it."""
-    last = cfg.warmup + cfg.steps - 1
-    start = ckpt.replay_step(last)
-    if start is not None:
-        loaded = ckpt.load(start)
-        diffs = []
-        for step in range(start + 1, last + 1):
-            loss, _ = train.train_step(cell.ctx, *batches(step), batches.lr(step))
-            first = w.losses[step]
-            if loss is not None and first is not None:
-                diffs.append(abs(float(loss) - first))
-        ckpt.log.restore = {"from_step": start, "steps_replayed": last - start, **loaded,
-                            "loss_max_abs_diff": max(diffs) if diffs else None}
-    ckpt.remove()
+    return start_cell(cfg, cell.ctx.par.parts, cell.ctx.optimizer, out_dir)
 
 
 def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, where: Placement,
-             marks: PhaseMarks, ckpt: Checkpointer | None = None) -> Window:
+             marks: PhaseMarks, ckpt: Checkpointer | None = None, start: Start | None = None) -> Window:
     """Warmup steps, then the measured ones: each step timed alone, the monitor, NVTX window and heartbeat
     around the measured ones only; step 1's norms probed after its clock stopped; with ``ckpt`` a save after every
-    ``--checkpoint-every`` measured steps, outside the step's clock (its blocking seconds are the save's own)."""
-    ctx, ranges, moe, w = cell.ctx, cell.ranges, cell.moe, Window()
+    ``--checkpoint-every`` measured steps, outside the step's clock (its blocking seconds are the save's own). A cell
+    resumed from its own save (``start``) runs the steps after it, those before it the earlier attempt's."""
+    start = start or Start()
+    ctx, ranges, moe, w = cell.ctx, cell.ranges, cell.moe, Window.resumed(start.progress if start.first_step else None)
     timer = StepTimer(cfg.device_kind)
     reset_peak(cfg.device_kind)
     dynamo = {"start": dynamo_counts()} if cfg.compile else {}
     beat = Heartbeat(out_dir, where.rank)
-    for step in range(cfg.warmup + cfg.steps):
-        if step == cfg.warmup:
+    w.resumed_at = time.time()
+    for step in range(start.first_step, cfg.warmup + cfg.steps):
+        if step == max(cfg.warmup, start.first_step):
             if cfg.compile:
                 dynamo["window"] = dynamo_counts()
             marks.mark("warmup")
@@ -202,11 +206,13 @@ def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, 
         w.losses.append(float(loss) if loss is not None else None)
         if ckpt is not None and step >= cfg.warmup and ckpt.due(step - cfg.warmup + 1):
             with ranges.range("checkpoint", payload=step):
-                ckpt.save(step)
+                ckpt.save(step, Progress(step, cfg.to_dict(), w.times[:], w.cpu_times[:], w.losses[:], w.probe,
+                                         start.attempts_now()))
         if cell.gns_state is not None:
             # The hook saw the loss-scaled local gradient; the optimizer step unscaled p.grad in place.
             cell.gns_state.take(scale=scale)
             w.g_big.append(gns.grad_sq_norm(cell.params) if not was_skipped else float("nan"))
+    w.end = time.time()
     ranges.window_stop()
     w.moe_load = {**moe.summary(), "per_step": moe.per_step()} if moe is not None else None
     marks.mark("measured")

@@ -16,6 +16,7 @@ from harness.model.whatif import predict_row, scenario, shape_for
 from harness.records.reader import load_records
 from harness.run.checkpoint import Checkpointer, rank_bytes
 from harness.run.checkpoint_metrics import checkpoint_metrics
+from harness.run.resume import Progress, is_complete
 from harness.spec import CellConfig
 from workloads.model import Decoder
 from workloads.sizes import get_size
@@ -41,19 +42,21 @@ def test_a_restored_state_trains_on_exactly_as_the_first_run_did(gloo_world1, tm
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ckpt = Checkpointer([model], opt, tmp_path / "ck", mode, every=2)
-    _train(model, opt, range(0, 3))
-    save = ckpt.save(2)
+    before = _train(model, opt, range(0, 3))
+    save = ckpt.save(2, Progress(2, {"cell": 1}, [0.1] * 3, [0.1] * 3, before, {}))
     first = _train(model, opt, range(3, 6))  # the uninterrupted run's steps 3-5
     ckpt.wait()
+    # the save is complete once DCP's metadata and the rank's progress (written when the write ended) are there
+    assert is_complete(ckpt.path(2), world=1) and Progress.read(ckpt.path(2), 0).losses == before
     assert save.blocking_s > 0 and (save.background_s is not None) == (mode == "async")
     # what a checkpoint holds: fp32 parameters and AdamW's two moments (gradients are not saved), DCP's headers beside
     params = sum(p.numel() for p in model.parameters())
     assert 12 * params <= save.bytes_written == rank_bytes(ckpt.path(2), 0) < 12 * params + 64 * 1024
-    loaded = ckpt.load(2)  # back to the state after step 2, moments and step counts included
+    loaded = ckpt.load(ckpt.path(2))  # back to the state after step 2, moments and step counts included
     assert loaded["bytes_read"] == save.bytes_written and loaded["load_s"] > 0
     assert _train(model, opt, range(3, 6)) == first
     assert ckpt.replay_step(5) == 2 and ckpt.replay_step(2) is None  # a save at the last step has nothing after it
-    ckpt.remove()
+    ckpt.finish(keep=False, losses=before + first)
     assert not (tmp_path / "ck").exists()
 
 
