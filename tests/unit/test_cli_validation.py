@@ -25,6 +25,9 @@ CASES = {
     "checkpoint-every0": (["--checkpoint", "sync", "--checkpoint-every", "0"],
                           "--checkpoint-every '0': must be an integer >= 1"),
     "checkpoint-mode": (["--checkpoint", "often"], "--checkpoint 'often': choose from off, sync, async"),
+    "checkpoint-keep-off": (["--checkpoint-keep"], "--checkpoint-keep keeps saves, and --checkpoint is off"),
+    "restore-from-missing": (["--restore-from", "/nonexistent/step-000005"],
+                             "--restore-from /nonexistent/step-000005: not a complete harness checkpoint"),
     # Every requested cell invalid: exit 2, though the added single-device reference is valid.
     "only-reference-valid": (["--gpus", "2", "--degrees", "pp=3"],
                              "no valid cell to run: 14 cells (tiny-ddp-fp32-w2-gb8-strong, ...): dp_replicate (1) x "
