@@ -1,9 +1,10 @@
 """What checkpoints cost each cell that saved them (``metrics.checkpoint``, :mod:`harness.run.checkpoint`): the
 seconds a save blocks the step, an async save's write beside training, the cost per step at the interval, the bytes
-each rank wrote against the model and optimizer state it holds, the write rate, and the restore check."""
+each rank wrote against the model and optimizer state it holds, the write rate, and the restore check; and each cell that started from a save (a restore from another run, or a resume of its own)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
@@ -18,7 +19,7 @@ def checkpoint_rows(records: list[dict[str, Any]] | Any) -> list[list[Any]]:
     rows = []
     for r in records:
         ck = (r.get("metrics") or {}).get("checkpoint")
-        if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not ck:
+        if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or not ck or not ck["saves"]:
             continue
         restore = ck.get("restore") or {}
         written = ck.get("bytes_written_by_rank") or []
@@ -35,8 +36,45 @@ def _ms(seconds: float | None) -> str:
     return fmt_or(None if seconds is None else 1e3 * seconds, ".1f")
 
 
+def start_rows(records: list[dict[str, Any]] | Any) -> list[list[Any]]:
+    """One row per ok cell that started from a checkpoint (``metrics.checkpoint.start``, not ``fresh``)."""
+    rows = []
+    for r in records:
+        start = ((r.get("metrics") or {}).get("checkpoint") or {}).get("start") or {}
+        if r.get("kind", "cell") != "cell" or r.get("status") != "ok" or start.get("kind", "fresh") == "fresh":
+            continue
+        source = Path(start["source"]).parent.parent.name if start.get("source") else "its own save"
+        rows.append([r.get("cell_id"), strategy_label(r.get("config") or {}), start["kind"], source,
+                     str(start.get("from_step")), _ms(start.get("load_s")), str(start.get("steps_compared", "-")),
+                     fmt_or(start.get("loss_max_abs_diff"), ".1e"), str(start.get("attempt", "-")),
+                     fmt_or(start.get("restart_s"), ".2f"), fmt_or(start.get("lost_s"), ".2f"),
+                     fmt_or(start.get("goodput"), ".3f")])
+    return rows
+
+
 def checkpoint_section(records: list[dict[str, Any]] | Any) -> str | None:
-    rows = checkpoint_rows(records)
+    records = list(records)
+    parts = [part for part in (_cost_part(checkpoint_rows(records)), _start_part(start_rows(records))) if part]
+    return "\n\n".join(parts) if parts else None
+
+
+def _start_part(rows: list[list[Any]]) -> str | None:
+    if not rows:
+        return None
+    return "\n".join([
+        "## Starting from a checkpoint", "",
+        tabulate(rows, headers=["cell", "strategy", "start", "from", "after step", "load ms", "steps compared",
+                                "loss diff vs source", "attempt", "restart s", "lost s", "goodput"],
+                 tablefmt="github", disable_numparse=True), "",
+        "restore = the state another run saved (`--restore-from`, resharded by DCP into this layout): the cell trains "
+        "on the steps after the save, and loss diff is the largest |global loss - the source's at the same step|; "
+        "resume = the cell's own save, left by an attempt cut short (Slurm's SIGTERM, a requeue, a crash): restart = "
+        "the new attempt's start-up and load before its first step, lost = the cut attempt's time after its save, "
+        "goodput = every step's time once over all attempts' wall time.",
+    ])
+
+
+def _cost_part(rows: list[list[Any]]) -> str | None:
     if not rows:
         return None
     return "\n".join([
