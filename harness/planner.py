@@ -220,13 +220,14 @@ def calibration_inputs(cfg: CellConfig) -> CalibrationInputs:
         comm=lambda group: lookup_comm(cfg.device_kind, group, nnodes=1 if group <= 1 else cfg.nnodes))
 
 
-def predict_cells(cells: list[PlannedCell], force: bool = False) -> list[PlannedCell]:
+def predict_cells(cells: list[PlannedCell], force: bool = False, storage: dict | None = None) -> list[PlannedCell]:
     """The cells with ``predicted`` and ``calibrated_tflops`` from the calibration store as it is now.
 
     A cell predicted to need more memory per rank than a rank has is made invalid, before
     anything is launched or calibrated for it, unless ``force``. ``harness bench`` calls this
     again after its automatic calibration, so each record carries the prediction made from
-    everything measured before the cell ran.
+    everything measured before the cell ran. ``storage``: the run directory's filesystem entry (a checkpointing
+    cell's save seconds).
     """
     out = []
     for c in cells:
@@ -235,7 +236,7 @@ def predict_cells(cells: list[PlannedCell], force: bool = False) -> list[Planned
             continue
         cfg = c.config
         assert cfg is not None, f"valid cell {c.cell_id} has no config"
-        cal = calibration_inputs(cfg)
+        cal = replace(calibration_inputs(cfg), storage=storage)
         c = replace(c, predicted=_predict(cfg, cal), calibrated_tflops=cal.matmul_tflops)
         keep = force or c.fits is not False or cfg.batch_auto  # auto: the trials find what fits
         out.append(c if keep else replace(c, valid=False, reason=_unfit_reason(c)))
@@ -264,6 +265,7 @@ def _predict(cfg: CellConfig, cal: CalibrationInputs) -> dict:
         entry = lookup_matmul(cfg.device_kind, cal.dtype, threads_for(cfg.device_kind, local_world))
         sources += [source("matmul", entry)] if entry else []
     sources += [source("comm", used[g]) for g in sorted(used)]
+    sources += [source("storage", cal.storage)] if "checkpoint" in predicted and cal.storage is not None else []
     predicted["calibration"] = sources
     predicted["notes"] += flag_notes(sources)
     return predicted

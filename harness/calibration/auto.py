@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.calibration import matmul
+from harness.calibration import matmul, storage
 from harness.calibration.collectives import COMM_MAX_BYTES, COMM_MIN_BYTES, calibrate_comm
 from harness.calibration.matmul import threads_for
 from harness.calibration.provenance import label_of
@@ -134,10 +134,17 @@ def _comm(spec: SweepSpec, comms: set[int], force: bool = False) -> None:
              f"{e['summary']['all_reduce']['peak_busbw_gbps']:.3g} GB/s, sync cost {e['sync_s'] * 1e3:.2f} ms")
 
 
-def ensure_calibrated(spec: SweepSpec, cells: list, force: bool = False) -> None:
+def ensure_calibrated(spec: SweepSpec, cells: list, force: bool = False, run_dir: Path | None = None) -> dict | None:
     """Measure what ``cells`` (the valid cells about to run) need and the store does not hold
-    steadily yet; ``force`` (``bench --recalibrate``) measures all of it again."""
+    steadily yet; ``force`` (``bench --recalibrate``) measures all of it again. Where a cell checkpoints, the
+    write bandwidth of ``run_dir``'s filesystem too: its entry is returned (None without one)."""
     matmuls, workloads, comms = needs(spec, cells)
     _matmul(spec, matmuls, force)
     _workloads(spec, workloads, force)
     _comm(spec, comms, force)
+    if run_dir is None or not any(c.config.checkpoint != "off" for c in cells):
+        return None
+    e = storage.calibrate(run_dir, force=force)
+    _say(f"storage calibration of {e['fingerprint']['mount']} ({e['measured_at']}): write {e['write_gbps']:.3g} GB/s, "
+         f"read {e['read_gbps']:.3g} GB/s ({e['bytes'] / 2**20:.0f} MiB, fsync-ed)")
+    return e

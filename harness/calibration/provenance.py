@@ -41,6 +41,8 @@ def label_of(kind: str, fp: dict) -> str:
         nodes = fp.get("nnodes", 1)
         return (f"comm {dk} {fp.get('world_size')} ranks{f' x{nodes} nodes' if nodes > 1 else ''} "
                 f"{fp.get('backend')}{_threads(fp, 'threads_per_rank')}")
+    if kind == "storage":
+        return f"storage {fp.get('mount')} ({fp.get('fstype')}) on {fp.get('host')}"
     raise ValueError(f"unknown calibration kind {kind!r}; choose from {', '.join(store.KINDS)}")
 
 
@@ -56,6 +58,8 @@ def fix_command(kind: str, fp: dict) -> str:
         return f"harness calibrate --force matmul --device {dk} --no-comm --dtype {fp.get('dtype')}{threads}"
     if kind == "comm":
         return f"harness calibrate --force comm --device {dk} --gpus {fp.get('world_size')}"
+    if kind == "storage":
+        return f"harness calibrate --force storage --storage RUN_DIR  (a folder on {fp.get('mount')})"
     raise ValueError(f"unknown calibration kind {kind!r}; choose from {', '.join(store.KINDS)}")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from harness.records.atomic import write_json_atomic
 from harness.records.fingerprint import digest
 
-KINDS = ("matmul", "comm", "workload")
+KINDS = ("matmul", "comm", "workload", "storage")
 ENV = "HARNESS_CALIBRATION"
 """Names the calibration file instead of ``~/.cache/harness/calibration.json``."""
 

@@ -140,15 +140,16 @@ def _bench(args: argparse.Namespace, spec, cells: list[PlannedCell], run, node_r
     opts = SweepOptions(out=out, run_id=run.run_id, cell_timeout_s=args.cell_timeout,
                         stall_timeout_s=args.stall_timeout, rdzv=rdzv, resume=run.resume,
                         launcher=args.launcher, nsys=tool, rounds=plan)
+    disk = None  # the run directory's storage entry, where cells checkpoint and calibration runs
     try:
         if node_rank == 0:
             if not args.no_calibrate:
                 _calibration_store(out)
-                ensure_calibrated(spec, [c for c in todo if c.valid], force=args.recalibrate)
-                cells = predict_cells(cells, force=spec.force)  # the predictions from everything just measured
+                disk = ensure_calibrated(spec, [c for c in todo if c.valid], force=args.recalibrate, run_dir=out)
+                cells = predict_cells(cells, force=spec.force, storage=disk)  # from everything just measured
             if not run.resume:
                 append_record(out / RECORDS_FILENAME, calibration_record(run.run_id, spec.device_kind))
-        records = run_sweep(cells, opts, spec.device_kind, replan=lambda c: predict_cells([c], force=True)[0],
+        records = run_sweep(cells, opts, spec.device_kind, replan=lambda c: predict_cells([c], force=True, storage=disk)[0],
                             note=None if args.no_calibrate else lambda rec: misprediction_note(rec, store.default_path()))
     except KeyboardInterrupt as e:
         name, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, Terminated) else ("Ctrl-C", 130)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
-from harness.calibration import matmul, store
+from harness.calibration import matmul, storage, store
 from harness.calibration.collectives import (
     COLLECTIVES,
     COMM_MAX_BYTES,
@@ -169,6 +170,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         _print_comm(e, n)
     elif not args.no_comm:
         print("comm: n/a: bus bandwidth needs >= 2 ranks")
+    if args.storage is not None:
+        stored = storage.lookup(args.storage)
+        e = storage.calibrate(args.storage, force="storage" in forced)
+        _said_forced("storage", stored, forced)
+        print(f"{label_of('storage', e['fingerprint'])}: write {e['write_gbps']:.4g} GB/s (fsync-ed), read "
+              f"{e['read_gbps']:.4g} GB/s, {e['bytes'] / 2**20:.0f} MiB x {len(e['repeats']['write'])} "
+              f"{_origin(stored, 'storage' in forced, e)}")
     return 0
 
 
@@ -190,4 +198,7 @@ def register(sub) -> None:
     k.add_argument("--concurrent", help="--workloads: copies measured at once, as many as a node's ranks (default 1)")
     k.add_argument("--compile", action="store_true",
                    help="--workloads: time the passes with each block torch.compile'd, as --compile on cells run")
+    k.add_argument("--storage", type=Path, metavar="DIR",
+                   help="also the write and read bandwidth of DIR's filesystem (what a checkpoint's save is priced "
+                        "at; harness bench measures its run directory's when a cell checkpoints)")
     k.set_defaults(fn=cmd_calibrate)

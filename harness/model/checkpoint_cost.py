@@ -32,3 +32,20 @@ def cost_per_step(save_s: float, every: int, step_s: float) -> float:
     """What one save in ``every`` steps of ``step_s`` seconds adds to each step, as a fraction of the step (the
     measured ``metrics.checkpoint.cost_per_step_pct`` is the same ratio of the blocking seconds)."""
     return save_s / (every * step_s)
+
+
+def node_save_seconds(c: CellShape, node_write_gbps: float, nnodes: int = 1) -> float:
+    """A synchronous save's seconds when a node's ranks share one filesystem of ``node_write_gbps`` GB/s (a
+    node's local disk, as the calibration measured the run directory's): the busiest node's bytes over it."""
+    per_rank = checkpoint_bytes_by_rank(c)
+    per_node = len(per_rank) // max(1, nnodes)
+    return max(sum(per_rank[i:i + per_node]) for i in range(0, len(per_rank), per_node)) / (node_write_gbps * 1e9)
+
+
+def checkpoint_prediction(c: CellShape, storage: dict, nnodes: int = 1) -> dict:
+    """``predicted.checkpoint`` of a cell that saves: bytes per rank, and the write's seconds at the bandwidth the
+    calibration measured on the run directory's filesystem (``storage``: its entry)."""
+    fp = storage.get("fingerprint") or {}
+    return {"bytes_by_rank": checkpoint_bytes_by_rank(c), "write_gbps": storage["write_gbps"],
+            "save_s": node_save_seconds(c, storage["write_gbps"], nnodes),
+            "basis": f"write bandwidth of {fp.get('mount', '?')} ({fp.get('fstype', '?')}) measured {storage.get('measured_at')}"}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.model.block_ops import fp8_linears
+from harness.model.checkpoint_cost import checkpoint_prediction
 from harness.model.comm import comm_by_rank
 from harness.model.comm_fit import fitted_time_s
 from harness.model.compute import (
@@ -54,6 +55,8 @@ class CalibrationInputs:
     """Measured matmul peak (kind ``matmul``): the roofline fallback without a workload entry."""
     comm: Callable[[int], dict | None] = lambda group: None
     """Comm entry (kind ``comm``) for a group of this many ranks, or None."""
+    storage: dict | None = None
+    """Storage entry (kind ``storage``) of the run directory's filesystem: a checkpointing cell's save seconds."""
 
 
 def core_sharing(device_kind: str, local_world: int, threads: int, calibrated_busy: int) -> CoreSharing:
@@ -120,6 +123,8 @@ def predict_cell(cfg: CellConfig, cal: CalibrationInputs) -> dict:
         "peak_tensor_gib": peak_bytes(c, 0.0) / GIB,  # without the process: against measured tensor bytes
         "notes": notes,
         **({"fp8_linears": fp8_linears(cfg.model_size)} if cfg.precision == "fp8" else {}),
+        **({"checkpoint": checkpoint_prediction(c, cal.storage, cfg.nnodes)}
+           if cfg.checkpoint != "off" and cal.storage is not None else {}),
         **({"pipeline_bubble_by_rank": [b.fraction for b in simulate(cfg.pp_schedule, c.dims.pp, c.microbatches)]}
            if c.dims.pp_enabled else {}),
     }

@@ -23,10 +23,13 @@ def checkpoint_rows(records: list[dict[str, Any]] | Any) -> list[list[Any]]:
             continue
         restore = ck.get("restore") or {}
         written = ck.get("bytes_written_by_rank") or []
+        predicted = ((r.get("predicted") or {}).get("checkpoint") or {}).get("save_s")
+        write_s = ck.get("background_s_median") if ck["mode"] == "async" else ck.get("blocking_s_median")
         rows.append([r.get("cell_id"), strategy_label(r.get("config") or {}), f"{ck['mode']}, every {ck['every']}",
                      str(ck["saves"]), _ms(ck.get("blocking_s_median")), _ms(ck.get("background_s_median")),
                      fmt_or(ck.get("cost_per_step_pct"), ".1f"), ", ".join(f"{b / MIB:.2f}" for b in written),
                      fmt_or(ck.get("written_over_states"), ".3f"), fmt_or(ck.get("write_gib_per_s"), ".3f"),
+                     _ms(predicted), fmt_or(write_s / predicted if write_s and predicted else None, ".1f"),
                      _ms(restore.get("load_s")), str(restore.get("steps_replayed", "-")),
                      fmt_or(restore.get("loss_max_abs_diff"), ".1e")])
     return rows
@@ -80,12 +83,16 @@ def _cost_part(rows: list[list[Any]]) -> str | None:
     return "\n".join([
         "## Checkpoints: what a save costs", "",
         tabulate(rows, headers=["cell", "strategy", "saves", "n", "blocking ms", "async write ms", "cost % per step",
-                                "MiB written per rank", "written / states", "write GiB/s", "restore ms",
+                                "MiB written per rank", "written / states", "write GiB/s", "predicted write ms",
+                                "measured / predicted", "restore ms",
                                 "steps replayed", "replayed loss diff"], tablefmt="github", disable_numparse=True), "",
         "blocking = the median over saves of the slowest rank's wait (sync: the whole write; async: staging, and an "
         "earlier save still writing); async write = from a save's start to its write's end, beside training; cost % "
         "per step = blocking / interval / median step time; written / states = the bytes DCP wrote over the "
         "parameters and optimizer state of one replica (gradients are not saved; a little above 1: DCP's per-item "
-        "headers); restore = load of the newest save with steps after it, those steps run again on the same batches: "
+        "headers); predicted write = the node's bytes at the write bandwidth the calibration measured on the run "
+        "directory's filesystem (a 64 MiB file, fsync-ed: `harness calibrate --storage DIR`), against the measured "
+        "write (sync: blocking; async: the background write); restore = load of the newest save with steps after "
+        "it, those steps run again on the same batches: "
         "the largest |loss - the first run's loss| (0 when the state came back whole).",
     ])
