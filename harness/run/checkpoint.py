@@ -71,11 +71,12 @@ def rank_bytes(path: Path, rank: int) -> int:
 class Checkpointer:
     """Saves, waits for and restores this rank's training state (``parts``: the modules it trains)."""
 
-    def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, root: Path, mode: str, every: int):
+    def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, root: Path, mode: str, every: int,
+                 scaler: torch.amp.GradScaler | None = None):
         if mode not in CHECKPOINT_MODES[1:] or every < 1:
             raise ValueError(f"checkpoint mode {mode!r} every {every}: mode sync or async, every >= 1")
         self.model = model_of(parts)
-        self.optimizer, self.root, self.mode, self.every = optimizer, root, mode, every
+        self.optimizer, self.root, self.mode, self.every, self.scaler = optimizer, root, mode, every, scaler
         self.rank = dist.get_rank()
         # async: the background write's collectives on a group of their own (a collective call: every rank builds it)
         self.group = dist.new_group(backend="gloo") if mode == "async" else None
@@ -91,7 +92,7 @@ class Checkpointer:
 
     def _state(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": optim_sd, **scaler_state(self.scaler)}
 
     def save(self, step: int, progress: Progress) -> Save:
         """Save the state after ``step``; returns the save (its blocking seconds known, an async write's not yet).
@@ -126,7 +127,7 @@ class Checkpointer:
     def load(self, path: Path) -> dict[str, float]:
         """Load the save at ``path`` into the model and optimizer: seconds and this rank's bytes read."""
         self.wait()
-        return load_state(self.model, self.optimizer, path, self.rank)
+        return load_state(self.model, self.optimizer, path, self.rank, self.scaler)
 
     def replay_step(self, last_step: int) -> int | None:
         """The newest save with steps after it up to ``last_step`` (None without one): the restore check's start."""
@@ -165,19 +166,33 @@ class Checkpointer:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def load_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int) -> dict[str, float]:
-    """Load the DCP save at ``path`` (any layout's: DCP reshards it into this one) into ``model`` and
-    ``optimizer``: seconds and this rank's bytes read (of its own layout's files: 0 when it reads another's)."""
+def scaler_state(scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
+    """fp16's loss scale and its growth count as tensors DCP saves (every rank holds the same: written once); none
+    without a scaler."""
+    if scaler is None:
+        return {}
+    sd = scaler.state_dict()
+    return {"scaler": {"scale": torch.tensor(float(sd["scale"]), dtype=torch.float64),
+                       "growth_tracker": torch.tensor(int(sd["_growth_tracker"]), dtype=torch.int64)}}
+
+
+def load_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int,
+               scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
+    """Load the DCP save at ``path`` (any layout's: DCP reshards it into this one) into ``model``, ``optimizer`` and
+    fp16's ``scaler``: seconds and this rank's bytes read (of its own layout's files: 0 when it reads another's)."""
     t0 = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     groups = copy.deepcopy(optim_sd["param_groups"])  # DCP loads into the same objects
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd, **scaler_state(scaler)}
     dcp.load(state, checkpoint_id=str(path))
     # The hyperparameters stay the live ones (the cell's; the step sets the LR): on torch 2.13 a DCP round trip
     # of a two-stage pipeline rank's param_groups lost AdamW's 'betas' in set_state_dict (rank 0 of 2, KeyError
     # at the next step); the moments and step counts are what a save must bring back.
     state["optim"]["param_groups"] = groups
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if scaler is not None:
+        scaler.load_state_dict({**scaler.state_dict(), "scale": state["scaler"]["scale"].item(),
+                                "_growth_tracker": int(state["scaler"]["growth_tracker"].item())})
     return {"load_s": time.perf_counter() - t0, "bytes_read": rank_bytes(path, rank)}
 
 
@@ -186,18 +201,18 @@ def model_of(parts: list[nn.Module]) -> nn.Module:
     return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
 
 
-def start_cell(cfg: CellConfig, parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-               cell_dir: Path) -> tuple[Checkpointer | None, Start]:
+def start_cell(cfg: CellConfig, parts: list[nn.Module], optimizer: torch.optim.Optimizer, cell_dir: Path,
+               scaler: torch.amp.GradScaler | None = None) -> tuple[Checkpointer | None, Start]:
     """The cell's checkpointer (None with ``--checkpoint off``) and where it starts (:func:`harness.run.resume.find_start`),
     the save it starts from loaded (resharded by DCP when another layout took it)."""
     rank = dist.get_rank()
-    ckpt = Checkpointer(parts, optimizer, cell_dir / "checkpoints", cfg.checkpoint, cfg.checkpoint_every) \
+    ckpt = Checkpointer(parts, optimizer, cell_dir / "checkpoints", cfg.checkpoint, cfg.checkpoint_every, scaler) \
         if cfg.checkpoint != "off" else None
     start = find_start(cfg.to_dict(), cell_dir, dist.get_world_size(), rank, psutil.Process().create_time())
     if ckpt is not None and start.kind != "resume":
         ckpt.clear_stale()
     if start.path is not None:
-        start.loaded = load_state(model_of(parts), optimizer, start.path, rank)
+        start.loaded = load_state(model_of(parts), optimizer, start.path, rank, scaler)
         if start.kind == "restore":  # another layout's files: DCP reads the pieces of any it needs
             start.loaded = {"load_s": start.loaded["load_s"],
                             "source_bytes": sum(f.stat().st_size for f in start.path.glob("*.distcp"))}

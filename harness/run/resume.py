@@ -93,6 +93,9 @@ def check_same_training(path: Path, cells: list[dict[str, Any]]) -> None:
     for cell in cells:
         differ = [f"{k} {source.cell.get(k)!r} there, {cell.get(k)!r} here" for k in SAME_TRAINING
                   if source.cell.get(k) != cell.get(k)]
+        if cell.get("precision") == "fp16" and source.cell.get("precision") != "fp16":
+            differ.append(f"precision {source.cell.get('precision')!r} there, 'fp16' here: an fp16 cell loads the "
+                          f"loss scale, which only an fp16 save holds")
         if differ:
             raise UsageError(f"--restore-from {path}: saved by another training than cell {cell_id_of(cell)} "
                              f"({'; '.join(differ)}); restore into cells of the same {', '.join(SAME_TRAINING)}")

@@ -162,7 +162,7 @@ def _start(cfg: CellConfig, cell: BuiltCell, out_dir: Path) -> tuple[Checkpointe
         return None, Start()
     from harness.run.checkpoint import start_cell  # noqa: PLC0415 (heavy: DCP, only for a cell that checkpoints)
 
-    return start_cell(cfg, cell.ctx.par.parts, cell.ctx.optimizer, out_dir)
+    return start_cell(cfg, cell.ctx.par.parts, cell.ctx.optimizer, out_dir, cell.ctx.scaler)
 
 
 def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, where: Placement,

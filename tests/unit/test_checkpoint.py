@@ -14,7 +14,7 @@ from harness.model.checkpoint_cost import checkpoint_bytes_by_rank, cost_per_ste
 from harness.model.shape import CellShape
 from harness.model.whatif import predict_row, scenario, shape_for
 from harness.records.reader import load_records
-from harness.run.checkpoint import Checkpointer, rank_bytes
+from harness.run.checkpoint import Checkpointer, load_state, rank_bytes
 from harness.run.checkpoint_metrics import checkpoint_metrics
 from harness.run.resume import Progress, is_complete
 from harness.spec import CellConfig
@@ -56,8 +56,27 @@ def test_a_restored_state_trains_on_exactly_as_the_first_run_did(gloo_world1, tm
     assert loaded["bytes_read"] == save.bytes_written and loaded["load_s"] > 0
     assert _train(model, opt, range(3, 6)) == first
     assert ckpt.replay_step(5) == 2 and ckpt.replay_step(2) is None  # a save at the last step has nothing after it
-    ckpt.finish(keep=False, losses=before + first)
+    ckpt.finish(keep=False)
     assert not (tmp_path / "ck").exists()
+
+
+def test_fp16s_loss_scale_and_its_growth_count_come_back(gloo_world1, tmp_path):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    scaler.scale(torch.ones(()))  # the scale exists once a loss was scaled
+    scaler.update(new_scale=256.0)
+    scaler._growth_tracker = torch.tensor(2, dtype=torch.int32)  # two good steps toward the next growth
+    ckpt = Checkpointer([model], opt, tmp_path / "ck", "sync", every=1, scaler=scaler)
+    ckpt.save(0, Progress(0, {}, [0.1], [0.1], [1.0], {}))
+    scaler.update(new_scale=8.0)
+    scaler._growth_tracker = torch.tensor(0, dtype=torch.int32)
+    ckpt.load(ckpt.path(0))
+    assert scaler.get_scale() == 256.0 and scaler.state_dict()["_growth_tracker"] == 2
+    fresh = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)  # a resumed process: no step yet
+    load_state(model, opt, ckpt.path(0), 0, fresh)
+    assert fresh.get_scale() == 256.0 and fresh.state_dict()["_growth_tracker"] == 2
+    ckpt.finish(keep=False)
 
 
 def test_bad_settings_are_refused(gloo_world1, tmp_path):

@@ -113,6 +113,9 @@ def test_a_restore_source_must_be_a_complete_save_of_the_same_training(tmp_path)
     with pytest.raises(UsageError, match=rf"cell {cell_id_of({**CELL, 'global_batch': 16})} \(global_batch 8 there, "
                                          r"16 here\)"):
         check_same_training(path, [CELL, {**CELL, "global_batch": 16}])
+    check_same_training(path, [{**CELL, "precision": "bf16"}])  # fp32 state into bf16 autocast: loads
+    with pytest.raises(UsageError, match="precision 'fp32' there, 'fp16' here: an fp16 cell loads the loss scale"):
+        check_same_training(path, [{**CELL, "precision": "fp16"}])
 
 
 def test_the_launcher_keeps_when_the_last_step_ended(tmp_path):
