@@ -33,9 +33,10 @@ def _default_seq_len(c: dict) -> int | None:
         return None
 
 
-CHECKPOINT_MODES = ("off", "sync", "async")
+CHECKPOINT_MODES = ("off", "sync", "async", "async-pinned")
 """``--checkpoint``: no saves; ``dcp.save`` (the step waits for the write); ``dcp.async_save`` (it waits for the
-state to be staged, the write runs beside training) (:mod:`harness.run.checkpoint`)."""
+state to be staged, the write runs beside training); ``async-pinned`` the same, staged by DCP's ``DefaultStager``
+into pinned host memory it keeps between saves (GPUs only) (:mod:`harness.run.checkpoint`)."""
 
 
 def cell_id_of(c: dict) -> str:

@@ -56,6 +56,10 @@ phase ac-policies 120 $H bench $COMMON --strategies single --arch llama3 --sizes
 phase fit-8b 60 $H fit --device cuda --arch llama3 --sizes 8b --gpus 8 --strategies fsdp --precision bf16 --batch 1 \
     --out "$R/fit-8b"
 cp "$R"/fit-8b/*.md "$OUT/" 2>/dev/null
+# Issue 48: checkpoints on CUDA (NCCL's collectives for DCP's plan, the async writer on its gloo group, pinned-memory
+# staging): llama3 1b, each mode, a save every 4 steps; the restore check, blocking and write seconds in summary.md.
+phase checkpoints 90 $H bench $COMMON --strategies single --arch llama3 --sizes 1b --precision bf16 --batch 2 \
+    --checkpoint sync,async,async-pinned --checkpoint-every 4 --out "$R/checkpoints"; keep checkpoints
 if [ "${PHASES:-open}" != all ]; then
     tar -C "$OUT" -czf "$OUT/runs.tar.gz" runs && rm -rf "$R"
     exit 0

@@ -79,17 +79,24 @@ def restore_from_arg(v) -> str | None:
     return str(path)
 
 
-def checkpoints_arg(v) -> tuple[str, ...]:
-    """``--checkpoint off,sync,async`` (default off): each mode a cell of its own; ``async`` only where
-    ``torch.distributed.checkpoint`` has ``async_save``."""
+def checkpoints_arg(v, device: str = "cpu") -> tuple[str, ...]:
+    """``--checkpoint off,sync,async,async-pinned`` (default off): each mode a cell of its own; ``async`` only where
+    ``torch.distributed.checkpoint`` has ``async_save``, ``async-pinned`` where it has a pinned-memory stager and
+    on GPUs (it pins host memory for the device-to-host copy)."""
     if v.get("checkpoint", "off") == "off":
         return ("off",)
     modes = choices(v.label("checkpoint"), v["checkpoint"], CHECKPOINT_MODES)
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy: DCP, only when checkpoints are asked for)
 
-    if "async" in modes and not hasattr(dcp, "async_save"):
+    if any(m.startswith("async") for m in modes) and not hasattr(dcp, "async_save"):
         raise UsageError("--checkpoint async: this torch's torch.distributed.checkpoint has no async_save; "
                          "use --checkpoint sync, or a torch >= 2.4")
+    if "async-pinned" in modes and device != "cuda":
+        raise UsageError("--checkpoint async-pinned stages a GPU's state in pinned host memory: n/a on CPU ranks "
+                         "(their state is host memory already); use --checkpoint async")
+    if "async-pinned" in modes and not hasattr(getattr(dcp, "staging", None), "DefaultStager"):
+        raise UsageError("--checkpoint async-pinned: this torch's torch.distributed.checkpoint has no DefaultStager "
+                         "(pinned-memory staging); use --checkpoint async, or a torch >= 2.9")
     return modes
 
 
@@ -188,9 +195,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                                 "'selective' before), op (per-op: keep attention and every other matmul), layerN "
                                 "(every N-th block whole, e.g. layer2), full (every block)")
     g.add_argument("--optimizer", help="adamw (torch's default kernel) or adamw-fused (default adamw)")
-    g.add_argument("--checkpoint", help="off,sync,async: save the model and optimizer state through "
+    g.add_argument("--checkpoint", help="off,sync,async,async-pinned: save the model and optimizer state through "
                    "torch.distributed.checkpoint every --checkpoint-every measured steps; sync waits for the write, "
-                   "async for the staging only (default off); each mode a cell")
+                   "async for the staging only, async-pinned stages into pinned host memory (GPUs) (default off); "
+                   "each mode a cell")
     g.add_argument("--checkpoint-every", help="measured steps between checkpoint saves (default 5)")
     g.add_argument("--checkpoint-keep", action="store_true", default=None,
                    help="keep each cell's saves in its folder (cells/<id>/checkpoints/step-NNNNNN) with its loss curve, "
@@ -315,7 +323,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     compiles = tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES))
     schedules = choices(v.label("pp_schedule"), v.get("pp_schedule", "1f1b"), PP_SCHEDULES)
     check_schedule_compile(schedules, compiles)
-    if v.get("checkpoint_keep") and checkpoints_arg(v) == ("off",):
+    if v.get("checkpoint_keep") and checkpoints_arg(v, device) == ("off",):
         raise UsageError("--checkpoint-keep keeps saves, and --checkpoint is off: add --checkpoint sync (or async), "
                          "or drop --checkpoint-keep")
     return SweepSpec(
@@ -341,7 +349,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         fp8_all_gathers=tuple(x == "on" for x in choices(v.label("fp8_all_gather"), v.get("fp8_all_gather", "off"),
                                                          COMPILE_MODES)),
         fp8_emulate=bool(v.get("fp8_emulate", False)),
-        checkpoints=checkpoints_arg(v),
+        checkpoints=checkpoints_arg(v, device),
         checkpoint_every=int_arg(v.label("checkpoint_every"), v.get("checkpoint_every", 5), 1),
         checkpoint_keep=bool(v.get("checkpoint_keep", False)),
         restore_from=restore_from_arg(v),

@@ -24,7 +24,7 @@ def checkpoint_rows(records: list[dict[str, Any]] | Any) -> list[list[Any]]:
         restore = ck.get("restore") or {}
         written = ck.get("bytes_written_by_rank") or []
         predicted = ((r.get("predicted") or {}).get("checkpoint") or {}).get("save_s")
-        write_s = ck.get("background_s_median") if ck["mode"] == "async" else ck.get("blocking_s_median")
+        write_s = ck.get("background_s_median") if ck["mode"].startswith("async") else ck.get("blocking_s_median")
         rows.append([r.get("cell_id"), strategy_label(r.get("config") or {}), f"{ck['mode']}, every {ck['every']}",
                      str(ck["saves"]), _ms(ck.get("blocking_s_median")), _ms(ck.get("background_s_median")),
                      fmt_or(ck.get("cost_per_step_pct"), ".1f"), ", ".join(f"{b / MIB:.2f}" for b in written),

@@ -5,6 +5,7 @@ measured steps, sharded as the layout holds it, and one restore checked against 
 with ``dcp.async_save``: the step waits while the state is staged (copied off the training tensors), the write
 runs in a thread on its own gloo group (as torchtitan's async checkpointing does, so its collectives never
 interleave with the training step's), and a save still writing when the next is due is waited for first.
+``async-pinned`` (GPUs) stages through DCP's ``DefaultStager`` into pinned host memory kept between saves.
 The model and optimizer state dicts are torch's own (``get_state_dict``: FSDP's and TP's DTensors stay shards;
 a pipeline rank saves the stages it holds).
 
@@ -74,12 +75,14 @@ class Checkpointer:
     def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, root: Path, mode: str, every: int,
                  scaler: torch.amp.GradScaler | None = None):
         if mode not in CHECKPOINT_MODES[1:] or every < 1:
-            raise ValueError(f"checkpoint mode {mode!r} every {every}: mode sync or async, every >= 1")
+            raise ValueError(f"checkpoint mode {mode!r} every {every}: mode {', '.join(CHECKPOINT_MODES[1:])}, "
+                             f"every >= 1")
         self.model = model_of(parts)
         self.optimizer, self.root, self.mode, self.every, self.scaler = optimizer, root, mode, every, scaler
         self.rank = dist.get_rank()
         # async: the background write's collectives on a group of their own (a collective call: every rank builds it)
-        self.group = dist.new_group(backend="gloo") if mode == "async" else None
+        self.group = dist.new_group(backend="gloo") if mode.startswith("async") else None
+        self.stager = _pinned_stager() if mode == "async-pinned" else None
         self.log = CheckpointLog(mode=mode, every=every)
         self._pending: tuple[Any, float, Save, Progress] | None = None
 
@@ -106,7 +109,11 @@ class Checkpointer:
             save = Save(step=step, blocking_s=time.perf_counter() - t0, bytes_written=rank_bytes(path, self.rank))
             replace(progress, saved_at=time.time()).write(path, self.rank)
         else:
-            future = dcp.async_save(self._state(), checkpoint_id=str(path), process_group=self.group)
+            future = dcp.async_save(self._state(), checkpoint_id=str(path), process_group=self.group,
+                                    async_stager=self.stager)
+            staged = getattr(future, "staging_completion", None)
+            if staged is not None:  # the next step may not change the state before its copy is taken
+                staged.result()
             save = Save(step=step, blocking_s=time.perf_counter() - t0)
             self._pending = (future, t0, save, progress)
         self.log.saves.append(save)
@@ -164,6 +171,15 @@ class Checkpointer:
         dist.barrier()
         if self.rank == 0 and not keep:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _pinned_stager() -> Any:
+    """``async-pinned``: DCP's stager copying the state into pinned host memory it keeps for the next save (as
+    torchtitan's ``async_with_pinned_mem``); the copy runs off the training thread, and the save waits for it."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: PLC0415 (torch >= 2.9)
+
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=True))
 
 
 def scaler_state(scaler: torch.amp.GradScaler | None) -> dict[str, Any]:

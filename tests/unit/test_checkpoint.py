@@ -82,9 +82,9 @@ def test_fp16s_loss_scale_and_its_growth_count_come_back(gloo_world1, tmp_path):
 def test_bad_settings_are_refused(gloo_world1, tmp_path):
     model = nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match="mode sync or async, every >= 1"):
+    with pytest.raises(ValueError, match="mode sync, async, async-pinned, every >= 1"):
         Checkpointer([model], opt, tmp_path, "sync", every=0)
-    with pytest.raises(ValueError, match="mode sync or async"):
+    with pytest.raises(ValueError, match="mode 'off' every 5: mode sync, async, async-pinned"):
         Checkpointer([model], opt, tmp_path, "off", every=5)
 
 
