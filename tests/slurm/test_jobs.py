@@ -124,18 +124,30 @@ def test_a_submitted_sweep_lands_complete_records(slurm, tmp_path):
     assert re.search(rf"^harness job {job}: attempt 1 on n[12], ", _log(out, job), re.M)
 
 
+def _saved_mid_cell(out: Path, job: str) -> bool:
+    """Cell 1 is ok and the running cell has a complete save (every rank's progress file beside DCP's)."""
+    running = [d for d in (out / "cells").glob("*") if d.name not in _ok_cells(out)] if (out / "cells").exists() else []
+    return _mid_cell(out, job, 1) and any(
+        (s / ".metadata").exists() and (s / "harness-rank1.json").exists()
+        for d in running for s in (d / "checkpoints").glob("step-*"))
+
+
 def test_a_job_stopped_mid_cell_twice_finishes_its_sweep_with_nothing_lost(slurm, tmp_path):
+    """The cells checkpoint every 10 steps: the cell SIGTERM stops after its first save resumes from it in attempt
+    2 (not from step 0), and its loss curve across the two attempts is the one the same cell trains uninterrupted
+    (run here without Slurm); its record says from which step it resumed and the goodput."""
     out = tmp_path / "run"
-    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", MID_CELL_STEPS,
-                  step_pause_s=MID_CELL_PAUSE_S)
+    ckpt = ["--checkpoint", "sync", "--checkpoint-every", "10"]
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp,zero2", "--steps", MID_CELL_STEPS, *ckpt,
+                  step_pause_s=2 * MID_CELL_PAUSE_S)  # >= 8 s a cell: the signal lands after the save
     cells = 3
 
-    # Attempt 1: SIGTERM to the job's tasks (what the time-limit warning sends) once cell 2 runs.
-    _wait_until(lambda: _mid_cell(out, job, 1), JOB_TIMEOUT_S, "cell 1 ok and cell 2 running", slurm, out, job)
+    # Attempt 1: SIGTERM to the job's tasks (what the time-limit warning sends) once cell 2 runs and has saved.
+    _wait_until(lambda: _saved_mid_cell(out, job), JOB_TIMEOUT_S, "cell 1 ok and cell 2 saved", slurm, out, job)
     slurm.run("scancel", "--signal=TERM", job)  # at once: on a busy machine cell 2 can end within seconds
     slurm.wait_restarted(job, 1, 120)  # the script requeues the job after the harness exits 143
     report = slurm.run("harness", "report", str(out), timeout=120)  # a run not finished: complete records only
-    assert "tiny-ddp-fp32-w2-gb4-strong" in (out / "summary.csv").read_text(), report.stdout
+    assert "tiny-ddp-fp32-w2-gb4-strong-ckpt-sync10" in (out / "summary.csv").read_text(), report.stdout
     first_attempt = (out / RECORDS_FILENAME).read_bytes()
     slurm.release(job)
 
@@ -161,33 +173,30 @@ def test_a_job_stopped_mid_cell_twice_finishes_its_sweep_with_nothing_lost(slurm
     assert log.count("interrupted (SIGTERM)") == 2 and log.count("finish with: harness bench --resume") == 2
     assert "requeueing (restart 1 of 3)" in log
     assert log.count("holds this sweep's records; finishing it") == 2
+    [resumed] = [r for r in latest if r["config"]["strategy"] == "fsdp"]
+    start = resumed["metrics"]["checkpoint"]["start"]
+    assert start["kind"] == "resume" and start["attempt"] == 2 and start["from_step"] >= 10, start
+    assert 0 < start["goodput"] < 1 and start["restart_s"] > 0
+    alone = slurm.run("harness", "bench", *CPU_CELLS, "--gpus", "2", "--strategies", "fsdp", "--steps", MID_CELL_STEPS,
+                      *ckpt, "--out", str(tmp_path / "alone"), timeout=300)
+    [uninterrupted] = _cell_records(tmp_path / "alone")
+    assert uninterrupted["status"] == "ok", alone.stdout[-2000:]
+    assert resumed["metrics"]["loss"] == pytest.approx(uninterrupted["metrics"]["loss"], abs=1e-6), \
+        "the curve across the two attempts is the uninterrupted one"
 
 
-def _saved_mid_cell(out: Path, job: str) -> bool:
-    """Cell 1 is ok and the running cell has a complete save (every rank's progress file beside DCP's)."""
-    running = [d for d in (out / "cells").glob("*") if d.name not in _ok_cells(out)] if (out / "cells").exists() else []
-    return _mid_cell(out, job, 1) and any(
-        (s / ".metadata").exists() and (s / "harness-rank1.json").exists()
-        for d in running for s in (d / "checkpoints").glob("step-*"))
-
-
-def test_a_preempted_job_is_requeued_by_slurm_and_its_cell_resumes_from_its_checkpoint(slurm, tmp_path):
-    """A job in the ``urgent`` partition preempts the sweep (PreemptMode=REQUEUE) once its second cell has saved a
-    checkpoint: Slurm sends SIGTERM, requeues the job itself, and in attempt 2 the cell continues from its newest
-    save, not from step 0. Its loss curve across the two attempts is the one the same cell trains uninterrupted
-    (run here without Slurm), and its record says from which step it resumed and the goodput."""
+def test_a_preempted_job_is_requeued_by_slurm_and_finishes_its_sweep(slurm, tmp_path):
+    """A job in the ``urgent`` partition preempts the sweep (PreemptMode=REQUEUE): Slurm sends
+    SIGTERM, requeues the job itself, and the next attempt finishes the sweep."""
     out = tmp_path / "run"
-    ckpt = ["--checkpoint", "sync", "--checkpoint-every", "10"]
-    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp", "--steps", MID_CELL_STEPS, *ckpt,
-                  step_pause_s=2 * MID_CELL_PAUSE_S)  # >= 8 s a cell: the preemption lands after the save
-    _wait_until(lambda: _saved_mid_cell(out, job), JOB_TIMEOUT_S, "cell 1 ok and cell 2 saved", slurm, out, job)
+    job = _submit(slurm, out, "--gpus", "2", "--strategies", "ddp,fsdp", "--steps", MID_CELL_STEPS,
+                  step_pause_s=MID_CELL_PAUSE_S)
+    _wait_until(lambda: _mid_cell(out, job, 1), JOB_TIMEOUT_S, "cell 1 ok and cell 2 running", slurm, out, job)
     urgent = slurm.run("sbatch", "--parsable", "--partition", "urgent", "--exclusive", "--nodes", "2",
                        "--output", str(tmp_path / "urgent.out"), "--wrap", "echo urgent ran").stdout.strip()
     slurm.wait_restarted(job, 1, 120)
     assert (slurm.wait_for(urgent, ENDED, 120)["JobState"]) == "COMPLETED"
     slurm.release(job)
-    uninterrupted = slurm.run("harness", "bench", *CPU_CELLS, "--gpus", "2", "--strategies", "fsdp", "--steps",
-                              MID_CELL_STEPS, *ckpt, "--out", str(tmp_path / "alone"), timeout=300)
     fields = slurm.wait_for(job, ENDED, JOB_TIMEOUT_S)
     log = _log(out, job)
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-3000:]
@@ -195,14 +204,6 @@ def test_a_preempted_job_is_requeued_by_slurm_and_its_cell_resumes_from_its_chec
     assert "requeueing" not in log, "Slurm requeued the preempted job; the script must not requeue it again"
     latest, attempts = latest_per_cell(_cell_records(out))
     assert [r["status"] for r in latest] == ["ok", "ok"] and sorted(_ok_cells(out)) == sorted(attempts)
-    [resumed] = [r for r in latest if r["config"]["strategy"] == "fsdp"]
-    start = resumed["metrics"]["checkpoint"]["start"]
-    assert start["kind"] == "resume" and start["attempt"] == 2 and start["from_step"] >= 10, start
-    assert 0 < start["goodput"] < 1 and start["restart_s"] > 0
-    [alone] = _cell_records(tmp_path / "alone")
-    assert alone["status"] == "ok", uninterrupted.stdout[-2000:]
-    assert resumed["metrics"]["loss"] == pytest.approx(alone["metrics"]["loss"], abs=1e-6), \
-        "the curve across the two attempts is the uninterrupted one"
 
 
 def test_a_job_at_its_time_limit_ends_its_cell_and_exits_143_with_the_resume_line(slurm, tmp_path):
