@@ -11,15 +11,22 @@ by ``1 + global expert id``, so a row that comes back from the wrong expert, or 
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
 
 from harness import comm_scope
 from harness.parallel import ep as ep_mod
-from harness.parallel.ep import EP_LABEL, AllToAllDispatch
+from harness.parallel.ep import EP_LABEL, AllToAllDispatch, apply_ep, shard_experts
+from workloads.moe import MoE
+from workloads.sizes import MoESpec
 
 GROUP = object()
 """Stands for the ep process group: the emulated collective checks it was handed it."""
@@ -52,8 +59,8 @@ class _Group:
             start = sum(split[:r])
             pieces.append(x[start:start + split[r]])
         got = torch.cat(pieces)
-        assert output_split_sizes is None or [len(x) for x in pieces] == list(output_split_sizes), (
-            "the receive splits the rank computed are what its peers sent")
+        expected = output_split_sizes or [out.shape[0] // self.ep] * self.ep  # None: equal parts, as torch reads it
+        assert [len(x) for x in pieces] == list(expected), "the receive splits the rank gave are what its peers sent"
         out.copy_(got)
         self.barrier.wait()  # every rank has read before the next call posts again
 
@@ -109,9 +116,12 @@ def test_each_expert_gets_its_rows_from_every_peer_in_peer_order_and_they_come_b
                            for j, n in enumerate(local_counts)])
         back = disp.combine(rows * scale, state)
         back.sum().backward()
-        return rows.detach(), local_counts, back.detach(), grouped.grad, disp.take_counts(), disp.take_counts()
+        once = disp.take_counts()
+        for _ in range(2):  # two micro-batches: the counters add up until taken
+            disp.combine(disp.dispatch(grouped.detach(), torch.tensor(counts[r]), even=False)[0], state)
+        return rows.detach(), local_counts, back.detach(), grouped.grad, once, disp.take_counts(), disp.take_counts()
 
-    for r, (rows, local_counts, back, grad, taken, again) in enumerate(group.run(monkeypatch, rank_fn)):
+    for r, (rows, local_counts, back, grad, taken, twice, again) in enumerate(group.run(monkeypatch, rank_fn)):
         experts = range(r * n_local, (r + 1) * n_local)
         # by hand: local expert j receives from peer 0, 1, ... each peer's rows of global expert r * n_local + j
         expected = [(p, e, i) for e in experts for p in range(ep) for i in range(counts[p][e])]
@@ -123,10 +133,11 @@ def test_each_expert_gets_its_rows_from_every_peer_in_peer_order_and_they_come_b
         assert torch.equal(grad, factor.unsqueeze(1).expand(-1, d))
         mine = sum(counts[r][e] for e in experts)
         assert taken == (sum(counts[r]), sum(counts[r]) - mine, sum(local_counts))  # routed, left, received
-        assert again == (0, 0, 0), "take_counts restarts the counters"
+        assert twice == tuple(2 * n for n in taken) and again == (0, 0, 0), "they add up, and taking restarts them"
     # the counts' exchange and every all-to-all (forward and backward) are filed under ep's label
     assert group.labels and set(group.labels) == {EP_LABEL}
-    assert len(group.labels) == 5 * ep  # per rank: counts, rows out, outputs back, and each exchange's reverse
+    # per rank: counts, rows out, outputs back and each exchange's reverse; then two micro-batches of three
+    assert len(group.labels) == 11 * ep
 
 
 @pytest.mark.parametrize("ep", [2, 4])
@@ -179,3 +190,92 @@ def test_the_tp_variant_sums_partial_outputs_and_row_gradients_over_tp(monkeypat
     assert torch.equal(grad, torch.full((3, 2), 6.0, dtype=torch.float64))  # d/dx of 2 x 3 x, summed over tp again
     assert len(reduced) == 2, "one all-reduce forward (outputs), one backward (row gradients)"
     assert ep_mod.EP_LABEL == "ep"
+
+
+class _Dims:
+    """The expert-parallel dims on one rank: an (ep, tp) mesh of 1 x 1 (what apply_ep reads of ParallelDims)."""
+
+    def __init__(self, tp_enabled: bool) -> None:
+        self.mesh_2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("ep", "tp"))
+        self.tp_enabled, self.ep = tp_enabled, 1
+
+    def mesh(self, *names: str):
+        return self.mesh_2d[names if len(names) > 1 else names[0]]
+
+
+@pytest.mark.parametrize("tp", [False, True])
+def test_apply_ep_shards_every_moe_layers_experts_and_gives_each_a_dispatcher(gloo_world1, tp):
+    """By hand: each stacked expert weight a DTensor split over the experts (dim 0) on the ep mesh; under tp its
+    width too, gate and up on dim 1 (column-wise), proj on dim 2 (row-wise); every MoE layer, none else."""
+    spec = MoESpec(n_experts=2, top_k=1, d_ff=4)
+    part = nn.ModuleDict({"a": MoE(8, spec), "b": nn.Sequential(MoE(8, spec)), "c": nn.Linear(8, 8)})
+    dims = _Dims(tp)
+    apply_ep(part, dims)
+    for layer in (part["a"], part["b"][0]):
+        for name, width_dim in (("gate", 1), ("up", 1), ("proj", 2)):
+            w = getattr(layer.experts, name)
+            assert isinstance(w, DTensor) and isinstance(w, nn.Parameter), name
+            assert w.placements == ((Shard(0), Shard(width_dim)) if tp else (Shard(0),)), (name, w.placements)
+            assert w.device_mesh.mesh_dim_names == (("ep", "tp") if tp else ("ep",))
+        d = layer.dispatcher
+        assert isinstance(d, AllToAllDispatch) and (d.ep, d.n_local) == (1, 2)
+        assert (d.tp_group is not None) == tp and d.group is not None
+    assert not isinstance(part["c"].weight, DTensor)
+
+
+def test_shard_experts_divides_the_experts_gradient_by_every_data_parallel_rank(gloo_world1):
+    """On a 1-rank efsdp mesh FSDP reduces nothing and divides by the factor: the experts' gradient is the plain
+    one over ``dp_ranks`` (4 here: efsdp x ep), the data-parallel mean of a world of 4 by hand."""
+    torch.manual_seed(0)
+    spec = MoESpec(n_experts=2, top_k=1, d_ff=4)
+    plain = nn.ModuleDict({"mlp": MoE(8, spec)})
+    for p in plain.parameters():
+        nn.init.normal_(p, std=0.1)
+    sharded = copy.deepcopy(plain)
+    x = torch.randn(2, 3, 8)
+    plain["mlp"](x).sum().backward()
+    shard_experts(sharded, init_device_mesh("cpu", (1,)), dp_ranks=4, reshard_after_forward=True,
+                  mp_policy=MixedPrecisionPolicy())
+    assert isinstance(sharded["mlp"].experts, FSDPModule) and not isinstance(sharded["mlp"].router, FSDPModule)
+    sharded["mlp"](x).sum().backward()
+    for name in ("gate", "up", "proj"):
+        got = getattr(sharded["mlp"].experts, name).grad.full_tensor()
+        assert torch.allclose(got, getattr(plain["mlp"].experts, name).grad / 4, atol=1e-7), name
+
+
+@pytest.mark.parametrize(("backend", "size", "force_sum"), [("gloo", 2, True), ("gloo", 1, False), ("nccl", 2, False)])
+def test_shard_experts_asks_fsdp_for_what_the_backend_can_do(monkeypatch, backend, size, force_sum):
+    """What shard_experts hands FSDP, recorded: the experts of every MoE layer, on the efsdp mesh, with the caller's
+    resharding and precision; the gradient divided by dp_ranks; and a sum then divide (no PREMUL_SUM) on gloo groups
+    of more than one rank, where gloo lacks NCCL's premultiplied sum."""
+    calls: list[tuple] = []
+
+    class _Sharded:
+        def set_gradient_divide_factor(self, f):
+            calls.append(("divide", f))
+
+        def set_force_sum_reduction_for_comms(self, on):
+            calls.append(("force_sum", on))
+
+    class _Mesh:
+        def get_group(self):
+            return "efsdp-group"
+
+        def size(self):
+            return size
+
+    mesh, policy = _Mesh(), object()
+
+    def fully_shard(module, *, mesh, reshard_after_forward, mp_policy):
+        calls.append(("shard", module, mesh, reshard_after_forward, mp_policy))
+        return _Sharded()
+
+    monkeypatch.setattr(ep_mod, "fully_shard", fully_shard)
+    monkeypatch.setattr(dist, "get_backend", lambda group: {"efsdp-group": backend}[group])
+    spec = MoESpec(n_experts=2, top_k=1, d_ff=4)
+    part = nn.ModuleDict({"a": MoE(8, spec), "b": MoE(8, spec)})
+    shard_experts(part, mesh, dp_ranks=6, reshard_after_forward=False, mp_policy=policy)
+    per_layer = [[("shard", layer.experts, mesh, False, policy), ("divide", 6.0), ("force_sum", force_sum)]
+                 for layer in (part["a"], part["b"])]
+    assert calls == per_layer[0] + per_layer[1]
+    assert isinstance(calls[1][1], float)
