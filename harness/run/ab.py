@@ -75,7 +75,9 @@ class Side:
         if not (tree / CI_CELLS).is_file():
             raise UsageError(f"{tree} has no {CI_CELLS}; the A/B gate needs it on both sides")
         self.tree, self.work, self.name, self.rounds = tree, work, name, 0
-        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(THREADS),
+        # Not an xdist worker's variables (a gate started from a test): pytest-benchmark would disable itself
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+        env = {**inherited, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(THREADS),
                "OPENBLAS_NUM_THREADS": "1"}  # numpy's OpenBLAS would start a thread server: no fork then
         self.log = work / f"{name}-server.log"
         with self.log.open("w") as log:
