@@ -11,6 +11,7 @@ left to the cell timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -74,7 +75,10 @@ def clear(cell_dir: Path) -> None:
     measured step ended is kept (``heartbeat-last.json``): a cell resumed from its checkpoint counts the time its
     cut attempt ran after the save (:mod:`harness.run.resume`)."""
     files = heartbeat_files(cell_dir)
-    beats = [p.stat().st_mtime for p in files if p.exists()]
+    beats = []
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):  # a rank's file removed meanwhile: it has no beat to keep
+            beats.append(path.stat().st_mtime)
     if beats:
         write_json_atomic(cell_dir / LAST_BEAT, {"epoch": max(beats)})
     for path in files:
