@@ -62,30 +62,21 @@ def checkpoint_section(records: list[dict[str, Any]] | Any) -> str | None:
 
 
 def _start_part(rows: list[list[Any]]) -> str | None:
-    if not rows:
-        return None
-    return "\n".join([
-        "## Starting from a checkpoint", "",
-        tabulate(rows, headers=["cell", "strategy", "start", "from", "after step", "load ms", "steps compared",
-                                "loss diff vs source", "attempt", "restart s", "lost s", "goodput"],
-                 tablefmt="github", disable_numparse=True), "",
+    return _section("Starting from a checkpoint", rows, [
+        "cell", "strategy", "start", "from", "after step", "load ms", "steps compared", "loss diff vs source",
+        "attempt", "restart s", "lost s", "goodput"],
         "restore = the state another run saved (`--restore-from`, resharded by DCP into this layout): the cell trains "
         "on the steps after the save, and loss diff is the largest |global loss - the source's at the same step|; "
         "resume = the cell's own save, left by an attempt cut short (Slurm's SIGTERM, a requeue, a crash): restart = "
         "the new attempt's start-up and load before its first step, lost = the cut attempt's time after its save, "
-        "goodput = every step's time once over all attempts' wall time.",
-    ])
+        "goodput = every step's time once over all attempts' wall time.")
 
 
 def _cost_part(rows: list[list[Any]]) -> str | None:
-    if not rows:
-        return None
-    return "\n".join([
-        "## Checkpoints: what a save costs", "",
-        tabulate(rows, headers=["cell", "strategy", "saves", "n", "blocking ms", "async write ms", "cost % per step",
-                                "MiB written per rank", "written / states", "write GiB/s", "predicted write ms",
-                                "measured / predicted", "restore ms",
-                                "steps replayed", "replayed loss diff"], tablefmt="github", disable_numparse=True), "",
+    return _section("Checkpoints: what a save costs", rows, [
+        "cell", "strategy", "saves", "n", "blocking ms", "async write ms", "cost % per step", "MiB written per rank",
+        "written / states", "write GiB/s", "predicted write ms", "measured / predicted", "restore ms",
+        "steps replayed", "replayed loss diff"],
         "blocking = the median over saves of the slowest rank's wait (sync: the whole write; async: staging, and an "
         "earlier save still writing); async write = from a save's start to its write's end, beside training; cost % "
         "per step = blocking / interval / median step time; written / states = the bytes DCP wrote over the "
@@ -94,5 +85,11 @@ def _cost_part(rows: list[list[Any]]) -> str | None:
         "directory's filesystem (a 64 MiB file, fsync-ed: `harness calibrate --storage DIR`), against the measured "
         "write (sync: blocking; async: the background write); restore = load of the newest save with steps after "
         "it, those steps run again on the same batches: "
-        "the largest |loss - the first run's loss| (0 when the state came back whole).",
-    ])
+        "the largest |loss - the first run's loss| (0 when the state came back whole).")
+
+
+def _section(title: str, rows: list[list[Any]], headers: list[str], legend: str) -> str | None:
+    if not rows:
+        return None
+    return "\n".join([f"## {title}", "", tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True),
+                      "", legend])

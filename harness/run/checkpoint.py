@@ -94,8 +94,7 @@ class Checkpointer:
         return measured % self.every == 0
 
     def _state(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, **scaler_state(self.scaler)}
+        return training_state(self.model, self.optimizer, self.scaler)
 
     def save(self, step: int, progress: Progress) -> Save:
         """Save the state after ``step``; returns the save (its blocking seconds known, an async write's not yet).
@@ -192,14 +191,22 @@ def scaler_state(scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
                        "growth_tracker": torch.tensor(int(sd["_growth_tracker"]), dtype=torch.int64)}}
 
 
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None = None) -> dict[str, Any]:
+    """What a save holds and a load fills: torch's model and optimizer state dicts (sharded as the layout holds
+    them) and fp16's loss scale."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, **scaler_state(scaler)}
+
+
 def load_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, rank: int,
                scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
     """Load the DCP save at ``path`` (any layout's: DCP reshards it into this one) into ``model``, ``optimizer`` and
-    fp16's ``scaler``: seconds and this rank's bytes read (of its own layout's files: 0 when it reads another's)."""
+    fp16's ``scaler``: seconds, and the bytes of this rank's own files in it (its share when the save is of this
+    layout; :func:`start_cell` reports a save of another layout by its total instead)."""
     t0 = time.perf_counter()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    groups = copy.deepcopy(optim_sd["param_groups"])  # DCP loads into the same objects
-    state = {"model": model_sd, "optim": optim_sd, **scaler_state(scaler)}
+    state = training_state(model, optimizer, scaler)
+    groups = copy.deepcopy(state["optim"]["param_groups"])  # DCP loads into the same objects
     dcp.load(state, checkpoint_id=str(path))
     # The hyperparameters stay the live ones (the cell's; the step sets the LR): on torch 2.13 a DCP round trip
     # of a two-stage pipeline rank's param_groups lost AdamW's 'betas' in set_state_dict (rank 0 of 2, KeyError
