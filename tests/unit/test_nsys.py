@@ -200,3 +200,116 @@ def test_a_report_without_kernels_says_none_not_zero(tmp_path: Path, monkeypatch
     monkeypatch.setattr(nsys_reports, "export_sqlite", lambda nsys, report: db)
     [cap] = nsys_reports.read_capture("nsys", tmp_path / "c.nsys-rep").values()
     assert (cap.kernels, cap.nccl_kernels) == (None, None)
+
+
+def test_a_rank_capture_as_a_record_holds_every_field() -> None:
+    cap = nsys_reports.RankCapture(rank=3, report="c.nsys-rep", ranges=9, windows=1, window_s=0.5, steps_total=4,
+                                   steps_in_window=3, phases={"forward": {"count": 3, "total_s": 0.1}}, kernels=12,
+                                   nccl_kernels=2)
+    assert cap.as_dict() == {"rank": 3, "report": "c.nsys-rep", "ranges": 9, "windows": 1, "window_s": 0.5,
+                             "steps_total": 4, "steps_in_window": 3, "phases": {"forward": {"count": 3, "total_s": 0.1}},
+                             "kernels": 12, "nccl_kernels": 2}
+
+
+class _Run:
+    """A stand-in for ``subprocess.run``: records each call and answers with ``returncode``/``stdout``/``stderr``;
+    ``writes`` is created first, as nsys's export would."""
+
+    def __init__(self, returncode: int = 0, stdout: str = "", stderr: str = "", writes: Path | None = None) -> None:
+        self.calls: list[tuple[list[str], dict]] = []
+        self.result = subprocess.CompletedProcess([], returncode, stdout, stderr)
+        self.writes = writes
+
+    def __call__(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        self.calls.append((argv, kwargs))
+        if self.writes is not None:
+            self.writes.write_text("")
+        return self.result
+
+
+def test_the_export_runs_nsys_once_with_its_arguments_and_reuses_the_file(tmp_path: Path, monkeypatch) -> None:
+    report = tmp_path / "cell-node0.nsys-rep"
+    run = _Run(writes=tmp_path / "cell-node0.sqlite")
+    monkeypatch.setattr(nsys_reports.subprocess, "run", run)
+    assert nsys_reports.export_sqlite("/opt/nsys", report) == tmp_path / "cell-node0.sqlite"
+    assert run.calls == [(["/opt/nsys", "export", "--type", "sqlite", "--force-overwrite", "true", "--output",
+                           str(tmp_path / "cell-node0.sqlite"), str(report)],
+                          {"capture_output": True, "text": True, "timeout": 300.0})]
+    assert nsys_reports.export_sqlite("/opt/nsys", report, timeout_s=5.0) == tmp_path / "cell-node0.sqlite"
+    assert len(run.calls) == 1, "an existing export is reused, not redone"
+
+
+def test_a_failed_export_says_its_exit_and_last_line(tmp_path: Path, monkeypatch) -> None:
+    report = tmp_path / "c.nsys-rep"
+    monkeypatch.setattr(nsys_reports.subprocess, "run", _Run(returncode=3, stderr="reading\nimporter crashed\n"))
+    with pytest.raises(RuntimeError, match=f"^nsys export of {report} failed \\(exit 3\\): importer crashed$"):
+        nsys_reports.export_sqlite("nsys", report, timeout_s=1.0)
+    # exit 0 but no file written: the last line of stdout when stderr is empty, "no output" when both are
+    monkeypatch.setattr(nsys_reports.subprocess, "run", _Run(stdout="Processing\nno events\n"))
+    with pytest.raises(RuntimeError, match=r"\(exit 0\): no events$"):
+        nsys_reports.export_sqlite("nsys", report)
+    monkeypatch.setattr(nsys_reports.subprocess, "run", _Run())
+    with pytest.raises(RuntimeError, match=r"\(exit 0\): no output$"):
+        nsys_reports.export_sqlite("nsys", report)
+
+
+def test_stats_reports_are_asked_of_nsys_with_a_time_limit(monkeypatch) -> None:
+    run = _Run(stdout="  nvtx_sum[:base] -- NVTX Range Summary\n  osrt_sum -- OS Runtime Summary\n")
+    monkeypatch.setattr(nsys_reports.subprocess, "run", run)
+    assert nsys_reports.stats_report_names("/x/nsys") == {"nvtx": "nvtx_sum"}, "no kernel summary known: none named"
+    assert run.calls == [(["/x/nsys", "stats", "--help-reports"], {"capture_output": True, "text": True, "timeout": 60})]
+    assert nsys_reports.stats_command("/x/nsys", "nvtx_sum", Path("/r/c.nsys-rep")) == [
+        "/x/nsys", "stats", "--quiet", "--report", "nvtx_sum", "--format", "column", "--output", "-", "/r/c.nsys-rep"]
+
+
+def test_ranges_of_either_kind_without_a_thread_and_a_window_ending_with_its_last_step(tmp_path: Path) -> None:
+    """By hand: a push/pop range and a start/end range both count; a range whose thread nsys did not record has pid
+    0; a step ending exactly where the window ends is inside it; an export whose enum lacks the domain event kind
+    has no harness domain to read."""
+    events = [(0, None, 75, "harness", _tid(9), None, 1, None, None),
+              (100, 200, 59, "step", _tid(9), None, 1, 0, None),  # push/pop
+              (200, 300, 60, None, _tid(9), 437, 1, 1, None),  # start/end, registered string, ends with the window
+              (100, 300, 60, None, _tid(9), 438, 1, 0, None),
+              (150, 160, 59, "forward", None, None, 1, None, 7)]  # no thread recorded; unsigned payload
+    ranges = read_ranges(_export(tmp_path / "c.sqlite", events))
+    assert [(r.name, r.start_ns, r.end_ns, r.payload, r.pid) for r in ranges] == [
+        ("step", 100, 200, 0, 9), ("window", 100, 300, 0, 9), ("forward", 150, 160, 7, 0), ("step", 200, 300, 1, 9)]
+    cap = summarize(5, "c.nsys-rep", [r for r in ranges if r.pid == 9], kernels=(4, 1))
+    assert cap.as_dict() == {"rank": 5, "report": "c.nsys-rep", "ranges": 3, "windows": 1,
+                             "window_s": pytest.approx(200e-9), "steps_total": 2, "steps_in_window": 2, "phases": {},
+                             "kernels": 4, "nccl_kernels": 1}
+    none = summarize(0, "d.nsys-rep", [])
+    assert (none.windows, none.window_s, none.steps_in_window, none.ranges) == (0, None, 0, 0)
+    no_domain_kind = tmp_path / "old.sqlite"
+    _export(no_domain_kind, events)
+    con = sqlite3.connect(no_domain_kind)
+    con.execute("DELETE FROM ENUM_NSYS_EVENT_TYPE WHERE name = 'NvtxDomainCreate'")
+    con.commit()
+    con.close()
+    assert read_ranges(no_domain_kind) == []
+
+
+def test_read_capture_exports_the_report_it_is_given_and_counts_a_kernel_less_rank_as_zero(tmp_path: Path,
+                                                                                            monkeypatch) -> None:
+    """Rank 0 (pid 777, 2 steps) launched no kernel while rank 1 (pid 4242, 3 steps) launched two, one with a name
+    the export did not keep (not NCCL's): with a kernel table present, rank 0's counts are 0, not unknown."""
+    db = _export(tmp_path / "c.sqlite", _rank_events(4242, 1, steps=3) + _rank_events(777, 0, steps=2))
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (globalPid INTEGER, shortName INTEGER)")
+    con.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?)", [(_tid(4242), 437), (_tid(4242), 999)])
+    con.commit()
+    con.close()
+    asked = []
+    monkeypatch.setattr(nsys_reports, "export_sqlite", lambda nsys, report: asked.append((nsys, report)) or db)
+    report = tmp_path / "cell-node0.nsys-rep"
+    caps = nsys_reports.read_capture("/opt/nsys", report)
+    assert asked == [("/opt/nsys", report)]
+    assert {r: (c.rank, c.report, c.steps_in_window, c.kernels, c.nccl_kernels) for r, c in caps.items()} == {
+        1: (1, "cell-node0.nsys-rep", 3, 2, 0), 0: (0, "cell-node0.nsys-rep", 2, 0, 0)}
+
+
+def test_no_window_at_all_names_where_to_look() -> None:
+    assert capture_problem({}, range(1), 1) == (
+        "no 'harness' NVTX window was recorded for any rank, so the timeline has no steps; check the record's "
+        "metrics.nvtx (an nvtx package that nsys disabled: pip install 'nvtx<0.2.12' if the harness could not open "
+        "the domain itself) and nsys's own output in the cell's logs")
