@@ -130,3 +130,39 @@ def test_bus_factors_follow_nccl_tests() -> None:
         assert BUS_FACTOR[name](8) == 0.875, name
     for name in ("broadcast", "reduce", "send", "recv", "send_recv"):
         assert BUS_FACTOR[name](4) == 1.0, name
+
+
+def test_labelled_calls_are_filed_under_their_label_too(gloo_world1) -> None:
+    """Calls inside ``comm_label("cp")`` count in the totals and under "cp"; the innermost label wins; calls outside
+    any label are in the totals only. By hand: 3 all-reduces of 40 bytes, 2 of them under cp, 1 under pp."""
+    from harness.comm_scope import comm_label
+
+    x = torch.ones(10)  # 40 bytes
+    counter = CommCounter()
+    with counter:
+        dist.all_reduce(x)
+        with comm_label("cp"):
+            dist.all_reduce(x)
+            dist.broadcast(x, src=0)
+            with comm_label("pp"):
+                dist.all_reduce(x)
+            dist.all_reduce(x)
+    assert dict(counter.counts) == {"all_reduce": [4, 160], "broadcast": [1, 40]}
+    assert counter.per_step_labelled("cp", 2) == {"all_reduce": {"calls_per_step": 1.0, "bytes_per_step": 40.0},
+                                                  "broadcast": {"calls_per_step": 0.5, "bytes_per_step": 20.0}}
+    assert counter.per_step_labelled("pp", 1) == {"all_reduce": {"calls_per_step": 1.0, "bytes_per_step": 40.0}}
+    assert counter.per_step_labelled("ep", 1) == {}, "a label with no calls"
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        counter.per_step_labelled("cp", 0)
+
+
+def test_an_op_named_like_a_collective_in_another_namespace_is_not_counted() -> None:
+    """Only the c10d and _c10d_functional namespaces hold collectives: an op of another library that happens to be
+    called ``all_reduce`` (defined here) is not one."""
+    lib = torch.library.Library("harness_test_ns", "DEF")
+    lib.define("all_reduce(Tensor x) -> Tensor")
+    lib.impl("all_reduce", lambda x: x.clone(), "CPU")
+    counter = CommCounter()
+    with counter:
+        torch.ops.harness_test_ns.all_reduce(torch.ones(4))
+    assert dict(counter.counts) == {}

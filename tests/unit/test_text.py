@@ -39,3 +39,10 @@ def test_degrees_label_names_the_degrees_above_one():
     assert degrees_label({"dp_replicate": 1, "dp_shard": 4, "pp": 1, "tp": 2}) == "dp_shard=4 x tp=2"
     assert degrees_label({"dp_shard": 1}) == "1 device"
     assert degrees_label(None) == "1 device"
+
+
+def test_degrees_label_marks_sequence_parallel_on_tp_only():
+    # sp is a flag on tp's degree, never a degree of its own, whatever its value
+    assert degrees_label({"dp_shard": 2, "tp": 2, "sp": 2}) == "dp_shard=2 x tp=2 (sp)"
+    assert degrees_label({"cp": 2, "tp": 1, "sp": 1}) == "cp=2"
+    assert degrees_label({"tp": 2, "sp": 0}) == "tp=2"
