@@ -309,3 +309,29 @@ def test_samples_are_scaled_before_judging() -> None:
     r = cmp._judge_pair(rec("a", "f", [0.5] * 5), rec("a", "f", [0.5] * 5), OPTS, (NO_NORMALISER, Normaliser(0.5)))
     assert (r.base_median, r.cand_median, r.ratio) == (2000.0, 1000.0, 0.5)
     assert np.isclose(r.ci_low, 0.5) and np.isclose(r.ci_high, 0.5)
+
+
+def test_normaliser_spreads_widen_the_ci_by_both_factors_and_fill_the_row() -> None:
+    """By hand: equal constant samples give ratio 1 and a bootstrap CI of [1, 1]; normalisers known within 10% and
+    20% widen it by 1.1 x 1.2 = 1.32 to [1/1.32, 1.32], and the row says each side's spread in %."""
+    base, cand = rec("a", "fa", [0.5] * 5), rec("a", "fa", [0.5] * 5)
+    norms = (Normaliser(2.0, factor=1.1), Normaliser(2.0, factor=1.2))
+    result = cmp._judge_pair(base, cand, OPTS, norms)
+    assert (result.ci_low, result.ci_high) == (pytest.approx(1 / 1.32), pytest.approx(1.32))
+    row = cmp._row("a", result, norms)
+    assert (row["base_normaliser_spread_pct"], row["cand_normaliser_spread_pct"]) == (pytest.approx(10.0),
+                                                                                      pytest.approx(20.0))
+    plain = cmp._row("a", result)  # no normaliser: NaN, not None, in every normaliser column
+    assert all(math.isnan(plain[k]) for k in ("base_normaliser_s", "cand_normaliser_s", "base_normaliser_spread_pct",
+                                              "cand_normaliser_spread_pct"))
+
+
+def test_a_spread_on_either_side_alone_shows_the_spread_column() -> None:
+    base, cand = _scenario()
+    df = cmp.compare(base, cand, OPTS)
+    only_base = df.assign(base_normaliser_spread_pct=3.0)
+    cells = _cells(cmp.format_table(only_base))
+    assert cells[0][8] == "normaliser spread % base/cand" and cells[1][8] == "3.0/n/a"
+    only_cand = df.assign(cand_normaliser_spread_pct=4.0)
+    cells = _cells(cmp.format_table(only_cand))
+    assert cells[0][8] == "normaliser spread % base/cand" and cells[1][8] == "n/a/4.0"

@@ -241,7 +241,7 @@ def test_the_export_runs_nsys_once_with_its_arguments_and_reuses_the_file(tmp_pa
 
 def test_a_failed_export_says_its_exit_and_last_line(tmp_path: Path, monkeypatch) -> None:
     report = tmp_path / "c.nsys-rep"
-    monkeypatch.setattr(nsys_reports.subprocess, "run", _Run(returncode=3, stderr="reading\nimporter crashed\n"))
+    monkeypatch.setattr(nsys_reports.subprocess, "run", _Run(returncode=3, stderr="reading\nimporting\nimporter crashed\n"))
     with pytest.raises(RuntimeError, match=f"^nsys export of {report} failed \\(exit 3\\): importer crashed$"):
         nsys_reports.export_sqlite("nsys", report, timeout_s=1.0)
     # exit 0 but no file written: the last line of stdout when stderr is empty, "no output" when both are
