@@ -101,3 +101,43 @@ def test_the_op_policy_keeps_the_whole_input_under_tp_without_sequence_parallel(
     assert not dims.sequence_parallel
     c = CellShape(size=get_size("tiny"), dims=dims, strategy="tp", precision="fp32", global_batch=4, recompute="op")
     assert op_token_bytes(c) == 128 * 4 + (64 + 64 + 256) * 4 + 64 * 4 + 2 * 4
+
+
+def test_a_blocks_matmuls_with_experts_over_ep_and_shared_experts_by_hand():
+    """moe mini with experts 96 wide and 2 shared: d 256, q 256 (8 heads of 32), k and v 128 (4 KV heads); the router
+    over 8 experts replicated; under ep 2 a rank holds 4 experts, each fed k ep / E = 2 x 2 / 8 = 0.5 rows per token;
+    the shared experts one SwiGLU 2 x 96 = 192 wide on every token."""
+    from dataclasses import replace
+
+    from harness.model.block_ops import Matmul, block_matmuls
+
+    base = get_size("mini", "moe")
+    size = replace(base, moe=replace(base.moe, d_ff=96, n_shared=2))
+    expected = [Matmul("q", 256, 256, 1, "column"), Matmul("k", 256, 128, 1, "column"),
+                Matmul("v", 256, 128, 1, "column"), Matmul("out", 256, 256, 1, "row"),
+                Matmul("router", 256, 8, 1, "replicated")]
+    for e in range(4):
+        expected += [Matmul(f"expert{e}.gate", 256, 96, 0.5, "column"), Matmul(f"expert{e}.up", 256, 96, 0.5, "column"),
+                     Matmul(f"expert{e}.proj", 96, 256, 0.5, "row")]
+    expected += [Matmul("shared.gate", 256, 192, 1, "column"), Matmul("shared.up", 256, 192, 1, "column"),
+                 Matmul("shared.proj", 192, 256, 1, "row")]
+    assert block_matmuls(size, ep=2) == expected
+    # dense: gpt2's fc and proj (MLP 512), llama3's gate, up and proj (SwiGLU 352)
+    assert block_matmuls(get_size("tiny"))[4:] == [Matmul("fc", 128, 512, 1, "column"), Matmul("proj", 512, 128, 1, "row")]
+    assert block_matmuls(get_size("tiny", "llama3"))[4:] == [
+        Matmul("gate", 128, 352, 1, "column"), Matmul("up", 128, 352, 1, "column"), Matmul("proj", 352, 128, 1, "row")]
+
+
+def test_a_split_backward_holds_each_linears_output_gradient_and_the_heads_on_the_last_stage():
+    """gpt2 tiny under pp 2 x tp 2, 4 microbatches of 2 sequences of 128 tokens, fp32: each linear's output gradient
+    per token (q, k, v, out 128 each, fc 512, proj 128: 1,152 wide, over tp 2) for each of the stage's 2 layers, and on
+    the last stage the logits' gradient (256 tokens x vocab 256 x fp32, over tp 2)."""
+    from harness.model.memory import _weight_grad_inputs
+
+    layout, _ = resolve_cell("pp+fsdp+tp", 4, {"pp": 2, "tp": 2, "dp_shard": 1}, get_size("tiny"), "fp32",
+                             pp_schedule="zb", microbatches=4, grad_accum=1, global_batch=8)
+    c = CellShape(size=get_size("tiny"), dims=layout.dims, strategy="pp+fsdp+tp", precision="fp32", global_batch=8,
+                  microbatches=4, pp_schedule="zb")
+    tokens = 2 * 128
+    assert _weight_grad_inputs(c, [0, 1], last_stage=False) == tokens * 1152 // 2 * 4 * 2
+    assert _weight_grad_inputs(c, [2, 3], last_stage=True) == tokens * 1152 // 2 * 4 * 2 + tokens * 256 * 4 // 2
