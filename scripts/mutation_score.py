@@ -42,7 +42,7 @@ def changed_line(functions: dict[str, str], mutant: str) -> str:
     return " / ".join(p for p in plus if not p.startswith(("def ", "async def ")))
 
 
-def survivors(root: Path, metas: list[Path]) -> None:
+def survivors(metas: list[Path]) -> None:
     for meta in metas:
         codes = json.loads(meta.read_text())["exit_code_by_key"]
         left = sorted(k for k, code in codes.items() if code is not None and STATUS.get(code) in ("survived", "no tests"))
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         print(f"no mutmut results under {root}/; run `make mutate` first", file=sys.stderr)
         return 2
     if listing:
-        survivors(root, metas)
+        survivors(metas)
         return 0
     total: Counter[str] = Counter()
     print(f"{'module':<32} {'killed':>7} {'survived':>9} {'no tests':>9} {'score':>7}")
