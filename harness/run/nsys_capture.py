@@ -31,6 +31,11 @@ REPORT_WAIT_S = 30.0
 agent's quiet stretches here lasted a few seconds; a hung one stayed quiet (and at a full core) for
 good (docs/nsys.md, "A hung capture")."""
 
+CAPTURE_ATTEMPTS = 3
+"""Captures of one cell at most, on one node: the first and, while each ends hung, up to two more. A retry
+right after a hung capture hung again in 7 of 11 captures beside a busy loop here and once on an idle CI
+machine (docs/nsys.md): one retry left that to chance, each further one costs a capture (seconds on CPU)."""
+
 
 @dataclass(frozen=True)
 class NsysTool:
@@ -158,18 +163,20 @@ def captured_job(tool: NsysTool, job: Callable[[Attempt], Outcome], cell: Planne
     Whatever ends the job (its end, a failure, Ctrl-C, SIGTERM), the session's processes are ended
     before this returns or raises (:func:`harness.measure.nsys.end_sessions`). A capture that has not
     made progress for ``tool.report_wait_s`` once rank 0 was done (:class:`ReportWait`) is ended and, on one node, taken
-    once more in ``cell_dir/nsys-retry`` (the cell's outcome stays the first run's; only the trace is
-    redone); a second hang is the capture's problem line, never the cell's timeout."""
+    once more in ``cell_dir/nsys-retry`` (then ``nsys-retry2``, up to :data:`CAPTURE_ATTEMPTS` captures; the cell's
+    outcome stays the first run's, only the trace is redone); a last hang is the capture's problem line, never the
+    cell's timeout."""
     cfg = cell.config
     assert cfg is not None, f"valid cell {cell.cell_id} has no config"
     report = nsys_cmd.report_path(cell_dir / "nsys", cell.cell_id, cfg.nnodes, node_rank)
     outcome, first = _attempt(tool, job, cell_dir, report, device_kind)
     attempts, last = [first], outcome
-    if first["hung"] and outcome.status == "ok" and cfg.nnodes == 1:
+    while attempts[-1]["hung"] and last.status == "ok" and cfg.nnodes == 1 and len(attempts) < CAPTURE_ATTEMPTS:
         _say(f"{cell.cell_id}: nsys made no progress on its report for {tool.report_wait_s:g} s after rank 0 was done "
              f"(a hung capture, docs/nsys.md); ended it and capturing once more (the measurement is the first run's)")
-        retry = report.with_name(report.name.removesuffix(".nsys-rep") + ".retry.nsys-rep")
-        last, again = _attempt(tool, job, cell_dir / "nsys-retry", retry, device_kind)
+        suffix = "retry" if len(attempts) == 1 else f"retry{len(attempts)}"  # nsys-retry, nsys-retry2, ...
+        retry = report.with_name(report.name.removesuffix(".nsys-rep") + f".{suffix}.nsys-rep")
+        last, again = _attempt(tool, job, cell_dir / f"nsys-{suffix}", retry, device_kind)
         attempts.append(again)
     report = Path(attempts[-1]["report"])
     ranks = _local_ranks(cell, node_rank)

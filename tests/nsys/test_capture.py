@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def test_trace_records_every_measured_step_of_every_rank(traced) -> None:
 def test_the_record_agrees_with_nsys_stats(traced) -> None:
     _, rec, _ = traced
     report = Path(rec["metrics"]["nsys"]["report"])
-    assert report.name in (f"{CELL}.nsys-rep", f"{CELL}.retry.nsys-rep") and report.is_file()
+    assert re.fullmatch(rf"{CELL}(\.retry\d*)?\.nsys-rep", report.name) and report.is_file()
     counts = _stats_instances(report)
     ranks = len(rec["metrics"]["nsys"]["ranks"])
     # The capture starts at the measured window: nsys itself counts exactly the measured steps per rank.
@@ -180,17 +181,20 @@ def test_a_hung_capture_is_ended_after_the_wait_and_captured_once_more(tmp_path:
     rec = _cell_record(out)
     nsys = rec["metrics"]["nsys"]
     assert rec["status"] == "ok" and nsys["problem"] is None, nsys
-    first, second = nsys["attempts"]
+    first, *retries = nsys["attempts"]
     assert first["hung"]
     assert wait_s <= first["report_wait_s"] < 60, first  # ended after the wait, long before the 120 s cell timeout
-    assert not second["hung"] and nsys["report"] == second["report"]
-    assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + second["wall_s"])
+    # nsys 2022.4 may hang a retry by itself too (docs/nsys.md): each is ended and taken once more, the last healthy
+    assert [a["hung"] for a in retries] == [True] * (len(retries) - 1) + [False], nsys["attempts"]
+    assert nsys["report"] == retries[-1]["report"]
+    assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + sum(a["wall_s"] for a in retries))
     assert [(r["windows"], r["steps_in_window"]) for r in nsys["ranks"]] == [(1, STEPS), (1, STEPS)]
     assert "capturing once more" in stderr and "was done, captured once more" in stdout
     # the cell's measurement is the first run's, never the retry's
     first_result = json.loads((out / "cells" / CELL / "result.json").read_text())
     assert rec["samples"]["step_time_s"] == first_result["samples"]["step_time_s"]
-    retry_result = json.loads((out / "cells" / CELL / "nsys-retry" / "result.json").read_text())
+    retry_dir = "nsys-retry" if len(retries) == 1 else f"nsys-retry{len(retries)}"
+    retry_result = json.loads((out / "cells" / CELL / retry_dir / "result.json").read_text())
     assert retry_result["samples"]["step_time_s"] != first_result["samples"]["step_time_s"]
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in stopped)
     assert _nsys_processes() == []

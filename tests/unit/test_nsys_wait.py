@@ -1,4 +1,4 @@
-"""The bounded wait after a capture's ranks are done, and the one retry of a hung capture (issue 47).
+"""The bounded wait after a capture's ranks are done, and the retries of a hung capture (issue 47).
 
 No nsys here: a stand-in "rank" is a sleeping process whose command line and environment look like a
 captured rank's (``harness.run.worker`` with ``HARNESS_NSYS_TAG``), and the capture's job is a function
@@ -191,15 +191,43 @@ def test_a_hung_capture_is_taken_once_more_and_the_cell_keeps_its_first_measurem
     assert nsys["problem"].startswith("nsys wrote no ") and ".retry.nsys-rep" in nsys["problem"]
 
 
-def test_a_second_hang_is_the_captures_problem_not_the_cells_timeout(tmp_path, tool):
-    outcome, nsys = captured_job(tool, _Capture(hangs=2), _planned(), tmp_path, "cpu")
-    assert outcome.status == "ok"
-    assert [a["hung"] for a in nsys["attempts"]] == [True, True]
-    first, second = nsys["attempts"]
-    assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + second["wall_s"])  # the retry's wait once
-    assert nsys["problem"].startswith("nsys made no progress on ") and "in 2 attempt(s)" in nsys["problem"]
+def test_a_hung_retry_is_taken_once_more_in_its_own_folder(tmp_path, tool, monkeypatch):
+    monkeypatch.setattr(nsys_capture, "read_capture", lambda nsys, report: {})
+    job = _Capture(hangs=2)
+    outcome, nsys = captured_job(tool, job, _planned(), tmp_path, "cpu")
+    assert outcome.result == {"attempt": 1}
+    assert [a.where for a in job.attempts] == [tmp_path, tmp_path / "nsys-retry", tmp_path / "nsys-retry2"]
+    assert len({a.env[TAG_ENV] for a in job.attempts}) == 3, "each capture its own nsys session"
+    first, second, third = nsys["attempts"]
+    assert [first["hung"], second["hung"], third["hung"]] == [True, True, False]
+    assert second["report"].endswith(".retry.nsys-rep") and nsys["report"] == third["report"]
+    assert third["report"].endswith(f"{_planned().cell_id}.retry2.nsys-rep")
+    assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + second["wall_s"] + third["wall_s"])
+    assert ".retry2.nsys-rep" in nsys["problem"] and "no progress" not in nsys["problem"]
+
+
+def test_a_last_hang_is_the_captures_problem_not_the_cells_timeout(tmp_path, tool):
+    job = _Capture(hangs=nsys_capture.CAPTURE_ATTEMPTS + 1)
+    outcome, nsys = captured_job(tool, job, _planned(), tmp_path, "cpu")
+    assert outcome.status == "ok" and len(job.attempts) == nsys_capture.CAPTURE_ATTEMPTS == 3
+    assert [a["hung"] for a in nsys["attempts"]] == [True, True, True]
+    first, *retries = nsys["attempts"]
+    # the first capture's wait, then each retry whole (its own wait included)
+    assert nsys["seconds_lost"] == pytest.approx(first["report_wait_s"] + sum(a["wall_s"] for a in retries))
+    assert nsys["problem"].startswith("nsys made no progress on ") and "in 3 attempt(s)" in nsys["problem"]
     assert f"for {LIMIT_S:g} s after rank 0 was done" in nsys["problem"]
     assert nsys["ranks"] == [{"rank": 0, "ranges": 0}, {"rank": 1, "ranges": 0}]
+
+
+def test_no_retry_after_a_retry_that_failed(tmp_path, tool):
+    class _FailsOnRetry(_Capture):
+        def __call__(self, attempt: Attempt) -> Outcome:
+            out = super().__call__(attempt)
+            return out if len(self.attempts) == 1 else Outcome("crashed", "rank 1 died", out.result, 1, 1.0)
+
+    outcome, nsys = captured_job(tool, _FailsOnRetry(hangs=3), _planned(), tmp_path, "cpu")
+    assert outcome.status == "ok" and [a["hung"] for a in nsys["attempts"]] == [True, True]
+    assert "in 2 attempt(s)" in nsys["problem"]
 
 
 @pytest.mark.parametrize("status,nnodes", [("crashed", 1), ("ok", 2)])
