@@ -180,7 +180,10 @@ def test_a_machine_that_slowed_mid_run_is_normalised_per_cell() -> None:
         for i in range(6)]
     assert old_verdicts(base, cand, CALIBRATED) == {stats.PASS, stats.REGRESSION}  # the run median cannot see it
     df = cmp.compare(base, cand, CALIBRATED)
-    assert verdicts(df) == {stats.PASS}, df[["cell_id", "verdict", "reason"]].values.tolist()
+    # never a REGRESSION; not a PASS either: the candidate's normaliser spread (100%) widens every CI past
+    # the 25% threshold, so a slowdown beyond it is not ruled out, and the reason says why
+    assert verdicts(df) == {stats.INCONCLUSIVE}, df[["cell_id", "verdict", "reason"]].values.tolist()
+    assert all("reaches below 0.750" in r and "machine not steady" in r for r in df["reason"])
     assert df["cand_normaliser_s"].tolist() == [0.001] * 3 + [0.002] * 3
     assert (df["ratio"].between(0.95, 1.05)).all()
 

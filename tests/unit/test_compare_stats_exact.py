@@ -71,7 +71,17 @@ def test_mannwhitney_is_one_sided_cand_smaller() -> None:
 
 @pytest.mark.parametrize("args, verdict, reason", [
     # ratio exactly at 1 - threshold is not slower "beyond" it
-    ((0.95, 0.9, 0.97, 0.01), "PASS", "within +/-5% (ratio 0.950, CI [0.900, 0.970])"),
+    ((0.95, 0.95, 0.97, 0.01), "PASS", "within +/-5% (ratio 0.950, CI [0.950, 0.970])"),
+    # within the threshold, but the CI's low end is not: a slowdown beyond it not ruled out (either side of 1)
+    ((0.95, 0.9, 0.97, 0.01), "INCONCLUSIVE",
+     "ratio 0.950 but CI [0.900, 0.970] reaches below 0.950: a slowdown of up to 10.0% is not ruled out; "
+     "rerun with more steps"),
+    ((1.2, 0.7, 1.5, 0.9), "INCONCLUSIVE",
+     "ratio 1.200 but CI [0.700, 1.500] reaches below 0.950: a slowdown of up to 30.0% is not ruled out; "
+     "rerun with more steps"),
+    ((0.963, 0.605, 1.107, 0.21), "INCONCLUSIVE",
+     "ratio 0.963 but CI [0.605, 1.107] reaches below 0.950: a slowdown of up to 39.5% is not ruled out; "
+     "rerun with more steps"),
     ((0.94, 0.9, 1.0, 0.01), "INCONCLUSIVE", "slower by 6.0% but CI [0.900, 1.000] crosses 1; rerun with more steps"),
     ((0.94, 0.9, 0.99, 0.05), "INCONCLUSIVE", "slower by 6.0% but MWU p=0.05 >= alpha 0.05; rerun with more steps"),
     ((0.94, 0.9, 0.99, 0.0499), "REGRESSION", "slower by 6.0% (CI [0.900, 0.990], MWU p=0.05)"),
