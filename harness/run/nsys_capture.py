@@ -196,7 +196,7 @@ def captured_job(tool: NsysTool, job: Callable[[Attempt], Outcome], cell: Planne
     if problem is None and last.status == "ok":
         problem = capture_problem(captures, ranks, cfg.steps)
     elif problem is None and last is not outcome:
-        problem = f"the capture's second run ended {last.status}: {first_line(last.error or '')}"
+        problem = f"the capture's attempt {len(attempts)} (a retry) ended {last.status}: {first_line(last.error or '')}"
     return outcome, {
         "tool": tool.version, "report": str(report), "measured_steps": cfg.steps,
         "ranks": [captures[r].as_dict() if r in captures else {"rank": r, "ranges": 0} for r in ranks],

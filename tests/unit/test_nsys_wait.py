@@ -219,7 +219,7 @@ def test_a_last_hang_is_the_captures_problem_not_the_cells_timeout(tmp_path, too
     assert nsys["ranks"] == [{"rank": 0, "ranges": 0}, {"rank": 1, "ranges": 0}]
 
 
-def test_no_retry_after_a_retry_that_failed(tmp_path, tool):
+def test_no_retry_after_a_retry_that_failed(tmp_path, tool, monkeypatch):
     class _FailsOnRetry(_Capture):
         def __call__(self, attempt: Attempt) -> Outcome:
             out = super().__call__(attempt)
@@ -228,6 +228,14 @@ def test_no_retry_after_a_retry_that_failed(tmp_path, tool):
     outcome, nsys = captured_job(tool, _FailsOnRetry(hangs=3), _planned(), tmp_path, "cpu")
     assert outcome.status == "ok" and [a["hung"] for a in nsys["attempts"]] == [True, True]
     assert "in 2 attempt(s)" in nsys["problem"]
+    # a retry that ended without hanging but failed: the trace's problem names it, the cell keeps its first run
+    monkeypatch.setattr(nsys_capture, "read_capture", lambda nsys, report: {})
+    report = tmp_path / "b" / "nsys" / f"{_planned().cell_id}.retry.nsys-rep"
+    report.parent.mkdir(parents=True)
+    report.write_bytes(b"")  # as if nsys had written the retry's report
+    outcome, nsys = captured_job(tool, _FailsOnRetry(hangs=1), _planned(), tmp_path / "b", "cpu")
+    assert outcome.status == "ok" and [a["hung"] for a in nsys["attempts"]] == [True, False]
+    assert nsys["problem"] == "the capture's attempt 2 (a retry) ended crashed: rank 1 died"
 
 
 @pytest.mark.parametrize("status,nnodes", [("crashed", 1), ("ok", 2)])
