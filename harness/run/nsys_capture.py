@@ -152,6 +152,12 @@ def _attempt(tool: NsysTool, job: Callable[[Attempt], Outcome], where: Path, rep
                      "wall_s": round(end - t0, 2), "processes_ended_after": len(leftover), "cleared": cleared}
 
 
+def retry_suffix(attempt: int) -> str:
+    """The name part of capture ``attempt`` (2, 3, ...): its folder ``nsys-<suffix>`` and report ``<id>.<suffix>.nsys-rep``
+    (``retry``, ``retry2``, ...: the first retry keeps its name from before there were more)."""
+    return "retry" if attempt == 2 else f"retry{attempt - 1}"
+
+
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -174,7 +180,7 @@ def captured_job(tool: NsysTool, job: Callable[[Attempt], Outcome], cell: Planne
     while attempts[-1]["hung"] and last.status == "ok" and cfg.nnodes == 1 and len(attempts) < CAPTURE_ATTEMPTS:
         _say(f"{cell.cell_id}: nsys made no progress on its report for {tool.report_wait_s:g} s after rank 0 was done "
              f"(a hung capture, docs/nsys.md); ended it and capturing once more (the measurement is the first run's)")
-        suffix = "retry" if len(attempts) == 1 else f"retry{len(attempts)}"  # nsys-retry, nsys-retry2, ...
+        suffix = retry_suffix(len(attempts) + 1)
         retry = report.with_name(report.name.removesuffix(".nsys-rep") + f".{suffix}.nsys-rep")
         last, again = _attempt(tool, job, cell_dir / f"nsys-{suffix}", retry, device_kind)
         attempts.append(again)

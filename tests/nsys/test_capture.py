@@ -24,6 +24,7 @@ import pytest
 
 from harness.measure.nsys import NO_NSYS, SESSION_PREFIX, nsys_available
 from harness.measure.nsys_reports import stats_report_names
+from harness.run.nsys_capture import retry_suffix
 
 pytestmark = [pytest.mark.nsys, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
@@ -193,8 +194,8 @@ def test_a_hung_capture_is_ended_after_the_wait_and_captured_once_more(tmp_path:
     # the cell's measurement is the first run's, never the retry's
     first_result = json.loads((out / "cells" / CELL / "result.json").read_text())
     assert rec["samples"]["step_time_s"] == first_result["samples"]["step_time_s"]
-    retry_dir = "nsys-retry" if len(retries) == 1 else f"nsys-retry{len(retries)}"
-    retry_result = json.loads((out / "cells" / CELL / retry_dir / "result.json").read_text())
+    retry_dir = out / "cells" / CELL / f"nsys-{retry_suffix(len(nsys['attempts']))}"
+    retry_result = json.loads((retry_dir / "result.json").read_text())
     assert retry_result["samples"]["step_time_s"] != first_result["samples"]["step_time_s"]
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in stopped)
     assert _nsys_processes() == []
