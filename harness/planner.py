@@ -32,7 +32,7 @@ from harness.precision import Fp8Options, PrecisionPlan, check_fp8
 from harness.scaling import global_batch, scaled_lr
 from harness.spec import CHECKPOINT_MODES, CellConfig, SweepSpec, cell_id_of
 from harness.units import GIB
-from workloads.sizes import ARCHS, get_size, seq_len_error
+from workloads.sizes import ARCHS, ModelSize, seq_len_error, size_key
 
 
 @dataclass
@@ -62,46 +62,49 @@ class PlannedCell:
         return self.est_mem_gib <= self.capacity_gib
 
 
+def _arch_order(arch: str) -> int:
+    """The built-in families in their order, then the user's own models."""
+    return ARCHS.index(arch) if arch in ARCHS else len(ARCHS)
+
+
 def _order(strategy: str) -> int:
     return STRATEGIES.index(strategy) if strategy in STRATEGIES else len(STRATEGIES)
 
 
 def expand(spec: SweepSpec) -> list[PlannedCell]:
     """Every cell of the matrix, validated, with predictions from the calibration store as it is now."""
-    for arch, name in product(spec.archs, spec.sizes):
-        try:
-            size = get_size(name, arch)
-        except ValueError as e:  # unknown size: a usage error for the whole sweep, before anything runs
-            raise UsageError(f"--sizes: {e}") from None
+    workloads = spec.workloads  # resolved once: each cell is planned from its workload's value
+    for size in workloads:
         if size.device_kind == "plan":
-            raise UsageError(f"--sizes {name}: {arch} {name} ({size.params / 1e9:.1f}B parameters) is for harness plan "
-                             f"and harness fit only; bench a smaller size (harness workloads lists them)")
-    if set(spec.moe_routings) != {"learned"} and "moe" not in spec.archs:
-        raise UsageError(f"--moe-routing {','.join(spec.moe_routings)}: only the moe family routes tokens, and --arch "
-                         f"is {','.join(spec.archs)}; add --arch moe, or drop --moe-routing")
+            raise UsageError(f"--sizes {size.name}: {size.arch} {size.name} ({size.params / 1e9:.1f}B parameters) is "
+                             f"for harness plan and harness fit only; bench a smaller size (harness workloads lists "
+                             f"them)")
+    if set(spec.moe_routings) != {"learned"} and not any(size.moe for size in workloads):
+        raise UsageError(f"--moe-routing {','.join(spec.moe_routings)}: only a mixture of experts routes tokens, and "
+                         f"no workload of the sweep has experts; add --arch moe (or an MoE --model), or drop "
+                         f"--moe-routing")
     strategies = list(spec.strategies)
     added_reference = spec.reference and "single" not in strategies
     if added_reference:
         strategies.insert(0, "single")
     cells: dict[str, PlannedCell] = {}
-    for arch, size, seq, routing, prec, scaling, rule, levers, gpus, strat in product(
-            spec.archs, spec.sizes, spec.seq_lens, spec.moe_routings, spec.precisions, spec.scalings, spec.lr_rules,
+    for size, seq, routing, prec, scaling, rule, levers, gpus, strat in product(
+            workloads, spec.seq_lens, spec.moe_routings, spec.precisions, spec.scalings, spec.lr_rules,
             _levers(spec), spec.gpus, strategies):
-        if arch != "moe" and routing != "learned":  # a dense family has no routing to vary
+        if size.moe is None and routing != "learned":  # a dense model has no routing to vary
             continue
         if prec != "fp8" and (levers["fp8_recipe"] != "tensorwise" or levers["fp8_all_gather"]):
             continue  # the fp8 options vary fp8 cells only
         if levers["pp_schedule"] != spec.pp_schedules[0] and strat not in PP_PRESETS:
             continue  # the schedules vary pipelined cells only
-        for degrees in _degrees_of(spec, strat, gpus * spec.nnodes, get_size(size, arch)):
-            cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus=gpus, levers=levers, arch=arch, seq_len=seq,
-                             routing=routing,
-                             degrees=degrees)
+        for degrees in _degrees_of(spec, strat, gpus * spec.nnodes, size):
+            cell = _plan_one(spec, size, strat, prec, scaling, rule, gpus=gpus, levers=levers, seq_len=seq,
+                             routing=routing, degrees=degrees)
             cell.reference_only = added_reference and strat == "single"
             cells.setdefault(cell.cell_id, cell)  # `single` at several --gpus values is one cell
-    for cell in _fp8_references(spec, cells):
+    for cell in _fp8_references(spec, cells, {size.key: size for size in workloads}):
         cells.setdefault(cell.cell_id, cell)
-    ordered = sorted(cells.values(), key=lambda c: (ARCHS.index(c.raw["arch"]), c.raw["size"], c.raw["seq_len"],
+    ordered = sorted(cells.values(), key=lambda c: (_arch_order(c.raw["arch"]), c.raw["size"], c.raw["seq_len"],
                                                     c.raw["moe_routing"],
                                                     c.raw["precision"], c.raw["scaling"],
                                                     c.raw["lr_rule"], c.raw["world_size"] > 1,
@@ -134,7 +137,7 @@ def _levers(spec: SweepSpec) -> list[dict]:
                                                     spec.checkpoints)]
 
 
-def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell]) -> list[PlannedCell]:
+def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell], sizes: dict[str, ModelSize]) -> list[PlannedCell]:
     """fp8 is checked against bf16 (the same work, its matmuls in bf16): the bf16 single-device cell of each
     fp8 cell's group, planned as a reference when the sweep does not ask for it."""
     if not spec.reference:
@@ -147,33 +150,33 @@ def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell]) -> list[Plan
         r = c.raw
         if r["precision"] != "fp8":
             continue
-        ref = _plan_one(spec, r["size"], "single", "bf16", r["scaling"], r["lr_rule"], gpus=1, levers=plain,
-                        arch=r["arch"], seq_len=r["seq_len"], routing=r["moe_routing"])
+        ref = _plan_one(spec, sizes[size_key(r["arch"], r["size"])], "single", "bf16", r["scaling"], r["lr_rule"], gpus=1,
+                        levers=plain, seq_len=r["seq_len"], routing=r["moe_routing"])
         ref.reference_only = ref.cell_id not in cells
         out.append(ref)
     return out
 
 
-def _plan_one(spec: SweepSpec, size_name: str, strategy: str, precision: str, scaling: str, rule: str, *,
-              gpus: int, levers: dict, arch: str, seq_len: int | None, routing: str = "learned",
+def _plan_one(spec: SweepSpec, size: ModelSize, strategy: str, precision: str, scaling: str, rule: str, *,
+              gpus: int, levers: dict, seq_len: int | None, routing: str = "learned",
               degrees: dict | None = None) -> PlannedCell:
-    """One cell at ``seq_len`` tokens per sequence (None: the size's own), its MoE tokens routed by ``routing``,
-    at ``degrees`` (None: the strategy's preset)."""
-    size = get_size(size_name, arch)
+    """One cell of ``size`` at ``seq_len`` tokens per sequence (None: the size's own), its MoE tokens routed by
+    ``routing``, at ``degrees`` (None: the strategy's preset)."""
     world = world_for(strategy, gpus * spec.nnodes) if strategy == "single" else gpus * spec.nnodes
     seq = seq_len or size.seq_len
     gb = global_batch(scaling, spec.batch, world)
     if spec.batch_auto:  # a placeholder that divides: the sweep's trials find the batch (harness.run.batch_search)
         gb = world * spec.grad_accum * (spec.microbatches or 2 * world)
     base_batch = spec.base_batch or spec.batch
-    raw = dict(size=size_name, strategy=strategy, precision=precision, world_size=world, global_batch=gb,
+    raw = dict(size=size.name, strategy=strategy, precision=precision, world_size=world, global_batch=gb,
                seq_len=seq, steps=spec.steps, warmup=spec.warmup, device_kind=spec.device_kind,
                nnodes=1 if world == 1 else spec.nnodes, grad_accum=spec.grad_accum,
                microbatches=spec.microbatches or 1, scaling=scaling, lr_rule=rule,
                base_lr=spec.base_lr, base_batch=base_batch, lr=scaled_lr(rule, spec.base_lr, base_batch, gb),
                lr_warmup_steps=spec.lr_warmup_steps, seed=spec.seed, target_loss=spec.target_loss,
                nvtx=spec.nvtx, monitor_hz=spec.monitor_hz, profile=spec.profile, mem_cap_gib=spec.mem_cap_gib,
-               degrees=degrees, batch_auto=spec.batch_auto, arch=arch,
+               degrees=degrees, batch_auto=spec.batch_auto, arch=size.arch,
+               model=size.origin.as_dict() if size.origin is not None else None,
                moe_routing=routing, fp8_emulate=precision == "fp8" and (spec.device_kind == "cpu" or spec.fp8_emulate),
                **levers, **spec.extra)
     try:

@@ -21,6 +21,7 @@ from harness.parallel.schedules import PP_SCHEDULES
 from harness.precision import FP8_RECIPES, PRECISIONS, Fp8Options, PrecisionPlan
 from harness.scaling import LR_RULES, SCALINGS
 from workloads.moe import ROUTINGS
+from workloads.resolve import OWN_ARCHS, config_workload, workload_of
 from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, size_key, size_label
 
 
@@ -28,7 +29,7 @@ def _default_seq_len(c: dict) -> int | None:
     """The size's own sequence length (raw dicts from before the arch axis are gpt2); None for an
     unknown size or family, whose id then carries no sequence part."""
     try:
-        return get_size(c["size"], c.get("arch") or DEFAULT_ARCH).seq_len
+        return config_workload(c).seq_len
     except (KeyError, ValueError):
         return None
 
@@ -144,7 +145,12 @@ class CellConfig:
     """``--batch auto``: the sweep searches the largest batch per rank that fits (:mod:`harness.run.batch_search`)
     and runs the cell at it; ``global_batch`` is then the batch found."""
     arch: str = DEFAULT_ARCH
-    """Architecture family (:mod:`workloads.sizes`): ``gpt2``, ``llama3`` or ``moe``."""
+    """Architecture family (:mod:`workloads.sizes`): ``gpt2``, ``llama3`` or ``moe``; ``config`` for a model read from
+    a ``config.json`` (``model`` holds it)."""
+    model: dict | None = None
+    """A config model's source (:meth:`workloads.architecture.ModelOrigin.as_dict`: its name, digest, the shrink it
+    runs under, notes and the config's content): what rebuilds the workload without the file. None for a built-in
+    size."""
     moe_routing: str = "learned"
     """An MoE's routing (:mod:`workloads.moe`): ``learned`` (top-k of the router's scores) or ``balanced``
     (a round robin: every expert gets the same load, the best case)."""
@@ -179,7 +185,7 @@ class CellConfig:
             (self.lr_rule, LR_RULES, "LR rule"),
             (self.device_kind, ("cpu", "cuda"), "device kind"),
             (self.optimizer, OPTIMIZERS, "optimizer"),
-            (self.arch, ARCHS, "architecture"),
+            (self.arch, ARCHS + OWN_ARCHS, "architecture"),
             (self.moe_routing, ROUTINGS, "MoE routing"),
             (self.fp8_recipe, FP8_RECIPES, "fp8 recipe"),
             (self.checkpoint, CHECKPOINT_MODES, "checkpoint mode"),
@@ -197,9 +203,11 @@ class CellConfig:
         if self.checkpoint_keep and self.checkpoint == "off":
             raise UsageError("checkpoint_keep keeps the saves of a cell that checkpoints, and this one has checkpoint "
                              "off: add --checkpoint sync or async, or drop --checkpoint-keep")
-        if self.moe_routing != "learned" and self.arch != "moe":
-            raise UsageError(f"moe_routing {self.moe_routing!r} routes an MoE's tokens, and arch {self.arch} has no "
-                             f"experts: use --arch moe, or drop --moe-routing")
+        if self.arch in OWN_ARCHS and self.model is None:
+            raise UsageError(f"arch {self.arch} needs the model it names (the cell config's model); give --model")
+        if self.moe_routing != "learned" and self.workload.moe is None:
+            raise UsageError(f"moe_routing {self.moe_routing!r} routes an MoE's tokens, and {self.size} has no "
+                             f"experts: use --arch moe or an MoE --model, or drop --moe-routing")
         if self.precision != "fp8" and (self.fp8_recipe != "tensorwise" or self.fp8_all_gather or self.fp8_emulate):
             raise UsageError(f"fp8 options (recipe {self.fp8_recipe}, all-gather {self.fp8_all_gather}, emulate "
                              f"{self.fp8_emulate}) need precision fp8, and this cell is {self.precision}")
@@ -219,9 +227,14 @@ class CellConfig:
         return resolve(self.strategy, self.world_size, self.degrees, self.sequence_parallel)
 
     @property
+    def workload(self) -> ModelSize:
+        """The workload this cell names (:func:`workloads.resolve.workload_of`), at its own sequence length."""
+        return workload_of(self.size, self.arch, self.model)
+
+    @property
     def model_size(self) -> ModelSize:
         """The workload at this cell's sequence length."""
-        return replace(get_size(self.size, self.arch), seq_len=self.seq_len)
+        return replace(self.workload, seq_len=self.seq_len)
 
     @property
     def workload_key(self) -> str:
@@ -235,6 +248,8 @@ class CellConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["profile_ranks"] = list(self.profile_ranks)
+        if d["model"] is None:  # a built-in size's record keeps the config it always had
+            del d["model"]
         return d
 
     @classmethod
@@ -322,6 +337,20 @@ class SweepSpec:
     force: bool = False
     """Run cells the model predicts will not fit in a rank's memory (they are invalid otherwise)."""
     extra: dict = field(default_factory=dict)
+    models: tuple[ModelSize, ...] = ()
+    """``--model``: the user's own models, resolved where the sweep is read; when given, ``sizes`` and ``archs``
+    are not swept."""
+
+    @property
+    def workloads(self) -> tuple[ModelSize, ...]:
+        """Every workload of the sweep, as values: the ``--model`` ones, or each family's named sizes (one lookup,
+        here; UsageError naming an unknown size and the family's names)."""
+        if self.models:
+            return self.models
+        try:
+            return tuple(get_size(name, arch) for arch in self.archs for name in self.sizes)
+        except ValueError as e:
+            raise UsageError(f"--sizes: {e}") from None
 
 
 def default_device_kind() -> str:

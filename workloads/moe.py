@@ -1,7 +1,8 @@
 """The mixture-of-experts layer of the ``moe`` family (:class:`workloads.sizes.MoESpec`).
 
-* **Router**: token choice. Softmax over the E experts' scores; each token picks its top k and
-  weights their outputs by its scores renormalised over the k. ``routing = "balanced"`` replaces
+* **Router**: token choice. Softmax over the E experts' scores (or each expert's sigmoid: DeepSeek-V3); each token
+  picks its top k (DeepSeek-V3: within its ``topk_group`` best groups of experts) and weights their outputs by its
+  scores, renormalised over the k where the architecture does (``norm_topk``), times ``routed_scale``. ``routing = "balanced"`` replaces
   the choice by a round robin over positions (token at position s, slot j: expert ``(s k + j) mod E``),
   the forced balance Megatron-Bridge uses for its published MoE rows: best-case throughput, with
   the same renormalised weights. Under ``bias`` balancing (DeepSeek-V3) a per-expert bias, a
@@ -30,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workloads.architecture import MoESpec
 from workloads.layers import SwiGLU, positions_of
-from workloads.sizes import MoESpec
 
 ROUTINGS = ("learned", "balanced")
 WIDTH_DIM = {"gate": 1, "up": 1, "proj": 2}
@@ -51,26 +52,44 @@ class Router(nn.Module):
         """Tokens routed to each expert since the last :meth:`take_load` (this rank's)."""
         self.routing = "learned"
         self.bias_rate = spec.bias_rate if spec.balancing == "bias" else 0.0
+        self.scoring, self.norm_topk, self.routed_scale = spec.score, spec.norm_topk, spec.routed_scale
+        self.n_group, self.topk_group = spec.n_group, spec.topk_group
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """``x`` (N, d), ``positions`` (N,; balanced routing only): the chosen experts (N, k), their weights (N, k) in x's dtype,
         every expert's scores (N, E) in fp32 and the tokens each expert got (E,)."""
-        probs = self.score(x).float().softmax(dim=-1)
+        logits = self.score(x).float()
+        probs = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
         if self.routing == "balanced":
             assert positions is not None, "balanced routing needs the tokens' positions"
             slots = positions.unsqueeze(-1) * self.top_k + torch.arange(self.top_k, device=x.device)
             choice = slots % self.n_experts
         else:
             with torch.no_grad():
-                choice = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices
+                choice = self._top_k(probs + self.expert_bias)
         weights = probs.gather(-1, choice)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         flat_choice = choice.flatten()  # a scatter, not bincount: its shape does not depend on the values
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat_choice, torch.ones_like(flat_choice))
         with torch.no_grad():
             self.load += counts.to(self.load.dtype)
         return choice, weights.to(x.dtype), probs, counts
+
+    def _top_k(self, scores: torch.Tensor) -> torch.Tensor:
+        """The k best experts of each token's ``scores`` (N, E); under group-limited routing (DeepSeek-V3) among the
+        ``topk_group`` groups whose two best scores sum highest, the other groups' experts masked out."""
+        if self.n_group == 1:
+            return scores.topk(self.top_k, dim=-1).indices
+        grouped = scores.view(scores.shape[0], self.n_group, -1)  # (N, G, E / G)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (N, G)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+        masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
+        return masked.topk(self.top_k, dim=-1).indices
 
     def take_load(self) -> torch.Tensor:
         """The tokens per expert counted since the last call; the count restarts."""

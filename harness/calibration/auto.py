@@ -28,6 +28,7 @@ from harness.errors import UsageError
 from harness.jobs import run_job
 from harness.precision import PrecisionPlan
 from harness.spec import SweepSpec
+from workloads.sizes import ModelSize
 
 CHILD_TIMEOUT_S = 3600.0
 
@@ -64,8 +65,8 @@ def _again(kind: str, label: str, stored: dict | None, why: str) -> list[str]:
     return ["--force", kind]
 
 
-def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]], set[tuple[str, int, str, int, int, bool]],
-                                                 set[int]]:
+def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]],
+                                                 set[tuple[ModelSize, int, str, int, int, bool]], set[int]]:
     """What the cells to run need: matmul (dtype, threads); workload (size, seq, dtype, threads,
     ranks at once, compiled); comm rank counts. Only valid cells count: a ``--gpus 3`` sweep with no valid
     3-rank cell calibrates no 3-rank collectives."""
@@ -78,7 +79,7 @@ def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]], set[tuple
         if dtype not in matmul.DTYPES:  # fp8: no calibration yet; its prediction and calibrated MFU say n/a
             continue
         matmuls.add((dtype, threads))
-        workloads.add((cfg.workload_key, cfg.seq_len, dtype, threads, local_world if spec.device_kind == "cpu" else 1,
+        workloads.add((cfg.workload, cfg.seq_len, dtype, threads, local_world if spec.device_kind == "cpu" else 1,
                        cfg.compile))
         if local_world >= 2:
             comms.update({local_world, 2})  # 2 ranks: the group size of every hybrid's inner dimensions
@@ -102,22 +103,24 @@ def _matmul(spec: SweepSpec, matmuls: set[tuple[str, int]], force: bool = False)
         _say(f"calibrated {spec.device_kind} {dt} threads={th}: {hit['tflops']:.4g} TFLOP/s matmul peak")
 
 
-def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int, bool]], force: bool = False) -> None:
-    for name, seq, dt, th, k, compiled in sorted(workloads):
+def _workloads(spec: SweepSpec, workloads: set[tuple[ModelSize, int, str, int, int, bool]], force: bool = False) -> None:
+    for size, seq, dt, th, k, compiled in sorted(workloads, key=lambda w: (w[0].key, *w[1:])):
+        name = size.key
         stored = lookup_workload(spec.device_kind, name, seq, dt, th, k, compiled=compiled)
         why = _why(stored, force)
         if why is None:
             continue
         try:
-            check_fits(name, seq, dt, spec.device_kind, k)
+            check_fits(size, seq, dt, spec.device_kind, k)
         except UsageError as e:  # never start a calibration that cannot fit (cells run with --force)
             print(f"skipped: {e}", file=sys.stderr, flush=True)
             continue
         fp = workload_fingerprint(spec.device_kind, name, seq, dt, th, k, compiled)
         again = _again("workload", label_of("workload", fp), stored, why)
-        rc, output = calibrate_in_child(["--device", spec.device_kind, "--dtype", dt, "--threads", str(max(1, th)),
-                                         "--no-comm", "--workloads", name, "--seq-len", str(seq),
-                                         "--concurrent", str(k), *(["--compile"] if compiled else []), *again])
+        with tempfile.TemporaryDirectory(prefix="harness-model-") as tmp:
+            rc, output = calibrate_in_child(["--device", spec.device_kind, "--dtype", dt, "--threads", str(max(1, th)),
+                                             "--no-comm", *_workload_flags(size, Path(tmp)), "--seq-len", str(seq),
+                                             "--concurrent", str(k), *(["--compile"] if compiled else []), *again])
         _relay(output)
         if rc != 0:  # the sweep goes on; its predictions say what was missing
             print(f"workload calibration of {name} {dt} threads={th} x {k}{' compiled' if compiled else ''} failed "
@@ -125,6 +128,16 @@ def _workloads(spec: SweepSpec, workloads: set[tuple[str, int, str, int, int, bo
                   f"{'eager passes' if compiled else 'matmul peak'}", file=sys.stderr, flush=True)
             continue
         _say("calibrated " + output.strip().splitlines()[-1])
+
+
+def _workload_flags(size: ModelSize, tmp: Path) -> list[str]:
+    """How the child names the workload: a built-in size by its key; a config model by its config, written from
+    what the model carries into ``tmp`` under its own name (so the child resolves the same name and digest)."""
+    if size.origin is None:
+        return ["--workloads", size.key]
+    path = tmp / f"{size.origin.name}.json"
+    path.write_text(size.origin.content)
+    return ["--model", str(path), *([] if size.origin.shrink else ["--full-size"])]
 
 
 def _comm(spec: SweepSpec, comms: set[int], force: bool = False) -> None:

@@ -41,7 +41,7 @@ from harness.parallel.levers import apply_compile
 from harness.precision import PrecisionPlan
 from harness.units import GIB
 from workloads.model import Decoder, lm_loss
-from workloads.sizes import get_size
+from workloads.sizes import ModelSize
 
 PROBE_ROWS = (1, 2, 4, 8)  # up to the local batch of a default 8-sequence single-device cell
 WORKLOAD_CALIBRATION_VERSION = 7  # 4: the tp-sp wrapper; 5: the wrappers' AdamW cost; 6: 8 rows; 7: lockstep
@@ -164,19 +164,19 @@ def _optimizer_step(opt: torch.optim.Optimizer, device_kind: str):
     return step
 
 
-def measure_workload(size_name: str, seq_len: int, dtype: str, device_kind: str, reps: int = REPS,
+def measure_workload(workload: ModelSize, seq_len: int, dtype: str, device_kind: str, reps: int = REPS,
                      compiled: bool = False) -> dict:
-    """Time forward+backward at ``PROBE_ROWS`` sequences and one AdamW step; fit alpha and beta."""
+    """Time forward+backward of ``workload`` at ``PROBE_ROWS`` sequences and one AdamW step; fit alpha and beta."""
     dev = torch.device("cuda" if device_kind == "cuda" else "cpu")
     base_gib = _worker_base_gib(device_kind)
-    size = replace(get_size(size_name), seq_len=seq_len)
+    size = replace(workload, seq_len=seq_len)
     plan = PrecisionPlan(dtype)
     plan.configure_backends(device_kind)
     # one model at a time (each helper frees its own): K concurrent copies of `small` must fit in host memory
     repeats = _plain_passes(size, plan, device_kind, dev, reps, compiled)
     for w in wrappers_of(size):
         repeats.update(_wrapped_repeats(size, plan, device_kind, dev, w, reps, compiled))
-    return {"size": size_name, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "params": size.params,
+    return {"size": workload.key, "seq_len": seq_len, "dtype": dtype, "rows": list(PROBE_ROWS), "params": size.params,
             "base_gib": base_gib, **from_repeats(repeats, size.params)}
 
 
@@ -271,7 +271,7 @@ def _measure_in_child(args: tuple) -> dict:
     return measure_workload(size, seq_len, dtype, device_kind, compiled=compiled)
 
 
-def measure_concurrent(size: str, seq_len: int, dtype: str, device_kind: str, threads: int, concurrent: int,
+def measure_concurrent(size: ModelSize, seq_len: int, dtype: str, device_kind: str, threads: int, concurrent: int,
                        compiled: bool = False) -> dict:
     """Run the measurement in ``concurrent`` processes at once, as a node's ranks compute at once.
 
@@ -295,13 +295,13 @@ def slowest_copy(runs: list[dict]) -> dict[str, list[float]]:
     return {name: [max(ts) for ts in zip(*(r["repeats"][name] for r in runs))] for name in runs[0]["repeats"]}
 
 
-def need_gib(size: str, seq_len: int, dtype: str, device_kind: str, concurrent: int) -> float:
+def need_gib(size: ModelSize, seq_len: int, dtype: str, device_kind: str, concurrent: int) -> float:
     """The model's peak for the calibration's largest pass, times the copies sharing one memory.
 
     Each copy is a one-device model at ``max(PROBE_ROWS)`` sequences (the wrapped passes use
     fewer); CPU copies share the host's RAM, GPU copies run one per device.
     """
-    shape = CellShape(size=replace(get_size(size), seq_len=seq_len), dims=ParallelDims(world_size=1),
+    shape = CellShape(size=replace(size, seq_len=seq_len), dims=ParallelDims(world_size=1),
                       strategy="single", precision=dtype, global_batch=max(PROBE_ROWS), device_kind=device_kind)
     base = CPU_BASE_GIB * GIB if device_kind == "cpu" else 0.0
     return peak_bytes(shape, base) / GIB * (concurrent if device_kind == "cpu" else 1)
@@ -314,27 +314,27 @@ def available_gib(device_kind: str) -> float:
     return psutil.virtual_memory().available / GIB
 
 
-def check_fits(size: str, seq_len: int, dtype: str, device_kind: str, concurrent: int) -> None:
+def check_fits(size: ModelSize, seq_len: int, dtype: str, device_kind: str, concurrent: int) -> None:
     """Refuse, before anything is allocated, a workload calibration the memory cannot hold."""
     need, have = need_gib(size, seq_len, dtype, device_kind, concurrent), available_gib(device_kind)
     if need > have:
-        raise UsageError(f"workload calibration of {size} (seq {seq_len}, {dtype}, {concurrent} cop"
+        raise UsageError(f"workload calibration of {size.key} (seq {seq_len}, {dtype}, {concurrent} cop"
                          f"{'ies' if concurrent > 1 else 'y'}) needs ~{need:.3g} GiB, {have:.3g} GiB is available; "
                          f"its cells are predicted from the matmul peak instead")
 
 
-def calibrate_workload(device_kind: str, size: str, seq_len: int, dtype: str, threads: int, *, concurrent: int = 1,
+def calibrate_workload(device_kind: str, size: ModelSize, seq_len: int, dtype: str, threads: int, *, concurrent: int = 1,
                        cache: Path | None = None, force: bool = False, compiled: bool = False) -> dict:
     """Measure (or reuse) the workload rates and keep them in the calibration store.
 
     Measured again once when its repeats disagree, stored marked ``unsteady`` when they still do
     (:func:`harness.calibration.steadiness.measure_steadily`)."""
     if not force:
-        hit = lookup_workload(device_kind, size, seq_len, dtype, threads, concurrent, cache, compiled)
+        hit = lookup_workload(device_kind, size.key, seq_len, dtype, threads, concurrent, cache, compiled)
         if hit is not None:
             return hit
     check_fits(size, seq_len, dtype, device_kind, concurrent)
-    fp = workload_fingerprint(device_kind, size, seq_len, dtype, threads, concurrent, compiled)
+    fp = workload_fingerprint(device_kind, size.key, seq_len, dtype, threads, concurrent, compiled)
 
     def measure() -> dict:
         return {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -23,8 +23,10 @@ from harness.parallel.schedules import PP_SCHEDULES, check_schedule_compile
 from harness.precision import FP8_RECIPES, PRECISIONS
 from harness.run.resume import source_error
 from harness.spec import CHECKPOINT_MODES, SweepSpec, default_device_kind
+from workloads.config_file import ConfigError
+from workloads.hf_models import config_model
 from workloads.moe import ROUTINGS
-from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
+from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size
 
 EXIT_USAGE = 2
 RUN_DEVICES = ("auto", "cpu", "cuda")
@@ -109,6 +111,36 @@ def workload_keys(archs: tuple[str, ...], sizes: tuple[str, ...]) -> list[str]:
         raise UsageError(f"--sizes: {e}") from None
 
 
+def models_arg(v, device_kind: str) -> tuple[ModelSize, ...]:
+    """``--model PATH[,PATH]``: each a ``config.json`` (or a folder holding one) resolved into a workload, here and
+    once; on CPU ranks shrunk by :mod:`workloads.shrink`'s rules unless ``--full-size``. Empty when not given.
+    ``--model`` beside ``--sizes`` or ``--arch`` is refused: it replaces them."""
+    if "model" not in v:
+        if v.get("full_size"):
+            raise UsageError("--full-size runs a --model as given (not shrunk for CPU ranks); it needs --model")
+        return ()
+    for other in ("sizes", "arch"):
+        if other in v:
+            raise UsageError(f"--model with {v.label(other)}: a --model is the workload, in place of the built-in "
+                             f"sizes; give one or the other (a comma list sweeps several models)")
+    values = csv_list(str(v["model"]))
+    if not values:
+        raise UsageError(f"{v.label('model')} is empty; give a config.json, or a folder holding one")
+    shrunk = device_kind == "cpu" and not v.get("full_size")
+    out = []
+    for value in values:
+        try:
+            out.append(config_model(value, shrunk=shrunk))
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+    return tuple(dict.fromkeys(out))
+
+
+def model_notes(models: tuple[ModelSize, ...]) -> list[str]:
+    """One line per note of each model's mapping (what it builds differently or leaves out), to print once."""
+    return [f"note: {m.origin.name}: {n}" for m in models if m.origin is not None for n in m.origin.notes]
+
+
 def seq_lens_arg(name: str, v) -> tuple[int, ...]:
     """``--seq-len 256,512``: each a sequence length >= 1 (a sweep file may give an int, a list or a comma string)."""
     return ints(name, v, 1, example="512 or 256,512,1024")
@@ -160,6 +192,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", help="devices per node (CPU ranks without a GPU); a list sweeps device counts: 1,2,4")
     g.add_argument("--sizes", help="workload sizes (harness workloads lists them)")
     g.add_argument("--arch", help="architecture families: gpt2,llama3,moe (default gpt2); each size is looked up in each")
+    g.add_argument("--model", help="your own model: a Hugging Face style config.json, or a folder holding one (no "
+                                   "weights read, nothing fetched); a list sweeps several; in place of --sizes/--arch")
+    g.add_argument("--full-size", action="store_true", default=None,
+                   help="--model on CPU ranks: run it as given, not shrunk to CPU scale (docs/models.md)")
     g.add_argument("--moe-routing", help="an MoE's routing: learned (the router's top-k, default) or balanced (round "
                                          "robin: equal expert load, the best case); a list sweeps both")
     g.add_argument("--strategies", help=", ".join(STRATEGIES))
@@ -326,7 +362,9 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     if v.get("checkpoint_keep") and checkpoints_arg(v, device) == ("off",):
         raise UsageError("--checkpoint-keep keeps saves, and --checkpoint is off: add --checkpoint sync (or async), "
                          "or drop --checkpoint-keep")
+    models = models_arg(v, device)
     return SweepSpec(
+        models=models,
         sizes=csv_list(v.get("sizes", d["sizes"])),
         strategies=csv_list(strategies),
         precisions=csv_list(v.get("precision", d["precision"])),
@@ -375,8 +413,11 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
 def device_line(spec: SweepSpec) -> str:
     """The run's first line: which device kind the cells run on, and what --gpus means there."""
     if spec.device_kind == "cpu":
-        return (f"device: cpu (no GPU in use): --gpus {','.join(map(str, spec.gpus))} means CPU ranks on gloo; "
-                f"CPU-sized defaults (sizes {','.join(spec.sizes)})")
-    return f"device: cuda ({torch.cuda.get_device_name()}), NCCL"
+        what = (f"models {','.join(m.name for m in spec.models)}" if spec.models
+                else f"CPU-sized defaults (sizes {','.join(spec.sizes)})")
+        line = f"device: cpu (no GPU in use): --gpus {','.join(map(str, spec.gpus))} means CPU ranks on gloo; {what}"
+    else:
+        line = f"device: cuda ({torch.cuda.get_device_name()}), NCCL"
+    return "\n".join([line, *model_notes(spec.models)])
 
 

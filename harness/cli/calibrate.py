@@ -23,11 +23,11 @@ from harness.calibration.collectives import (
 )
 from harness.calibration.provenance import label_of
 from harness.calibration.workload import calibrate_workload, lookup_workload
-from harness.cli.args import csv_list, int_arg
+from harness.cli.args import Settings, csv_list, int_arg, models_arg
 from harness.errors import UsageError
 from harness.parallel.levers import check_levers
 from harness.spec import default_device_kind
-from workloads.sizes import get_size
+from workloads.sizes import ModelSize, get_size, seq_len_error
 
 
 def _size(name: str, v: str) -> int:
@@ -37,18 +37,23 @@ def _size(name: str, v: str) -> int:
         raise UsageError(f"--{name} {e}") from None
 
 
-def _workload_args(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """(size, seq_len) pairs for the workload calibration; checked before anything runs."""
-    out = []
+def _workload_args(args: argparse.Namespace, device: str) -> list[tuple[ModelSize, int]]:
+    """(workload, seq_len) pairs for the workload calibration: the named sizes and the ``--model`` ones (shrunk on
+    CPU unless ``--full-size``, as bench runs them); checked before anything runs."""
+    sizes = []
     for name in csv_list(args.workloads or ""):
         try:
-            size = get_size(name)
+            sizes.append(get_size(name))
         except ValueError as e:
             raise UsageError(f"--workloads: {e}") from None
+    sizes += models_arg(Settings({k: v for k, v in (("model", args.model), ("full_size", args.full_size))
+                                  if v is not None}), device)
+    out = []
+    for size in sizes:
         seq = int_arg("--seq-len", args.seq_len, 1) if args.seq_len is not None else size.seq_len
-        if seq > size.seq_len:
-            raise UsageError(f"--seq-len {seq} exceeds {name}'s position table ({size.seq_len}); use <= {size.seq_len}")
-        out.append((name, seq))
+        if error := seq_len_error(size, seq):
+            raise UsageError(f"--seq-len: {error}")
+        out.append((size, seq))
     return out
 
 
@@ -131,11 +136,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if dt not in matmul.DTYPES or (dt == "tf32" and device != "cuda"):
             raise UsageError(f"--dtype {dt!r}: choose from fp32,bf16,fp16 (tf32 on GPU only)")
     comm = None if args.no_comm else _comm_args(args, device)
-    workloads = _workload_args(args)
+    workloads = _workload_args(args, device)
     concurrent = int_arg("--concurrent", args.concurrent, 1) if args.concurrent is not None else 1
     if args.compile:
         if not workloads:
-            raise UsageError("--compile times compiled workload passes: name the sizes with --workloads, e.g. "
+            raise UsageError("--compile times compiled workload passes: name the sizes with --workloads (or --model), e.g. "
                              "--workloads tiny --compile")
         check_levers(device, tp_enabled=False, warmup=1, compile=True, ac="none", optimizer="adamw")
     forced = _forced(args.force)
@@ -154,11 +159,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"{device} {dt} threads={threads if device == 'cpu' else '-'}: {e['tflops']:.4g} TFLOP/s max, "
               f"{median:.4g} median over {len(e['shapes'])} shapes (best shape {e['best_shape']}{plain}) "
               f"{_origin(stored, 'matmul' in forced, e)} -> {path}")
-    for name, seq in workloads:
+    for size, seq in workloads:
         for dt in csv_list(args.dtype):
             th = threads if device == "cpu" else 0
-            stored = lookup_workload(device, name, seq, dt, th, concurrent, compiled=args.compile)
-            e = calibrate_workload(device, name, seq, dt, th, concurrent=concurrent, force="workload" in forced,
+            stored = lookup_workload(device, size.key, seq, dt, th, concurrent, compiled=args.compile)
+            e = calibrate_workload(device, size, seq, dt, th, concurrent=concurrent, force="workload" in forced,
                                    compiled=args.compile)
             _said_forced("workload", stored, forced)
             _print_workload(e, threads, _origin(stored, "workload" in forced, e))
@@ -194,6 +199,9 @@ def register(sub) -> None:
     k.add_argument("--comm-max-bytes", help="largest message, e.g. 64MiB (default 64MiB)")
     k.add_argument("--workloads", help="sizes whose forward+backward and optimizer step to time for the "
                                        "performance model, e.g. tiny,small (another family by key: llama3-tiny)")
+    k.add_argument("--model", help="--workloads of your own: a config.json (or a folder holding one), a list times "
+                                   "each; shrunk on CPU as bench runs it unless --full-size")
+    k.add_argument("--full-size", action="store_true", default=None, help="--model as given, not shrunk")
     k.add_argument("--seq-len", help="sequence length for --workloads (default: the size's)")
     k.add_argument("--concurrent", help="--workloads: copies measured at once, as many as a node's ranks (default 1)")
     k.add_argument("--compile", action="store_true",

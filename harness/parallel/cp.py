@@ -33,6 +33,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from harness.comm_scope import comm_label
+from workloads.layers import alibi_bias
 
 # torch 2.13 renamed the tensor collectives (the old names warn); the GPU image's older torch has only those.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -126,22 +127,32 @@ class SequenceShard:
         return shard_indices(local_len * self.size, self.rank, self.size, device)
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's k and v (B, H, 2c, hd), in natural sequence order (B, H, T, hd)."""
+        """Every rank's k (B, H, 2c, E) and v (B, H, 2c, Ev), in natural sequence order (B, H, T, E) and (B, H, T, Ev):
+        one all-gather of both, side by side along the head width (their widths differ under MLA)."""
         n, c = self.size, k.shape[2] // 2
-        both = _GatherKV.apply(torch.stack((k, v)), self.group)  # (n * 2, B, H, 2c, hd), rank-major
-        b, h, hd = k.shape[0], k.shape[1], k.shape[3]
-        chunks = both.view(n, 2, b, h, 2, c, hd).permute(1, 2, 3, 0, 4, 5, 6).reshape(2, b, h, 2 * n, c, hd)
-        full = natural_order(chunks, 3).reshape(2, b, h, 2 * n * c, hd)
-        return full[0], full[1]
+        e = k.shape[3]
+        both = _GatherKV.apply(torch.cat((k, v), dim=-1).unsqueeze(0), self.group)  # (n, B, H, 2c, E + Ev)
+        b, h, w = k.shape[0], k.shape[1], both.shape[-1]
+        chunks = both.view(n, b, h, 2, c, w).permute(1, 2, 0, 3, 4, 5).reshape(b, h, 2 * n, c, w)
+        full = natural_order(chunks, 2).reshape(b, h, 2 * n * c, w)
+        return full[..., :e], full[..., e:]
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of this rank's queries (B, Hq, 2c, hd) over the whole sequence's keys."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of this rank's queries (B, Hq, 2c, E) over the whole sequence's keys; with ALiBi's
+        ``slopes`` (Hq,) of the heads this rank holds, each score biased by ``slope x (key - query)``."""
         kf, vf = self.gather(k, v)
         c = q.shape[2] // 2
         gqa = k.shape[1] != q.shape[1]
         outs = []
         for j, chunk in enumerate(head_tail_chunks(self.rank, self.size)):
             end = (chunk + 1) * c  # keys up to this chunk's last position; the bias masks the chunk's own future
+            if slopes is not None:  # ALiBi: a per-head bias over the chunk's global positions (causal inside it)
+                mask = alibi_bias(slopes, torch.arange(chunk * c, end, device=q.device),
+                                  torch.arange(end, device=q.device), q.dtype)
+                outs.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], kf[:, :, :end], vf[:, :, :end],
+                                                           attn_mask=mask, enable_gqa=gqa))
+                continue
             bias = causal_bias(c, end, q.dtype, q.device)
             # the bias is row-reversed (a zero-copy view needs a positive row stride): so are the queries
             y = F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c].flip(2), kf[:, :, :end], vf[:, :, :end],

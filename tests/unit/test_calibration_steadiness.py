@@ -12,6 +12,7 @@ from harness.calibration import auto, matmul, provenance, steadiness, store, wor
 from harness.cli import main
 from harness.planner import expand
 from harness.spec import SweepSpec
+from workloads.sizes import get_size
 
 PARAMS = 1_000_000
 
@@ -132,7 +133,7 @@ def test_calibrate_workload_measures_again_and_stores_the_repeats(tmp_path, monk
     m = _Measure(_entry(_repeats(outlier=(workload.pass_probe(1), 10.0))), _entry(_repeats()))
     monkeypatch.setattr(workload, "measure_concurrent", lambda *a: m())
     monkeypatch.setattr(workload, "check_fits", lambda *a: None)
-    e = workload.calibrate_workload("cpu", "tiny", 128, "fp32", 2, concurrent=1, cache=tmp_path / "cal.json")
+    e = workload.calibrate_workload("cpu", get_size("tiny"), 128, "fp32", 2, concurrent=1, cache=tmp_path / "cal.json")
     assert m.calls == 2 and e["unsteady"] is False and e["attempts"] == 2
     assert "measuring again" in capsys.readouterr().err
     stored = workload.lookup_workload("cpu", "tiny", 128, "fp32", 2, 1, tmp_path / "cal.json")
@@ -173,10 +174,10 @@ def _poison(monkeypatch, tmp_path, **marks) -> tuple[dict, list]:
     monkeypatch.setenv(store.ENV, str(tmp_path / "cal.json"))
     spec = _spec()
     cells = [c for c in expand(spec) if c.valid]
-    ((dt, th),), ((name, seq, _, _, k, compiled),), _ = auto.needs(spec, cells)
+    ((dt, th),), ((size, seq, _, _, k, compiled),), _ = auto.needs(spec, cells)
     store.put("matmul", matmul.fingerprint("cpu", dt, th), {"tflops": 0.1, "shapes": [], "spread": {"ratio": 1.1},
                                                              "unsteady": False, "measured_at": "2026-01-01T00:00:00+0000"})
-    fp = workload.workload_fingerprint("cpu", name, seq, dt, th, k, compiled)
+    fp = workload.workload_fingerprint("cpu", size.key, seq, dt, th, k, compiled)
     three_h_ago = time.strftime(provenance.TIME_FORMAT, time.localtime(time.time() - 3 * 3600))
     reps = _repeats(scale=30.0, outlier=(workload.pass_probe(1), 3.0))
     entry = {"measured_at": three_h_ago, **_entry(reps), "spread": steadiness.summary(reps), **marks}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.cli import main
+from workloads.sizes import get_size
 
 CASES = {
     "degrees": (["--gpus", "4", "--strategies", "fsdp", "--degrees", "dp_shard=3"],
@@ -128,7 +129,7 @@ def test_workload_calibration_refuses_a_size_that_cannot_fit(monkeypatch):
     from harness.errors import UsageError
 
     _ram(monkeypatch, 1.0)
-    need = workload.need_gib("small", 128, "fp32", "cpu", 4)
-    assert need > 1.0 and need == pytest.approx(4 * workload.need_gib("small", 128, "fp32", "cpu", 1))
+    need = workload.need_gib(get_size("small"), 128, "fp32", "cpu", 4)
+    assert need > 1.0 and need == pytest.approx(4 * workload.need_gib(get_size("small"), 128, "fp32", "cpu", 1))
     with pytest.raises(UsageError, match=r"workload calibration of small .*needs ~.* GiB, 1 GiB is available"):
-        workload.calibrate_workload("cpu", "small", 128, "fp32", 1, concurrent=4, cache=None, force=True)
+        workload.calibrate_workload("cpu", get_size("small"), 128, "fp32", 1, concurrent=4, cache=None, force=True)

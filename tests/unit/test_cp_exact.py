@@ -46,8 +46,10 @@ class _Emulated:
     def __init__(self, monkeypatch, rank: int, cp: int, k_full: torch.Tensor, v_full: torch.Tensor) -> None:
         self.rank, self.cp = rank, cp
         t = k_full.shape[2]
-        self.locals = [torch.stack((k_full[:, :, _by_hand(t, r, cp)], v_full[:, :, _by_hand(t, r, cp)]))
+        # each rank's k and v side by side along the head width, one leading axis to gather along
+        self.locals = [torch.cat((k_full[:, :, _by_hand(t, r, cp)], v_full[:, :, _by_hand(t, r, cp)]), dim=-1)[None]
                        for r in range(cp)]
+        self.width = k_full.shape[-1]
         self.calls: list[tuple] = []
         monkeypatch.setattr(cp_mod, "_ALL_GATHER", self.all_gather)
         monkeypatch.setattr(cp_mod, "_REDUCE_SCATTER", self.reduce_scatter)
@@ -75,11 +77,11 @@ def test_gather_returns_the_whole_sequences_k_and_v_in_order(monkeypatch, cp):
     v_full = torch.randn(b, h, t, hd, generator=torch.Generator().manual_seed(cp + 10))
     for rank in range(cp):
         em = _Emulated(monkeypatch, rank, cp, k_full, v_full)
-        k, v = em.locals[rank]
+        k, v = em.locals[rank][0, ..., :hd], em.locals[rank][0, ..., hd:]
         kf, vf = SequenceShard(rank=rank, size=cp, group=GROUP).gather(k, v)
         assert torch.equal(kf, k_full) and torch.equal(vf, v_full), rank
-        # one all-gather of k and v stacked: (cp x 2, B, H, 2c, hd), filed under cp
-        assert em.calls == [("all_gather", CP_LABEL, GROUP, (cp * 2, b, h, t // cp, hd))]
+        # one all-gather of k and v side by side: (cp, B, H, 2c, 2 hd), filed under cp
+        assert em.calls == [("all_gather", CP_LABEL, GROUP, (cp, b, h, t // cp, 2 * hd))]
 
 
 @pytest.mark.parametrize("cp,rank,c", [(2, 0, 2), (2, 1, 2), (4, 1, 2), (4, 3, 2), (2, 1, 1)])
@@ -110,8 +112,8 @@ def test_attention_and_its_gradients_equal_torchs_causal_attention_at_the_ranks_
     torch.testing.assert_close(q.grad, q_full.grad[:, :, mine])
     torch.testing.assert_close(k.grad, k_full.grad[:, :, mine])
     torch.testing.assert_close(v.grad, v_full.grad[:, :, mine])
-    # backward: one reduce-scatter to this rank's (2, B, Hkv, 2c, hd), summed, filed under cp
-    assert em.calls[-1] == ("reduce_scatter", CP_LABEL, GROUP, (2, b, kv_heads, t // cp, hd), dist.ReduceOp.SUM)
+    # backward: one reduce-scatter to this rank's (1, B, Hkv, 2c, 2 hd), summed, filed under cp
+    assert em.calls[-1] == ("reduce_scatter", CP_LABEL, GROUP, (1, b, kv_heads, t // cp, 2 * hd), dist.ReduceOp.SUM)
 
 
 def test_attention_makes_its_mask_on_the_queries_device(monkeypatch):

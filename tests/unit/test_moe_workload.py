@@ -199,7 +199,7 @@ def test_routing_axis_ids_and_refusals(tmp_path, capsys):
     assert "moe-tiny-fsdp-fp32-w2-gb4-strong-route-balanced" in ids and "moe-tiny-fsdp-fp32-w2-gb4-strong" in ids
     assert not any(i.startswith("llama3-") and "route" in i for i in ids)
     assert main(["plan", "--arch", "gpt2", "--moe-routing", "balanced", "--sizes", "tiny", "--gpus", "2"]) == 2
-    assert "--moe-routing balanced: only the moe family routes tokens" in capsys.readouterr().err
+    assert "--moe-routing balanced: only a mixture of experts routes tokens" in capsys.readouterr().err
     assert main(["plan", "--arch", "moe", "--sizes", "tiny", "--gpus", "2", "--strategies", "tp"]) == 0
     tp_row = next(line for line in capsys.readouterr().out.splitlines() if "moe-tiny-tp-" in line)
     assert "invalid" in tp_row and "tp (2) with --arch moe needs expert parallel" in tp_row
