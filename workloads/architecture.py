@@ -31,7 +31,7 @@ computes with except the embedding tables (lookups), L layers, S the sequence, a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ARCHS = ("gpt2", "llama3", "moe")
 """The built-in families (``--arch``)."""
@@ -304,6 +304,18 @@ class ModelSize:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.dense_layers
+
+    def at_layer(self, layer: int) -> ModelSize:
+        """Block ``layer``'s shape as a model of such blocks: itself, or for an MoE model's dense first blocks the
+        same model with their dense MLP (what a per-block formula of the analytic model reads)."""
+        if self.moe is None or self.is_moe_layer(layer):
+            return self
+        return replace(self, moe=None, ffn_width=self.layer_ff(layer), dense_layers=0, dense_d_ff=None)
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with a mixture of experts."""
+        return 0 if self.moe is None else self.n_layers - self.dense_layers
 
     def layer_ff(self, layer: int) -> int:
         """Block ``layer``'s dense MLP width (an MoE model's first dense blocks: ``dense_d_ff``)."""

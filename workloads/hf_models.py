@@ -225,15 +225,22 @@ def _mpt(f: Fields, notes: list[str]) -> dict[str, Any]:
                 max_positions=f.integer("max_seq_len", None))
 
 
-def _moe_balancing(f: Fields) -> dict[str, Any]:
-    coef = f.number("router_aux_loss_coef", 0.001, positive=False)
-    return dict(balancing="aux", aux_coef=coef) if coef else dict(balancing="bias")
+def _moe_balancing(f: Fields, notes: list[str]) -> dict[str, Any]:
+    """DeepSeek-V3's per-expert bias, whatever the config's auxiliary loss: a Switch loss is computed over each
+    micro-batch a rank routes, so its gradient, and the routing after it, depends on the layout; the bias moves from
+    the load over every rank, and every layout matches one device. Both cost the same: a few elementwise ops."""
+    coef = f.number("router_aux_loss_coef", 0.0, positive=False)
+    if coef:
+        notes.append(f"router_aux_loss_coef {coef:g}: the experts are balanced by DeepSeek-V3's per-expert bias "
+                     f"instead (the same compute; an auxiliary loss per micro-batch would make each layout's step "
+                     f"differ from one device's)")
+    return dict(balancing="bias")
 
 
 def _mixtral(f: Fields, notes: list[str]) -> dict[str, Any]:
     out = _llama_like(f, notes, window_always=True)
     e = f.integer("num_local_experts")
-    moe = MoESpec(e, f.integer("num_experts_per_tok"), f.integer("intermediate_size"), **_moe_balancing(f))
+    moe = MoESpec(e, f.integer("num_experts_per_tok"), f.integer("intermediate_size"), **_moe_balancing(f, notes))
     return {**out, "moe": moe}
 
 
@@ -244,7 +251,7 @@ def _qwen3_moe(f: Fields, notes: list[str]) -> dict[str, Any]:
                           f"blocks among the MoE ones) is not supported; every published Qwen3-MoE has neither")
     e = f.integer("num_experts", None) or f.integer("num_local_experts")
     moe = MoESpec(e, f.integer("num_experts_per_tok"), f.integer("moe_intermediate_size"),
-                  norm_topk=f.flag("norm_topk_prob", False), **_moe_balancing(f))
+                  norm_topk=f.flag("norm_topk_prob", False), **_moe_balancing(f, notes))
     f.integer("intermediate_size", None)  # the dense width of mlp_only_layers, none here
     return {**out, "moe": moe}
 

@@ -67,3 +67,24 @@ class ProjNorm(nn.RMSNorm):
         squares = dist_fn.all_reduce(x.float().pow(2).sum(-1, keepdim=True), group=self.group)
         eps = self.eps if self.eps is not None else torch.finfo(torch.float32).eps
         return (x.float() * torch.rsqrt(squares / width + eps)).type_as(x) * weight
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (each rank's holds its heads' part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_grad_over(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` as it is, its gradient summed over ``group`` in backward (None: no group, ``x`` itself): for a tensor
+    every tensor-parallel rank computes alike but uses for its own heads only (MLA's shared rotary key)."""
+    return x if group is None else _SumGrad.apply(x, group)

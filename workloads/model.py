@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workloads.architecture import ModelSize
-from workloads.layers import ProjNorm, SwiGLU, alibi_bias, alibi_slopes, positions_of
+from workloads.layers import ProjNorm, SwiGLU, alibi_bias, alibi_slopes, positions_of, sum_grad_over
 from workloads.moe import MoE
 
 
@@ -160,7 +160,11 @@ class Attention(_Positional):
 class LatentAttention(_Positional):
     """Multi-head latent attention (:class:`workloads.architecture.MLASpec`): q from ``q_b(q_a_norm(q_a(x)))`` (or
     ``q(x)``), k and v from ``kv_b(kv_a_norm(latent))`` where ``kv_a(x)`` gives the latent and the one rotary k head
-    every head shares; causal attention of ``nope + rope`` wide q and k over ``v_dim`` wide values."""
+    every head shares; causal attention of ``nope + rope`` wide q and k over ``v_dim`` wide values. Under tensor
+    parallel a rank holds some heads: the shared rotary key is used by its heads only, so its gradient is summed over
+    the ranks (``tp_group``, set by the harness)."""
+
+    tp_group = None
 
     def __init__(self, size: ModelSize) -> None:
         super().__init__()
@@ -191,6 +195,7 @@ class LatentAttention(_Positional):
         cos, sin = self._angles(t, x.device)
         q_nope, q_rope = q.split([m.nope_dim, m.rope_dim], dim=-1)
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
+        k_rope = sum_grad_over(k_rope, self.tp_group)  # every local head's part of its gradient, over tp
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(-1, k_nope.shape[1], -1, -1)  # one shared head
         k = torch.cat((k_nope, k_rope), dim=-1)
         y = self.attend(q, k, v)  # (B, H_local, T, v)

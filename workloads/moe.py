@@ -131,8 +131,11 @@ class Experts(nn.Module):
         self.proj = nn.Parameter(torch.empty(n, d_model, d_ff))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # sharded weights (expert parallel: a DTensor over the experts) compute on this rank's experts
-        gate, up, proj = (w.to_local() if hasattr(w, "to_local") else w for w in (self.gate, self.up, self.proj))
+        # sharded weights (expert parallel: a DTensor over the experts) compute on this rank's experts; unbound once,
+        # so the backward stacks the experts' gradients into one tensor (indexing each expert instead allocates a
+        # zero tensor of every expert's size per expert: 2x the weight's bytes more at the backward's peak)
+        gate, up, proj = (w.to_local().unbind(0) if hasattr(w, "to_local") else w.unbind(0)
+                          for w in (self.gate, self.up, self.proj))
         outs = [F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), proj[e])
                 for e, xe in enumerate(x.split(counts))]
         return torch.cat(outs) if outs else x[:0]

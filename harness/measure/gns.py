@@ -75,7 +75,8 @@ class LocalGradNorm:
 
 def local_norm_allreduce_hook(state: LocalGradNorm, bucket):
     """Record the local squared gradient norm of the bucket, then average as DDP's default does."""
-    sq = bucket.buffer().detach().float().pow(2).sum()
+    # a norm, not pow(2).sum(): no bucket-sized temporary (up to DDP's 25 MiB cap) beside the gradients at their peak
+    sq = torch.linalg.vector_norm(bucket.buffer().detach(), dtype=torch.float32) ** 2
     state.sq = sq if state.sq is None else state.sq + sq
     return allreduce_hook(state.process_group, bucket)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,7 +33,11 @@ from torch.utils._pytree import tree_leaves
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the storage this rank holds), or the tensor itself."""
+    """A DTensor's local shard (the storage this rank holds), the tensor a functional collective wrote for the
+    ``AsyncCollectiveTensor`` that wraps it (a wrapper reports the wrapped size as a storage of its own, which holds
+    no memory: counted, it doubled a collective's output), or the tensor itself."""
+    if type(t).__name__ == "AsyncCollectiveTensor":
+        return cast(torch.Tensor, t.elem)
     return t.to_local() if hasattr(t, "to_local") else t
 
 

@@ -58,6 +58,7 @@ from harness.model.inventory import (
     fsdp_padded_numel,
     fsdp_ways,
     group_of,
+    held_numel,
     held_shape,
     n_stages,
     rank_layer_ids,
@@ -69,6 +70,7 @@ from harness.model.inventory import (
 from harness.model.schedule import gathers, stage_actions
 from harness.model.shape import CellShape
 from harness.parallel.activation_checkpoint import reruns_forward
+from harness.parallel.tp_plan import HEAD_SHARED
 from harness.units import MIB
 
 DDP_FIRST_BUCKET_BYTES = MIB
@@ -157,10 +159,14 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
     layers = len(layer_ids)
     first, last = 0 in mine, stages - 1 in mine
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
-    every, again = _tp_block_calls(c, hi, lo)
-    if c.recompute == "op":  # the op policy keeps the reduce-scatters' outputs: its rerun does not redo them
-        again = [call for call in again if call[0] != rs]
-    per_pass = [call for i in layer_ids for call in every + (again if reruns_forward(c.recompute, i) else [])]
+    per_pass = []
+    for i in layer_ids:  # an MoE model's dense first blocks issue a dense block's collectives
+        every, again = _tp_block_calls(c.at_layer(i), hi, lo, rows * c.local_seq)
+        if size.qk_norm == "proj":  # each q/k norm's squares summed over tp (fp32), again in backward
+            every, again = every + [(ar, rows * c.local_seq * FP32)] * 4, again + [(ar, rows * c.local_seq * FP32)] * 2
+        if c.recompute == "op":  # the op policy keeps the reduce-scatters' outputs: its rerun does not redo them
+            again = [call for call in again if call[0] != rs]
+        per_pass += every + (again if reruns_forward(c.recompute, i) else [])
     if sp:
         if last:  # the head's input gathered (its gradient reduce-scattered); its logits gathered but under loss
             # parallel, whose cross-entropy's own all-reduces (max, sum and target per token) run inside
@@ -179,30 +185,49 @@ def _tp_calls(c: CellShape, coord: RankCoord, passes: int, rows: int) -> list[Ca
             calls += [Call(ar, size.d_model * c.param_bytes, tp, "tp", False)] * tensors
         else:  # in one call (harness.parallel.tp.reduce_partial_grads)
             calls.append(Call(ar, norms * size.final_norm_params * FP32, tp, "tp", False))
+    if size.qk_norm == "head":  # the per-head q/k norms' gradients, summed over tp in one call before the optimizer
+        shared = [p for p in rank_params(size, c.dims, c.virtual, coord.pp, c.v_shape) if p.name.endswith(HEAD_SHARED)]
+        calls.append(Call(ar, sum(held_numel(p, c.dims, c.fsdp, coord) for p in shared) * FP32, tp, "tp", False))
     return calls
 
 
-def _tp_block_calls(c: CellShape, hi: int, lo: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """One block's tensor-parallel collectives, as (collective, bytes): those of every forward+backward, and
-    those a rerun of its forward in backward adds (activation checkpointing runs the forward's collectives again
-    up to the last tensor the backward needs, where torch's checkpoint stops: the MLP's output collective is
-    not redone)."""
+def _tp_block_calls(c: CellShape, hi: int, lo: int, tokens: int) -> tuple[list[tuple[str, int]],
+                                                                          list[tuple[str, int]]]:
+    """One block's tensor-parallel collectives, as (collective, bytes), ``tokens`` per pass: those of every
+    forward+backward, and those a rerun of its forward in backward adds (activation checkpointing runs the forward's
+    collectives again up to the last tensor the backward needs, where torch's checkpoint stops: the MLP's output
+    collective is not redone)."""
     size = c.size
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
+    sp = c.dims.sequence_parallel
+    attn_back = _attention_input_grads(c, hi, lo, tokens)
     if size.moe is not None:
         shared = 1 if size.moe.n_shared else 0
         k = size.moe.top_k
-    if c.dims.sequence_parallel and size.moe is not None:  # the MoE routes the gathered sequence, sums over tp
-        every = ([(ag, hi), (rs, lo), (ag, lo), (rs, hi)] + [(ag, hi), (ar, k * lo)] + [(ar, lo)] * shared +
+    if sp and size.moe is not None:  # the MoE routes the gathered sequence, sums over tp
+        every = ([(ag, hi), (rs, lo), (ag, lo)] + attn_back + [(ag, hi), (ar, k * lo)] + [(ar, lo)] * shared +
                  [(ag, lo), (ar, k * hi)] + [(ar, hi)] * (2 * shared))
         return every, [(ag, hi), (rs, lo), (ag, hi), (ar, k * lo)] + [(ar, lo)] * shared
-    if c.dims.sequence_parallel:  # all-gather before, reduce-scatter after each sub-layer, and back
-        return [(ag, hi), (rs, lo), (ag, lo), (rs, hi)] * 2, [(ag, hi), (rs, lo), (ag, hi)]
+    if sp:  # all-gather before, reduce-scatter after each sub-layer, and back
+        return [(ag, hi), (rs, lo), (ag, lo)] + attn_back + [(ag, hi), (rs, lo), (ag, lo), (rs, hi)], \
+            [(ag, hi), (rs, lo), (ag, hi)]
     if size.moe is not None:  # fsdp+tp+ep (harness.parallel.ep): the experts' partial outputs summed over tp
-        every = [(ar, lo)] * (1 + shared) + [(ar, k * lo)] + [(ar, hi)] * (3 + 2 * shared) + [(ar, k * hi)]
+        every = [(ar, lo)] * (1 + shared) + [(ar, k * lo)] + attn_back + [(ar, hi)] * (2 * shared) + [(ar, k * hi)]
         return every, [(ar, lo), (ar, k * lo)]
     # forward: the row-parallel outputs; backward: each column-parallel linear's input gradient
-    return [(ar, lo)] * 2 + [(ar, hi)] * size.column_linears, [(ar, lo)]
+    return [(ar, lo)] * 2 + attn_back + [(ar, hi)] * (size.mlp_matrices - 1), [(ar, lo)]
+
+
+def _attention_input_grads(c: CellShape, hi: int, lo: int, tokens: int) -> list[tuple[str, int]]:
+    """How the gradient at the attention's input is summed over tp in backward: q, k and v's input gradients
+    all-reduced one by one (or, under sequence parallel, reduce-scattered once back to the sequence shards); under
+    MLA, whose low-rank path every rank runs whole on a plain tensor, the up-projections' input gradients (q_b's or
+    q's, kv_b's) and the shared rotary key's, all-reduced, sequence parallel or not."""
+    m, ar = c.size.mla, "all_reduce"
+    if m is None:
+        return [("reduce_scatter", hi)] if c.dims.sequence_parallel else [(ar, hi)] * 3
+    q = (ar, tokens * m.q_rank * c.compute_bytes) if m.q_rank else (ar, hi)
+    return [q, (ar, tokens * m.kv_rank * c.compute_bytes), (ar, tokens * m.rope_dim * c.compute_bytes)]
 
 
 def _pp_calls(c: CellShape, coord: RankCoord) -> list[Call]:
@@ -240,9 +265,9 @@ def _cp_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
 
 
 def _forwards(c: CellShape) -> float:
-    """Forwards per micro-step of a block, on average over the layers: 2 where the policy reruns it."""
-    n = c.size.n_layers
-    return 1 + sum(reruns_forward(c.recompute, i) for i in range(n)) / n
+    """Forwards per micro-step of an MoE block, on average over them: 2 where the policy reruns it."""
+    moe = range(c.size.dense_layers, c.size.n_layers)
+    return 1 + sum(reruns_forward(c.recompute, i) for i in moe) / len(moe)
 
 
 def _rerun_rows(c: CellShape, rows: float, rerun: float | None) -> float:
@@ -256,7 +281,7 @@ def ep_bytes(c: CellShape, sent_rows: int, received_rows: int, rerun_sent: float
     ``received_rows`` routed rows in all (every layer and micro-step, the forward counted once), of which the
     layers activation checkpointing ran again sent ``rerun_sent`` and received ``rerun_received``."""
     assert c.size.moe is not None, f"ep_bytes: {c.size.key} has no MoE layer"
-    counts = _forwards(c) * 8 * c.size.moe.n_experts * c.size.n_layers * c.grad_accum
+    counts = _forwards(c) * 8 * c.size.moe.n_experts * c.size.moe_layers * c.grad_accum
     moved = 2 * (sent_rows + received_rows) + _rerun_rows(c, sent_rows, rerun_sent) + \
         _rerun_rows(c, received_rows, rerun_received)
     return int(counts + moved * c.size.d_model * c.residual_bytes)
@@ -283,7 +308,7 @@ def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
         [Call("all_to_all", rows_bytes, c.dims.ep, "ep", False)] * 2
     backward = [Call("all_to_all", rows_bytes, c.dims.ep, "ep", False)] * 2
     calls = []
-    for i in range(c.size.n_layers):
+    for i in range(c.size.dense_layers, c.size.n_layers):
         calls += forward * (2 if reruns_forward(c.recompute, i) else 1) + backward
     return calls * passes
 
@@ -308,8 +333,9 @@ def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
     if c.dims.ep_enabled:  # refused with a pipeline (harness.parallel.presets.check_ep)
         calls += _ep_calls(c, c.grad_accum, c.local_batch // c.grad_accum)
     if c.size.moe is not None and c.dims.world_size > 1:
-        # the experts' load, summed over every rank once per step (harness.parallel.expert_load): L x E fp32
-        calls.append(Call("all_reduce", 4 * c.size.n_layers * c.size.moe.n_experts, c.dims.world_size, "world", False))
+        # the experts' load, summed over every rank once per step (harness.parallel.expert_load): MoE layers x E fp32
+        calls.append(Call("all_reduce", 4 * c.size.moe_layers * c.size.moe.n_experts, c.dims.world_size, "world",
+                          False))
     return calls
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from harness.model.block_ops import block_matmuls, kept_by_op
-from harness.model.inventory import rank_layers, stages_of_rank
+from harness.model.inventory import rank_layer_ids, stages_of_rank
 from harness.model.shape import CellShape
 from harness.parallel.activation_checkpoint import checkpointed_layer
 
@@ -96,14 +96,13 @@ def pipeline_time_s(stage_pass_s: float, pp: int, virtual: int, microbatches: in
     return stage_pass_s / virtual * sum(sharing.factor(b * ranks_per_stage) for b in busy)
 
 
-def layer_flops_per_token(c: CellShape) -> float:
-    """One block's FLOPs per token (6 x its matmul weights + the attention square); an MoE block's idle
-    experts (E - k of them) do none."""
+def layer_flops_per_token(c: CellShape, layer: int | None = None) -> float:
+    """Block ``layer``'s FLOPs per token (6 x the weights a token multiplies + the attention square); an MoE block's
+    idle experts (E - k of them) do none. Without ``layer``: the mean block's."""
     s = c.size
-    matmul_params = s.params_per_layer - s.norm_params_per_layer  # norm weights do no matmul
-    if s.moe is not None:
-        matmul_params -= (s.moe.n_experts - s.moe.top_k) * s.moe.expert_params(s.d_model)
-    return 6 * matmul_params + 12 * s.d_model * s.seq_len
+    if layer is None:
+        return sum(layer_flops_per_token(c, i) for i in range(s.n_layers)) / s.n_layers
+    return 6 * s.layer_matmul_params(layer) + 6 * s.attention_width * s.seq_len
 
 
 def head_flops_per_token(c: CellShape) -> float:
@@ -111,26 +110,28 @@ def head_flops_per_token(c: CellShape) -> float:
 
 
 def expert_flop_share(c: CellShape) -> float:
-    """The routed experts' share of the model's FLOPs per token (0 for a dense family): each token's k
-    SwiGLU experts, 3 matrices of ``d x f``, forward and backward."""
+    """The routed experts' share of the model's FLOPs per token (0 for a dense model): each token's k
+    SwiGLU experts, 3 matrices of ``d x f``, forward and backward, in every MoE block."""
     moe = c.size.moe
     if moe is None:
         return 0.0
-    experts = c.size.n_layers * 6 * moe.top_k * 3 * c.size.d_model * moe.d_ff
+    experts = c.size.moe_layers * 6 * moe.top_k * 3 * c.size.d_model * moe.d_ff
     return experts / (c.size.n_layers * layer_flops_per_token(c) + head_flops_per_token(c))
 
 
 def stage_shares(c: CellShape) -> list[tuple[float, float]]:
     """Per pipeline rank: (share of the model FLOPs, share of the layers) it computes."""
     stages = c.dims.pp * c.virtual
-    lf, hf = layer_flops_per_token(c), head_flops_per_token(c)
-    total = c.size.n_layers * lf + hf
+    flops = [layer_flops_per_token(c, i) for i in range(c.size.n_layers)]
+    hf = head_flops_per_token(c)
+    total = sum(flops) + hf
     out = []
     for p in range(c.dims.pp):
         mine = stages_of_rank(p, c.dims.pp, c.virtual, c.v_shape)
-        layers = rank_layers(c.size.n_layers, c.dims.pp, c.virtual, p, c.v_shape)
+        layers = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, p, c.v_shape)
         head = stages - 1 in mine
-        out.append(((layers * lf + (hf if head else 0)) / total, (layers + (1 if head else 0)) / (c.size.n_layers + 1)))
+        out.append(((sum(flops[i] for i in layers) + (hf if head else 0)) / total,
+                    (len(layers) + (1 if head else 0)) / (c.size.n_layers + 1)))
     return out
 
 
@@ -184,16 +185,19 @@ def recompute_factor(c: CellShape) -> float:
     """
     size = c.size
     model = size.flops_per_token()
-    attention = 4 * size.d_model * size.seq_len  # scores and values of one layer, forward
-    idle = (size.moe.n_experts - size.moe.top_k) * size.moe.expert_params(size.d_model) if size.moe else 0
-    whole = 2 * (size.params_per_layer - idle - size.norm_params_per_layer) + attention
-    layers = sum(checkpointed_layer(c.recompute, i) for i in range(size.n_layers))
-    extra: float = layers * whole
+    attention = 2 * size.attention_width * size.seq_len  # scores and values of one layer, forward
+
+    def whole(i: int) -> float:
+        return 2 * size.layer_matmul_params(i) + attention
+
+    extra: float = sum(whole(i) for i in range(size.n_layers) if checkpointed_layer(c.recompute, i))
     if c.recompute == "attn":
         extra = size.n_layers * (2 * size.qkv_params + attention)
     elif c.recompute == "op":
-        matmuls = block_matmuls(size, c.dims.ep)
-        extra = size.n_layers * sum(m.flops(1) for m, keep in zip(matmuls, kept_by_op(matmuls)) if not keep)
+        extra = 0.0
+        for i in range(size.n_layers):
+            matmuls = block_matmuls(size.at_layer(i), c.dims.ep)
+            extra += sum(m.flops(1) for m, keep in zip(matmuls, kept_by_op(matmuls)) if not keep)
     return (model + extra) / model
 
 

@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
+
+import torch
 
 from harness.parallel.dims import ParallelDims
 from harness.parallel.schedules import layer_ranges, placement
+from harness.parallel.tp_plan import COLUMN_LINEARS, PROJ_NORMS, ROW_LINEARS
+from workloads.model import Decoder
 from workloads.moe import WIDTH_DIM
 from workloads.sizes import ModelSize
 
@@ -49,56 +54,34 @@ class ParamSpec:
 
 @functools.lru_cache(maxsize=64)
 def param_specs(size: ModelSize) -> tuple[ParamSpec, ...]:
-    """Every parameter tensor, in the model's registration order."""
-    d, f, v, s, kv = size.d_model, size.d_ff, size.vocab_size, size.seq_len, size.kv_dim
-    bias = not size.llama  # llama3: no biases, RMSNorm (weight only), no position table
-    out = [ParamSpec("embed.tok.weight", (v, d), None, REPLICATE)]
-    if size.learned_positions:
-        out.append(ParamSpec("embed.pos.weight", (s, d), None, REPLICATE))
-
-    def norm(name: str, layer: int | None) -> list[ParamSpec]:
-        return [ParamSpec(name + ".weight", (d,), layer, REPLICATE)] + \
-            ([ParamSpec(name + ".bias", (d,), layer, REPLICATE)] if bias else [])
-
-    def linear(name: str, shape: tuple[int, int], layer: int, tp: str) -> list[ParamSpec]:
-        # a column-parallel bias is sharded with its outputs, a row-parallel one replicated
-        return [ParamSpec(name + ".weight", shape, layer, tp)] + \
-            ([ParamSpec(name + ".bias", (shape[0],), layer, COL if tp == COL else REPLICATE)] if bias else [])
-
-    def swiglu(name: str, width: int, layer: int) -> list[ParamSpec]:
-        ins = ("gate", "up") if size.llama else ("fc",)
-        return [q for n in ins for q in linear(f"{name}.{n}", (width, d), layer, COL)] + \
-            linear(f"{name}.proj", (d, width), layer, ROW)
-
-    qd, hd = size.q_dim, size.head_dim
-    for i in range(size.n_layers):
-        p = f"blocks.{i}."
-        out += norm(p + "ln1", i)
-        out += linear(p + "attn.q", (qd, d), i, COL) + linear(p + "attn.k", (kv, d), i, COL) + \
-            linear(p + "attn.v", (kv, d), i, COL) + linear(p + "attn.out", (d, qd), i, ROW)
-        if size.qk_norm:
-            out += [ParamSpec(p + f"attn.{n}_norm.weight", (hd,), i, REPLICATE) for n in ("q", "k")]
-        out += norm(p + "ln2", i)
-        out += swiglu(p + "mlp", f, i) if size.moe is None else moe_specs(size, p + "mlp", i)
-    out += norm("norm", None) + [ParamSpec("head.weight", (v, d), None, COL)]
+    """Every parameter tensor, in the model's registration order: the module tree itself, built on the meta device
+    (no memory, milliseconds at any size), each tensor placed as tensor parallel places it (:func:`tp_of`)."""
+    with torch.device("meta"):
+        model = Decoder(size)
+    out = []
+    for name, p in model.named_parameters():
+        block = _BLOCK.match(name)
+        local = name[block.end():] if block else name
+        out.append(ParamSpec(name, tuple(p.shape), int(block.group(1)) if block else None,
+                             tp_of(local, proj_norm=size.qk_norm == "proj"), expert=local.startswith("mlp.experts.")))
     return tuple(out)
 
 
-def moe_specs(size: ModelSize, name: str, layer: int) -> list[ParamSpec]:
-    """An MoE layer's tensors (:class:`workloads.moe.MoE`): the router, the E stacked experts (dim 0 the
-    expert, which FSDP shards), the shared expert. Under tensor parallel the router is replicated."""
-    m, d = size.moe, size.d_model
-    assert m is not None, f"moe_specs: {size.key} has no MoE layer"
-    out = [ParamSpec(f"{name}.router.score.weight", (m.n_experts, d), layer, REPLICATE),
-           ParamSpec(f"{name}.experts.gate", (m.n_experts, m.d_ff, d), layer, REPLICATE, expert=True),
-           ParamSpec(f"{name}.experts.up", (m.n_experts, m.d_ff, d), layer, REPLICATE, expert=True),
-           ParamSpec(f"{name}.experts.proj", (m.n_experts, d, m.d_ff), layer, REPLICATE, expert=True)]
-    if m.n_shared:
-        w = m.n_shared * m.d_ff
-        out += [ParamSpec(f"{name}.shared.gate.weight", (w, d), layer, COL),
-                ParamSpec(f"{name}.shared.up.weight", (w, d), layer, COL),
-                ParamSpec(f"{name}.shared.proj.weight", (d, w), layer, ROW)]
-    return out
+_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+
+
+def tp_of(local: str, proj_norm: bool = False) -> str:
+    """How tensor parallel (:func:`harness.parallel.tp.apply_tp`) places a parameter, by its name inside a block
+    (or the model's): a column-parallel linear's weight and bias, the LM head and a q/k norm over the whole
+    projection are ``col`` (dim 0 sharded); a row-parallel linear's weight ``row`` (dim 1), its bias replicated;
+    the rest (norms, embeddings, the router, MLA's low-rank down-projections, an MoE's experts, which expert
+    parallel places) ``replicate``."""
+    module, _, leaf = local.rpartition(".")
+    if module in COLUMN_LINEARS or local == "head.weight" or (proj_norm and module in PROJ_NORMS):
+        return COL
+    if module in ROW_LINEARS:
+        return ROW if leaf == "weight" else REPLICATE
+    return REPLICATE
 
 
 def tp_local_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:

@@ -8,15 +8,8 @@ tensor per parameter tensor: ``16 bytes x (parameters this rank holds) + 4 x ten
 model with fp32 Adam (2 + 2 + 12) is also 16 bytes per parameter, so ZeRO-3 over ``n`` ranks
 holds ``16 N / n``.
 
-**Activations** (Korthikanti et al. 2022, section 4, adapted to this model: no dropout, fused
-SDPA attention that saves its output and log-sum-exp instead of the ``5 a s^2 b`` score
-matrices): per layer and token, the saved tensors are the two LayerNorm inputs and outputs
-(``4 d``; sequence-parallel: the inputs ``/ tp``, the outputs whole, as the linears save them
-all-gathered), q, k, v and the attention output (``4 d / tp``), the
-MLP input to GELU and its output (``8 d / tp``): ``4 d + 12 d / tp`` elements. Recompute
-``full`` keeps only each block's input (``d``) plus one block's activations during its
-backward; ``selective`` recomputes the attention core, the q/k/v projections and SDPA
-(:mod:`harness.parallel.levers`; drops q, k, v and the output: ``- 4 d / tp``).
+**Activations**: what a block saves for its backward, by architecture and policy, is
+:mod:`harness.model.activations`; here, how many microbatches' worth a rank holds at its peak.
 
 **Context parallel** (:mod:`harness.parallel.cp`): a rank holds ``1 / cp`` of each sequence's tokens,
 so every per-token term above falls by ``cp``, but each layer's attention saves the *gathered* keys
@@ -29,7 +22,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.model.block_ops import block_matmuls, kept_by_op
+from harness.model.activations import (
+    block_backward_bytes,
+    block_token_bytes,
+    kept_token_bytes,
+    microbatch_tables,
+    mlp_grad_bytes,
+    op_token_bytes,
+)
+from harness.model.block_ops import block_matmuls
 from harness.model.inventory import (
     coords,
     fsdp_padded_numel,
@@ -98,94 +99,6 @@ def inflight_microbatches(c: CellShape, pp_rank: int = 0) -> int:
     return min(c.microbatches, c.dims.pp - pp_rank)
 
 
-def composite_rms_norm(c: CellShape) -> bool:
-    """Whether ``nn.RMSNorm`` runs as composite ops, which also save the normalised input: on CPU always
-    (torch 2.13 fuses it on CUDA only), on CUDA when the input's dtype differs from the fp32 weight's
-    (autocast without FSDP's low-precision ``param_dtype``)."""
-    return c.device_kind != "cuda" or (c.compute_bytes != 4 and not c.fsdp)
-
-
-def _attention_token_elements(c: CellShape) -> float:
-    """q, k, v (grouped-query: ``kv_dim`` wide) and the attention output, per token, on one tp rank; under
-    context parallel k and v are the whole sequence's, gathered: ``cp`` times the local tokens'."""
-    return (2 * c.size.q_dim + 2 * c.size.kv_dim * c.dims.cp) / c.dims.tp
-
-
-def _block_token_bytes(c: CellShape) -> float:
-    """Bytes one block saves per token for its backward (under ``attn``, what it keeps; every other policy
-    recomputes a block to this in its backward)."""
-    size, tp, lo, hi = c.size, c.dims.tp, c.compute_bytes, c.residual_bytes
-    d, f = size.d_model, size.d_ff
-    sp = tp if c.dims.sequence_parallel else 1
-    # per token: each norm's input and output (hi), or, for a composite RMSNorm, its input and normalised
-    # input upcast to fp32 (torch's composite computes in fp32 and saves both) and its output (hi);
-    # q/k/v/attention output (lo, / tp); the MLP's: GELU's input and output (2 f), or SwiGLU's gate,
-    # silu(gate), up and their product (4 f) (lo, / tp). Under SP the norms save their sequence-sharded
-    # inputs, but the column-parallel linears save the all-gathered (full-sequence) norm outputs they
-    # consume: DTensor does not re-gather in backward as Megatron does.
-    norm_saved = 2 * d * 4 if size.llama and composite_rms_norm(c) else d * hi
-    ln = 2 * norm_saved / sp + 2 * d * hi
-    mlp = 2 * size.mlp_matrices - 2  # 2 (GELU) or 4 (SwiGLU) tensors of width d_ff
-    per_layer = ln + (_attention_token_elements(c) + mlp * f / tp) * lo
-    if size.moe is not None:  # k expert slots per token instead of one MLP
-        per_layer += moe_token_bytes(c) - mlp * f / tp * lo
-    gqa_copy = size.kv_dim != size.q_dim and c.device_kind == "cpu" and not c.fake_compute
-    if gqa_copy:
-        # grouped-query attention on CPU: SDPA's output is laid out (B, H, T, hd), so the output projection's
-        # input is a copy (saved beside SDPA's own output; measured with saved-tensor hooks on a llama3 block).
-        # A GPU's fused kernel, and fit's fake compute which stands for it, lay it out (B, T, H, hd): no copy
-        per_layer += size.q_dim / tp * lo
-    if size.qk_norm:  # q and k normalised per head: saved as the layer norms are
-        per_layer += (size.q_dim + size.kv_dim) / tp * (2 * 4 if composite_rms_norm(c) else lo)
-    if c.recompute == "attn":  # q, k, v and SDPA's output recomputed; the output projection keeps its input
-        per_layer -= (_attention_token_elements(c) - (0 if gqa_copy else size.q_dim / tp)) * lo
-    return per_layer
-
-
-def op_token_bytes(c: CellShape) -> float:
-    """What the ``op`` policy keeps of a block per token (:class:`harness.parallel.activation_checkpoint.EveryOtherMatmul`):
-    the block's input (the checkpoint's; sequence-sharded under SP), the 1st, 3rd, ... matmul's output, the
-    attention's output and its fp32 log-sum-exp (a head per token), and under sequence parallel the reduce-scatters'
-    outputs (the attention's, and a dense MLP's; an MoE's output is sliced, not reduce-scattered). Checked
-    against a real block's live tensors (tests/unit/test_ac_policies.py)."""
-    size, tp, lo = c.size, c.dims.tp, c.compute_bytes
-    sp = tp if c.dims.sequence_parallel else 1
-    matmuls = block_matmuls(size, c.dims.ep)
-    kept = sum(m.output_bytes(tp, lo) for m, keep in zip(matmuls, kept_by_op(matmuls)) if keep)
-    attention = size.q_dim / tp * lo + size.n_heads / tp * 4
-    scattered = (1 if size.moe else 2) * size.d_model / tp * lo if c.dims.sequence_parallel else 0
-    return size.d_model * c.residual_bytes / sp + kept + attention + scattered
-
-
-def kept_token_bytes(c: CellShape, layer: int) -> float:
-    """Bytes block ``layer`` keeps per token for its backward under the cell's policy: its input only when it is
-    checkpointed whole (``full``, ``layerN``), :func:`op_token_bytes` under ``op``, else
-    :func:`_block_token_bytes`."""
-    sp = c.dims.tp if c.dims.sequence_parallel else 1
-    if checkpointed_layer(c.recompute, layer):
-        return c.size.d_model * c.residual_bytes / sp
-    if c.recompute == "op":
-        return op_token_bytes(c)
-    return _block_token_bytes(c)
-
-
-def moe_token_bytes(c: CellShape) -> float:
-    """What an MoE layer saves per token: the router's fp32 logits and scores (E each); per each of the k
-    slots, three rows of d: the token's grouped copy (the experts' input), its expert's output (which the
-    routing weight multiplies) and the weighted output (``index_add`` keeps its source), and the
-    expert's SwiGLU tensors (4 f); the shared expert's SwiGLU tensors (4 x n_shared f)."""
-    m, d = c.size.moe, c.size.d_model
-    assert m is not None, f"moe_token_bytes: {c.size.key} has no MoE layer"
-    return 8 * m.n_experts + (m.top_k * (3 * d + 4 * m.d_ff) + 4 * m.n_shared * m.d_ff) * c.compute_bytes
-
-
-def rope_table_bytes(c: CellShape, layer: int) -> int:
-    """RoPE's cos and sin (fp32, ``seq x head_dim / 2`` each), computed and saved by a llama3 block's attention
-    that keeps it (no policy that recomputes the attention), once per microbatch: not per row."""
-    kept = c.recompute not in ("attn", "op") and not checkpointed_layer(c.recompute, layer)
-    return 4 * c.local_seq * c.size.head_dim if c.size.llama and kept else 0
-
-
 def _stage_keep_bytes(c: CellShape, layers: list[int], last_stage: bool) -> int:
     """What one microbatch saves for its backward on a stage of ``layers``: what each layer keeps under the policy
     (:func:`kept_token_bytes`), the stage's output (but on the last stage, whose output is the loss), and RoPE's
@@ -193,7 +106,7 @@ def _stage_keep_bytes(c: CellShape, layers: list[int], last_stage: bool) -> int:
     sp = c.dims.tp if c.dims.sequence_parallel else 1
     stage_output = 0 if last_stage else c.size.d_model * c.residual_bytes / sp
     kept = sum(kept_token_bytes(c, i) for i in layers)
-    tables = sum(rope_table_bytes(c, i) for i in layers)
+    tables = sum(microbatch_tables(c, i) for i in layers)
     return int(c.microbatch_rows * c.local_seq * (kept + stage_output)) + tables
 
 
@@ -217,23 +130,10 @@ def _weight_grad_inputs(c: CellShape, layers: list[int], last_stage: bool) -> in
     """What a split backward's input-gradient step (I) holds for the weight-gradient step (W), one microbatch:
     the gradient at each linear's output (the intermediates torch's ``stage_backward_input`` keeps), and on the
     last stage the head's (the logits' gradient, fp32)."""
-    widths = sum(m.n * m.rows for m in block_matmuls(c.size, c.dims.ep)) / c.dims.tp
+    widths = sum(m.n * m.rows for i in layers for m in block_matmuls(c.size.at_layer(i), c.dims.ep)) / c.dims.tp
     tokens = c.microbatch_rows * c.local_seq
     head = tokens * c.size.vocab_size * 4 / c.dims.tp if last_stage else 0
-    return int(tokens * widths * c.compute_bytes * len(layers) + head)
-
-
-def _mlp_grad_bytes(c: CellShape) -> int:
-    """The MLP gradients one block's backward allocates, one microbatch: GELU's (``d_ff / tp`` per
-    token), or SwiGLU's two at once (the gradients of silu(gate) and of up: ``2 d_ff / tp``)."""
-    width = (c.size.mlp_matrices - 1) * c.size.d_ff
-    return int(c.microbatch_rows * c.local_seq * width * c.compute_bytes / c.dims.tp)
-
-
-def block_backward_bytes(c: CellShape) -> int:
-    """Activations live in one block's backward, one microbatch: the block's (saved, or recomputed
-    under every policy but ``attn``) and its MLP gradients."""
-    return int(c.microbatch_rows * c.local_seq * _block_token_bytes(c)) + _mlp_grad_bytes(c)
+    return int(tokens * widths * c.compute_bytes + head)
 
 
 def grads_live_in_forward(c: CellShape) -> bool:
@@ -321,12 +221,42 @@ def _top_block_adds(c: CellShape, pp_rank: int) -> int:
     """What the rank's last block's backward (the first it runs) adds to the saved activations: the whole block
     recomputed when it is checkpointed whole, what ``op`` did not keep of it, and its MLP gradients."""
     top = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape)[-1]
+    at = c.at_layer(top)
     if checkpointed_layer(c.recompute, top):
-        return block_backward_bytes(c)
+        return block_backward_bytes(at)
     if c.recompute == "op":
         rows = c.microbatch_rows * c.local_seq
-        return int(rows * (_block_token_bytes(c) - op_token_bytes(c))) + _mlp_grad_bytes(c)
-    return _mlp_grad_bytes(c)
+        return int(rows * (block_token_bytes(at) - op_token_bytes(at))) + mlp_grad_bytes(at)
+    return mlp_grad_bytes(at)
+
+
+def _top_block_grad_bytes(c: CellShape, pp_rank: int, live: bool) -> int:
+    """The gradients the rank's last block's backward makes. Where none exist yet (``live`` False): the block's,
+    fp32, or under FSDP unsharded in the parameter dtype until their reduce-scatter. Where earlier microbatches'
+    exist, each new one is made apart and added into them: the largest at once. An MoE block's stacked experts
+    (unbound per expert in forward) get every expert's gradient of all three weights before they are stacked into
+    their tensors: the three tensors' worth at once (within 3% of :class:`harness.measure.tensor_bytes.TensorBytes`'
+    peaks of Mixtral's shrunk cells)."""
+    top = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape)[-1]
+    sizes = [(math.prod(held_shape(p, c.dims)), p.expert)
+             for p in rank_params(c.size, c.dims, c.virtual, pp_rank, c.v_shape) if p.layer == top]
+    experts = [n for n, expert in sizes if expert]
+    stacking = 4 * sum(experts)
+    if live:
+        return max(stacking, 4 * max(n for n, _ in sizes))
+    return sum(n for n, expert in sizes if not expert) * (c.param_bytes if c.fsdp else 4) + stacking
+
+
+def optimizer_temp_bytes(c: CellShape, pp_rank: int) -> int:
+    """What the optimizer step allocates beside the states: torch's single-tensor AdamW (a CPU rank's, unfused) makes
+    three temporaries the size of each tensor in turn (measured with :class:`harness.measure.tensor_bytes.TensorBytes`:
+    three of the largest); a GPU's multi-tensor and the fused kernel are not counted here."""
+    if c.device_kind != "cpu" or c.optimizer != "adamw":
+        return 0
+    coord = next(k for k in coords(c.dims) if k.pp == pp_rank)
+    largest = max(held_numel(p, c.dims, c.fsdp, coord) for p in rank_params(c.size, c.dims, c.virtual, pp_rank,
+                                                                             c.v_shape))
+    return 3 * 4 * largest
 
 
 def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> float:
@@ -336,7 +266,8 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
     * the turn from forward to backward: every saved activation and the logits (last stage);
     * the top block's backward: every saved activation and what that block's backward adds;
     * the bottom block's backward, the step's last: every gradient and one block's activations.
-      It is the peak under ``ac full`` when the gradients outweigh the block inputs.
+      It is the peak under ``ac full`` when the gradients outweigh the block inputs;
+    * the optimizer step: every gradient and the step's temporaries (:func:`optimizer_temp_bytes`).
 
     Gradients count in the first two only when they outlive a step's forward (:func:`grads_live_in_forward`).
     Under FSDP in a pipeline the gradients and gathered parameters are the stage's, unsharded
@@ -347,8 +278,10 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
     """
     states = max((s for s, k in zip(state_bytes_by_rank(c), coords(c.dims)) if k.pp == pp_rank),
                  key=lambda s: s.total)
-    block = block_backward_bytes(c)
+    block = block_backward_bytes(c.at_layer(rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank,
+                                                            c.v_shape)[0]))
     top_adds = _top_block_adds(c, pp_rank)
+    optimizer_step = states.grads + optimizer_temp_bytes(c, pp_rank)
     transient = transient_param_bytes(c, pp_rank)
     saved = activation_bytes(c, pp_rank)
     logits = logits_bytes(c) if pp_rank == c.dims.pp - 1 else 0
@@ -360,10 +293,12 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
         at_turn = unsharded if c.microbatches > inflight else 0
         moments: tuple[float, ...] = (saved + logits + at_turn + transient, saved + top_adds + at_turn + transient,
                                       saved * (inflight - 1) // inflight + block + unsharded + root + sum(blocks),
-                                      states.grads + unsharded + root + sum(blocks))
+                                      states.grads + unsharded + root + sum(blocks), optimizer_step)
         return states.params + states.optimizer + recv + max(moments) + base_bytes
     live_grads = states.grads if grads_live_in_forward(c) else 0
-    moments = (saved + logits + live_grads, saved + top_adds + live_grads, states.grads + block)
+    top_grads = _top_block_grad_bytes(c, pp_rank, live=bool(live_grads) and not c.fsdp)
+    moments = (saved + logits + live_grads, saved + top_adds + top_grads + live_grads, states.grads + block,
+               optimizer_step)
     return states.params + states.optimizer + recv + transient + max(moments) + base_bytes
 
 

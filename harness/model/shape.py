@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from harness.parallel.activation_checkpoint import ac_policy
@@ -38,6 +38,8 @@ class CellShape:
     moe_imbalance: float = 1.0
     """The busiest expert's load over the mean (a record's ``metrics.moe.imbalance_max_over_mean``; 1: balanced).
     Under expert parallel the rank holding it computes that much more of the experts' FLOPs."""
+    optimizer: str = "adamw"
+    """``adamw`` (torch's default kernel: on CPU ranks one tensor at a time) or ``adamw-fused``."""
     fp8_all_gather: bool = False
     """``--precision fp8 --fp8-all-gather on``: FSDP gathers the float8 linears' weights at 1 byte an element."""
 
@@ -52,7 +54,13 @@ class CellShape:
         return cls(size=size, dims=dims, strategy=cfg.strategy, precision=cfg.precision,
                    global_batch=cfg.global_batch, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches,
                    pp_schedule=cfg.pp_schedule, device_kind=cfg.device_kind, recompute=cfg.ac,
-                   fp8_all_gather=cfg.fp8_all_gather)
+                   optimizer=cfg.optimizer, fp8_all_gather=cfg.fp8_all_gather)
+
+    def at_layer(self, layer: int) -> CellShape:
+        """The cell as if every block were block ``layer`` (:meth:`workloads.architecture.ModelSize.at_layer`): what
+        a per-block formula reads where an MoE model's first blocks are dense."""
+        size = self.size.at_layer(layer)
+        return self if size is self.size else replace(self, size=size)
 
     @property
     def layout(self) -> Layout:

@@ -52,7 +52,9 @@ class ExpertLoad:
         ranks route the same tokens (``fsdp+tp+ep``), each counting them."""
         self.layers = moe_layers(parts)
         assert size.moe is not None, f"ExpertLoad: {size.key} has no MoE layer"
-        self.shape = (size.n_layers, size.moe.n_experts)
+        self.shape = (size.moe_layers, size.moe.n_experts)
+        self.row = {i: i - size.dense_layers for i in range(size.dense_layers, size.n_layers)}
+        """Each MoE block's row of the load: an MoE model's dense first blocks route nothing."""
         self.device = device
         self.passes = {i: 2 if reruns_forward(ac, i) else 1 for i, _ in self.layers}
         """Forwards per micro-batch of each layer (its block index)."""
@@ -74,13 +76,13 @@ class ExpertLoad:
     def step(self) -> None:
         load = torch.zeros(self.shape, device=self.device)
         for i, layer in self.layers:
-            load[i] = layer.router.take_load() / self.passes[i]
+            load[self.row[i]] = layer.router.take_load() / self.passes[i]
         if dist.is_initialized() and dist.get_world_size() > 1:
             with comm_label(MOE_LOAD_LABEL):
                 dist.all_reduce(load)
         load /= self.tp  # every tp rank counted its tokens
         for i, layer in self.layers:
-            layer.router.update_bias(load[i])
+            layer.router.update_bias(load[self.row[i]])
         self.steps.append(load)
         if self.dispatchers:
             counts = [([n / self.passes[i] for n in d.take_counts()], self.passes[i] > 1) for i, d in self.dispatchers]

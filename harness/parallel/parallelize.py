@@ -38,7 +38,7 @@ from harness.parallel.parallelized import Parallelized
 from harness.parallel.pipeline import StageShapes, build_pipeline, build_stage_module
 from harness.parallel.presets import Layout
 from harness.parallel.schedules import stage_ids, stages_per_rank
-from harness.parallel.tp import apply_tp, reduce_partial_grads
+from harness.parallel.tp import apply_tp, head_shared_params, reduce_head_shared_grads, reduce_partial_grads
 from harness.precision import float8_tp_styles
 from workloads.model import Decoder
 
@@ -102,12 +102,19 @@ def parallelize(model: Decoder, layout: Layout, device: torch.device, precision,
 
 def _step_hooks(dims: ParallelDims, parts: list[nn.Module], model: nn.Module | None = None) -> dict:
     """What the layout adds to each step, bound once: data parallel's ``no_sync`` for gradient accumulation (the
-    callable ``model``'s), sequence parallel's one all-reduce of the norms' partial gradients before the optimizer,
-    and loss parallel's context for the loss and its backward."""
-    def reduce() -> int:
-        return reduce_partial_grads(p for part in parts for p in part.parameters())
+    callable ``model``'s), sequence parallel's one all-reduce of the norms' partial gradients before the optimizer
+    (and, under any tensor parallel, one of the per-head q/k norms' gradients), and loss parallel's context for the
+    loss and its backward."""
+    shared = head_shared_params(parts) if dims.tp_enabled else []
+    group = dims.mesh("tp").get_group() if shared else None
 
-    return {"no_sync": _no_sync(model), "after_backward": reduce if dims.sequence_parallel else None,
+    def reduce() -> int:
+        summed = reduce_head_shared_grads(shared, group) if shared else 0
+        if dims.sequence_parallel:
+            summed += reduce_partial_grads(p for part in parts for p in part.parameters())
+        return summed
+
+    return {"no_sync": _no_sync(model), "after_backward": reduce if dims.sequence_parallel or shared else None,
             "loss_parallel": loss_parallel if dims.loss_parallel else None}
 
 

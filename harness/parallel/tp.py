@@ -15,12 +15,12 @@ sharded over the vocabulary for torch's vocabulary-parallel cross-entropy
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -32,16 +32,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from workloads.model import Decoder
+from harness.parallel.tp_plan import COLUMN_LINEARS, HEAD_SHARED, ROW_LINEARS
+from workloads.layers import ProjNorm
+from workloads.model import Decoder, LatentAttention
 from workloads.moe import MoE
-
-COLUMN_LINEARS = ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up", "mlp.shared.gate", "mlp.shared.up")
-"""Column-parallel linears of a block (gpt2's MLP has ``fc``, llama3's SwiGLU ``gate`` and ``up``, an MoE's
-shared expert ``shared.gate`` and ``shared.up``): each rank holds ``n_heads / tp`` query heads,
-``n_kv_heads / tp`` key/value heads (grouped-query attention keeps each rank's query heads with the
-key/value heads they share) and ``d_ff / tp`` MLP columns. An MoE's routed experts are split by
-expert parallel (:mod:`harness.parallel.ep`), its router replicated."""
-ROW_LINEARS = ("attn.out", "mlp.proj", "mlp.shared.proj")
 
 
 def _float8(module: nn.Module) -> bool:
@@ -101,6 +95,7 @@ def apply_tp(model: Decoder, tp_mesh, sequence_parallel: bool, loss_parallel: bo
     for block in model.blocks.values():
         present = dict(block.named_modules())
         moe = isinstance(block.mlp, MoE)
+        _place_attention_extras(block.attn, tp_mesh)
         styles = {name: _styles(float8 and _float8(present[name])) for name in COLUMN_LINEARS + ROW_LINEARS
                   if name in present}
         plan: dict[str, ParallelStyle] = {name: styles[name][0]() for name in COLUMN_LINEARS if name in present}
@@ -116,12 +111,52 @@ def apply_tp(model: Decoder, tp_mesh, sequence_parallel: bool, loss_parallel: bo
                 {
                     "ln1": SequenceParallel(),
                     "ln2": SequenceParallel(),
-                    "attn": gather["attn"](input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    # MLA's low-rank down-projections are plain linears on every rank: they take a plain tensor
+                    "attn": gather["attn"](input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                           use_local_output=isinstance(block.attn, LatentAttention)),
                     "mlp": _moe_sp() if moe else gather["mlp"](input_layouts=(Shard(1),),
                                                               desired_input_layouts=(Replicate(),)),
                 }
             )
         parallelize_module(block, tp_mesh, plan)
+
+
+def _place_attention_extras(attn: nn.Module, tp_mesh) -> None:
+    """What an attention holds besides its linears, placed for this rank's heads: ALiBi's slopes (the rank's index
+    picks its heads'), MLA's shared rotary key (its gradient summed over tp), q/k norms over the whole projection (their weights sharded with the projection's columns,
+    their squares summed over tp: :class:`workloads.layers.ProjNorm`)."""
+    if getattr(attn, "alibi", None) is not None:
+        cast(Any, attn).tp_rank = tp_mesh.get_local_rank()
+    if isinstance(attn, LatentAttention):  # the shared rotary key's gradient, summed over the heads of every rank
+        attn.tp_group = tp_mesh.get_group()
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if isinstance(norm, ProjNorm):
+            norm.weight = nn.Parameter(distribute_tensor(norm.weight.data, tp_mesh, [Shard(0)]))
+            norm.group = tp_mesh.get_group()
+
+
+def head_shared_params(parts: list[nn.Module]) -> list[nn.Parameter]:
+    """The per-head norm weights of ``parts`` (a model whose q/k norms span the whole projection has none)."""
+    return [p for part in parts for name, p in part.named_parameters()
+            if name.endswith(HEAD_SHARED) and not isinstance(part.get_submodule(name.rsplit(".", 1)[0]), ProjNorm)]
+
+
+def reduce_head_shared_grads(params: list[nn.Parameter], group) -> int:
+    """Sum the per-head norm weights' gradients over the tp group in one all-reduce before the optimizer (each rank's
+    holds its heads' share; under FSDP each rank's shard of it, the same elements on every tp rank). Returns the
+    tensors reduced."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return len(grads)
 
 
 def _moe_sp() -> PrepareModuleInputOutput:

@@ -80,6 +80,17 @@ def _live_tensors(grad_norms: dict[str, float | None], total: float | None) -> s
     return {k for k, g in grad_norms.items() if g is not None and g >= DEAD_GRAD_FRACTION * total}
 
 
+def _beyond_noise(diff: float | None, near_eps: float) -> float | None:
+    """A tensor's step-1 norm difference less what its gradient elements near Adam's eps can move it by: each such
+    element's update is rounding noise of at most ``lr`` in size (``g / (|g| + eps)`` in ``[0, 1]``), and the norm of a
+    tensor's first update is ``lr`` per element, so a share ``f`` of them moves its norm by less than ``f / 2``
+    relative (:data:`harness.measure.parity_probe.NEAR_EPS`). A tensor left out of the update, or updated from
+    another gradient, still moves by far more."""
+    if diff is None:
+        return None
+    return max(0.0, diff - near_eps / 2)
+
+
 ROUTING_FLIP_SLOTS = 2
 """Expert slots (token x choice) each layer of an MoE step may route otherwise than the reference for the
 difference to be a near-tie of the top-k flipped by rounding. A token that moved between two experts
@@ -116,7 +127,8 @@ def parity_diffs(worker: Mapping[str, Any], samples: dict, ref: dict) -> dict[st
     params = None
     if mine and theirs and set(mine) == set(theirs):
         live = _live_tensors(rs.get("grad_norms_step1") or {}, rm.get("grad_norm_step1"))
-        diffs = [_rel(mine[k], theirs[k]) for k in theirs if k in live]
+        near = rs.get("grad_near_eps_step1") or {}
+        diffs = [_beyond_noise(_rel(mine[k], theirs[k]), near.get(k, 0.0)) for k in theirs if k in live]
         known = [d for d in diffs if d is not None]
         params = max(known) if diffs and len(known) == len(diffs) else None
     return {"loss": loss, "grad_norm": _rel(worker.get("grad_norm_step1"), rm.get("grad_norm_step1")),

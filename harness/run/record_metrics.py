@@ -237,6 +237,7 @@ def worker_metrics(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRu
     samples = {"step_time_s": measured, "warmup_step_time_s": all_steps[: cfg.warmup],
                "step_time_s_per_rank": [t[cfg.warmup:] for t in per_rank_times],
                "param_norms_step1": step1["param_norms"], "grad_norms_step1": step1["grad_norms"],
+               "grad_near_eps_step1": step1["grad_near_eps"],
                "phase_marks": run.phase_marks}
     if per_step is not None:
         samples["moe_load_per_step"] = per_step

@@ -10,8 +10,8 @@ import torch
 
 from harness.errors import UsageError
 from harness.measure.tensor_bytes import TensorBytes
+from harness.model.activations import kept_token_bytes, op_token_bytes, rope_table_bytes
 from harness.model.compute import recompute_factor
-from harness.model.memory import kept_token_bytes, op_token_bytes, rope_table_bytes
 from harness.model.shape import CellShape
 from harness.parallel.activation_checkpoint import (
     AC_POLICIES,

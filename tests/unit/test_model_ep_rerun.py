@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.model.activations import composite_rms_norm, moe_token_bytes, op_token_bytes
 from harness.model.comm import _ep_calls, comm_by_rank, comm_for_routing, ep_bytes, ep_tp_bytes
-from harness.model.memory import composite_rms_norm, moe_token_bytes, op_token_bytes
 from harness.model.shape import CellShape
 from harness.parallel.presets import resolve, resolve_cell
 from workloads.sizes import get_size

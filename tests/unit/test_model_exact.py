@@ -141,7 +141,11 @@ def test_peak_is_the_largest_moment_of_the_step() -> None:
     assert bottom > tokens * 4 * 128 * 4 + max(logits, tokens * 64 * 128 + gelu)
     assert memory.peak_bytes(full, 0.0) == states + bottom
     ddp = shape("ddp", 2)  # DDP's buckets (4 bytes per parameter) beside the states; 4 local rows
-    assert memory.peak_bytes(ddp, 0.0) == states + 4 * PARAMS + tokens // 2 * (4 * 64 * 128 + 256 * 12)
+    # at 512 local tokens the top block's backward wins: its GELU gradient (4 d x 4 = 2,048 B/token) and its own
+    # fp32 gradients (4 x BLOCK = 793,088 B) outweigh the logits (256 x 12 = 3,072 B/token): 268,800 B more
+    top = tokens // 2 * (4 * 64 * 128 + 4 * 128 * 4) + 4 * BLOCK
+    assert top - tokens // 2 * (4 * 64 * 128 + 256 * 12) == 268_800
+    assert memory.peak_bytes(ddp, 0.0) == states + 4 * PARAMS + top
     tp = shape("tp", 2)  # the column-parallel head's shard and the gathered logits on every rank
     s = max(memory.state_bytes_by_rank(tp), key=lambda x: x.total)
     assert memory.peak_bytes(tp, 0.0) == s.params + s.optimizer + memory.activation_bytes(tp) \
@@ -152,7 +156,9 @@ def test_peak_is_the_largest_moment_of_the_step() -> None:
     # torch's PipelineStage holds one receive buffer per microbatch for the whole step (stage.py's
     # _create_grad_recv_info / _setup_forward_recv_info): rank 0 its output's gradient, rank 1 its input
     recv = 4 * rows * 128 * 4
-    peak_first = first.total + rows * 2 * (2 * 64 * 128 + 4 * 128) + rows * 4 * 128 * 4 + recv  # 2 in flight + GELU grad
+    # 2 in flight + GELU grad + the new gradient of the top block's largest tensor (fc, 4 d x d fp32) before it is added
+    # into the earlier microbatches'
+    peak_first = first.total + rows * 2 * (2 * 64 * 128 + 4 * 128) + rows * 4 * 128 * 4 + recv + 4 * 512 * 128
     peak_last = last.total + rows * 2 * 64 * 128 + rows * 256 * 16 + recv  # one in flight and its logits, kept
     assert [memory.stage_peak_bytes(pp, r) for r in (0, 1)] == [peak_first, peak_last]
     assert memory.peak_bytes(pp, 0.0) == max(peak_first, peak_last)
@@ -367,6 +373,7 @@ def test_peak_with_accumulated_gradients_exact() -> None:
     # none: the turn from forward to backward wins (logits 256 x 12 = 3,072 B/token > GELU grad 4 d x 4 = 2,048)
     c = shape("single", 1, grad_accum=2)
     assert memory.peak_bytes(c, 0) == states + tokens * (4 * 64 * 128 + 256 * 12)
-    # full: the top block's backward wins: 4 block inputs (d x 4) + one block (64 d) + its GELU grad (4 d x 4)
+    # full: the top block's backward wins: 4 block inputs (d x 4) + one block (64 d) + its GELU grad (4 d x 4), and
+    # the new gradient of its largest tensor (fc, 4 d x d fp32: 262,144 B) before it is added into the accumulated one
     full = shape("single", 1, grad_accum=2, recompute="full")
-    assert memory.peak_bytes(full, 0) == states + tokens * (4 * 128 * 4 + 64 * 128 + 4 * 128 * 4)
+    assert memory.peak_bytes(full, 0) == states + tokens * (4 * 128 * 4 + 64 * 128 + 4 * 128 * 4) + 4 * 512 * 128

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from harness.cli import main
+from harness.model.activations import moe_token_bytes
 from harness.model.inventory import param_specs
-from harness.model.memory import moe_token_bytes
 from harness.model.shape import CellShape
 from harness.parallel.expert_load import ExpertLoad
 from harness.parallel.presets import degrees_for
