@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,7 +37,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     ``AsyncCollectiveTensor`` that wraps it (a wrapper reports the wrapped size as a storage of its own, which holds
     no memory: counted, it doubled a collective's output), or the tensor itself."""
     if type(t).__name__ == "AsyncCollectiveTensor":
-        return cast(torch.Tensor, t.elem)
+        return cast(torch.Tensor, cast(Any, t).elem)
     return t.to_local() if hasattr(t, "to_local") else t
 
 

@@ -95,7 +95,7 @@ def apply_tp(model: Decoder, tp_mesh, sequence_parallel: bool, loss_parallel: bo
     for block in model.blocks.values():
         present = dict(block.named_modules())
         moe = isinstance(block.mlp, MoE)
-        _place_attention_extras(block.attn, tp_mesh)
+        _place_attention_extras(cast(nn.Module, block.attn), tp_mesh)
         styles = {name: _styles(float8 and _float8(present[name])) for name in COLUMN_LINEARS + ROW_LINEARS
                   if name in present}
         plan: dict[str, ParallelStyle] = {name: styles[name][0]() for name in COLUMN_LINEARS if name in present}
