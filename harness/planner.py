@@ -26,12 +26,21 @@ from harness.errors import UsageError
 from harness.model.predict import CalibrationInputs, predict_cell
 from harness.parallel.activation_checkpoint import policy_order
 from harness.parallel.levers import OPTIMIZERS, check_levers
-from harness.parallel.presets import EP_PRESETS, PP_PRESETS, STRATEGIES, degree_variants, resolve_cell, world_for
+from harness.parallel.presets import (
+    EP_PRESETS,
+    PP_PRESETS,
+    STRATEGIES,
+    degree_variants,
+    resolve_cell,
+    resolve_own_cell,
+    world_for,
+)
 from harness.parallel.schedules import PP_SCHEDULES
 from harness.precision import Fp8Options, PrecisionPlan, check_fp8
 from harness.scaling import global_batch, scaled_lr
 from harness.spec import CHECKPOINT_MODES, CellConfig, SweepSpec, cell_id_of
 from harness.units import GIB
+from workloads.own_model import OwnModel
 from workloads.sizes import ARCHS, ModelSize, seq_len_error, size_key
 
 
@@ -137,7 +146,8 @@ def _levers(spec: SweepSpec) -> list[dict]:
                                                     spec.checkpoints)]
 
 
-def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell], sizes: dict[str, ModelSize]) -> list[PlannedCell]:
+def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell],
+                    sizes: dict[str, ModelSize | OwnModel]) -> list[PlannedCell]:
     """fp8 is checked against bf16 (the same work, its matmuls in bf16): the bf16 single-device cell of each
     fp8 cell's group, planned as a reference when the sweep does not ask for it."""
     if not spec.reference:
@@ -157,7 +167,7 @@ def _fp8_references(spec: SweepSpec, cells: dict[str, PlannedCell], sizes: dict[
     return out
 
 
-def _plan_one(spec: SweepSpec, size: ModelSize, strategy: str, precision: str, scaling: str, rule: str, *,
+def _plan_one(spec: SweepSpec, size: ModelSize | OwnModel, strategy: str, precision: str, scaling: str, rule: str, *,
               gpus: int, levers: dict, seq_len: int | None, routing: str = "learned",
               degrees: dict | None = None) -> PlannedCell:
     """One cell of ``size`` at ``seq_len`` tokens per sequence (None: the size's own), its MoE tokens routed by
@@ -180,14 +190,18 @@ def _plan_one(spec: SweepSpec, size: ModelSize, strategy: str, precision: str, s
                moe_routing=routing, fp8_emulate=precision == "fp8" and (spec.device_kind == "cpu" or spec.fp8_emulate),
                **levers, **spec.extra)
     try:
-        if seq_error := seq_len_error(size, seq):
-            raise UsageError(seq_error)
         plan = PrecisionPlan(precision, Fp8Options(levers["fp8_recipe"], levers["fp8_all_gather"], raw["fp8_emulate"]))
         plan.check_device(spec.device_kind)
-        layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], replace(size, seq_len=seq), precision,
-                                                   pp_schedule=levers["pp_schedule"], microbatches=spec.microbatches,
-                                                   grad_accum=spec.grad_accum, global_batch=gb,
-                                                   sequence_parallel=levers["sequence_parallel"])
+        if isinstance(size, OwnModel):
+            layout = _own_layout(size, seq, strategy, world, raw, precision=precision, levers=levers,
+                                 grad_accum=spec.grad_accum, global_batch=gb)
+        else:
+            if seq_error := seq_len_error(size, seq):
+                raise UsageError(seq_error)
+            layout, raw["microbatches"] = resolve_cell(strategy, world, raw["degrees"], replace(size, seq_len=seq),
+                                                       precision, pp_schedule=levers["pp_schedule"],
+                                                       microbatches=spec.microbatches, grad_accum=spec.grad_accum,
+                                                       global_batch=gb, sequence_parallel=levers["sequence_parallel"])
         check_levers(spec.device_kind, layout.dims.tp_enabled, spec.warmup, levers["compile"], levers["ac"],
                      levers["optimizer"])
         if precision == "fp8":
@@ -197,6 +211,22 @@ def _plan_one(spec: SweepSpec, size: ModelSize, strategy: str, precision: str, s
         return PlannedCell(cell_id=cell_id_of(raw), config=None, raw=raw, valid=False, reason=str(e))
     return PlannedCell(cell_id=cfg.cell_id, config=cfg, raw=raw, valid=True, reason=None,
                        capacity_gib=device_capacity_gib(spec.device_kind, max(1, world // raw["nnodes"])))
+
+
+def _own_layout(own: OwnModel, seq: int, strategy: str, world: int, raw: dict, *, precision: str, levers: dict,
+                grad_accum: int, global_batch: int):
+    """The checks of a module of your own (:func:`harness.parallel.presets.resolve_own_cell`), and what else it
+    cannot take: another sequence than its factory's, a policy that reaches into the harness's own block, fp8."""
+    if seq != own.seq_len:
+        raise UsageError(f"--seq-len {seq}: {own.name} trains at its factory's seq_len ({own.seq_len}); drop --seq-len")
+    if levers["ac"] in ("attn", "op"):
+        raise UsageError(f"--ac {levers['ac']} reaches into the harness's own block; a module of your own takes none, "
+                         f"full or layerN")
+    if precision == "fp8":
+        raise UsageError(f"--precision fp8 on {own.name}: fp8 converts the harness's own linears; use bf16 or fp32")
+    raw["sequence_parallel"] = False  # its tp_plan says how it shards sequences
+    return resolve_own_cell(strategy, world, raw["degrees"], own, precision, grad_accum=grad_accum,
+                            global_batch=global_batch)
 
 
 def calibration_inputs(cfg: CellConfig) -> CalibrationInputs:

@@ -21,6 +21,7 @@ from harness.parallel.schedules import PP_SCHEDULES
 from harness.precision import FP8_RECIPES, PRECISIONS, Fp8Options, PrecisionPlan
 from harness.scaling import LR_RULES, SCALINGS
 from workloads.moe import ROUTINGS
+from workloads.own_model import OwnModel
 from workloads.resolve import OWN_ARCHS, config_workload, workload_of
 from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, size_key, size_label
 
@@ -146,7 +147,7 @@ class CellConfig:
     and runs the cell at it; ``global_batch`` is then the batch found."""
     arch: str = DEFAULT_ARCH
     """Architecture family (:mod:`workloads.sizes`): ``gpt2``, ``llama3`` or ``moe``; ``config`` for a model read from
-    a ``config.json`` (``model`` holds it)."""
+    a ``config.json``, ``module`` for a factory's ``nn.Module`` (``model`` holds either)."""
     model: dict | None = None
     """A config model's source (:meth:`workloads.architecture.ModelOrigin.as_dict`: its name, digest, the shrink it
     runs under, notes and the config's content): what rebuilds the workload without the file. None for a built-in
@@ -227,14 +228,15 @@ class CellConfig:
         return resolve(self.strategy, self.world_size, self.degrees, self.sequence_parallel)
 
     @property
-    def workload(self) -> ModelSize:
+    def workload(self) -> ModelSize | OwnModel:
         """The workload this cell names (:func:`workloads.resolve.workload_of`), at its own sequence length."""
         return workload_of(self.size, self.arch, self.model)
 
     @property
-    def model_size(self) -> ModelSize:
-        """The workload at this cell's sequence length."""
-        return replace(self.workload, seq_len=self.seq_len)
+    def model_size(self) -> ModelSize | OwnModel:
+        """The workload at this cell's sequence length (a module of your own trains at its factory's)."""
+        w = self.workload
+        return w if isinstance(w, OwnModel) else replace(w, seq_len=self.seq_len)
 
     @property
     def workload_key(self) -> str:
@@ -337,12 +339,12 @@ class SweepSpec:
     force: bool = False
     """Run cells the model predicts will not fit in a rank's memory (they are invalid otherwise)."""
     extra: dict = field(default_factory=dict)
-    models: tuple[ModelSize, ...] = ()
+    models: tuple[ModelSize | OwnModel, ...] = ()
     """``--model``: the user's own models, resolved where the sweep is read; when given, ``sizes`` and ``archs``
     are not swept."""
 
     @property
-    def workloads(self) -> tuple[ModelSize, ...]:
+    def workloads(self) -> tuple[ModelSize | OwnModel, ...]:
         """Every workload of the sweep, as values: the ``--model`` ones, or each family's named sizes (one lookup,
         here; UsageError naming an unknown size and the family's names)."""
         if self.models:

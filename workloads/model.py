@@ -262,6 +262,10 @@ class Decoder(nn.Module):
         self.head: nn.Linear | None = nn.Linear(size.d_model, size.vocab_size, bias=False)
         self.reset_parameters()
 
+    def block_items(self) -> list[tuple[str, nn.Module]]:
+        """(name, block) of each block, in order: what FSDP, checkpointing and compile wrap one by one."""
+        return list(self.blocks.items())
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """GPT-2 init for every architecture: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""

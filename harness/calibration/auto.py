@@ -28,7 +28,7 @@ from harness.errors import UsageError
 from harness.jobs import run_job
 from harness.precision import PrecisionPlan
 from harness.spec import SweepSpec
-from workloads.sizes import ModelSize
+from workloads.sizes import MODULE_ARCH, ModelSize
 
 CHILD_TIMEOUT_S = 3600.0
 
@@ -79,6 +79,8 @@ def needs(spec: SweepSpec, cells: list) -> tuple[set[tuple[str, int]],
         if dtype not in matmul.DTYPES:  # fp8: no calibration yet; its prediction and calibrated MFU say n/a
             continue
         matmuls.add((dtype, threads))
+        if cfg.arch == MODULE_ARCH:  # a module of your own: its step time is not priced (harness.model.predict)
+            continue
         workloads.add((cfg.workload, cfg.seq_len, dtype, threads, local_world if spec.device_kind == "cpu" else 1,
                        cfg.compile))
         if local_world >= 2:

@@ -26,6 +26,7 @@ from harness.spec import CHECKPOINT_MODES, SweepSpec, default_device_kind
 from workloads.config_file import ConfigError
 from workloads.hf_models import config_model
 from workloads.moe import ROUTINGS
+from workloads.own_model import OwnModel, is_factory, own_model
 from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size
 
 EXIT_USAGE = 2
@@ -111,9 +112,10 @@ def workload_keys(archs: tuple[str, ...], sizes: tuple[str, ...]) -> list[str]:
         raise UsageError(f"--sizes: {e}") from None
 
 
-def models_arg(v, device_kind: str) -> tuple[ModelSize, ...]:
+def models_arg(v, device_kind: str) -> tuple[ModelSize | OwnModel, ...]:
     """``--model PATH[,PATH]``: each a ``config.json`` (or a folder holding one) resolved into a workload, here and
-    once; on CPU ranks shrunk by :mod:`workloads.shrink`'s rules unless ``--full-size``. Empty when not given.
+    once; on CPU ranks shrunk by :mod:`workloads.shrink`'s rules unless ``--full-size``; or ``package.module:factory``,
+    a module of your own (:mod:`workloads.own_model`), as its factory builds it. Empty when not given.
     ``--model`` beside ``--sizes`` or ``--arch`` is refused: it replaces them."""
     if "model" not in v:
         if v.get("full_size"):
@@ -127,18 +129,28 @@ def models_arg(v, device_kind: str) -> tuple[ModelSize, ...]:
     if not values:
         raise UsageError(f"{v.label('model')} is empty; give a config.json, or a folder holding one")
     shrunk = device_kind == "cpu" and not v.get("full_size")
-    out = []
+    out: list[ModelSize | OwnModel] = []
     for value in values:
         try:
-            out.append(config_model(value, shrunk=shrunk))
+            out.append(own_model(value) if is_factory(value) else config_model(value, shrunk=shrunk))
         except ConfigError as e:
             raise UsageError(str(e)) from None
     return tuple(dict.fromkeys(out))
 
 
-def model_notes(models: tuple[ModelSize, ...]) -> list[str]:
-    """One line per note of each model's mapping (what it builds differently or leaves out), to print once."""
-    return [f"note: {m.origin.name}: {n}" for m in models if m.origin is not None for n in m.origin.notes]
+def model_notes(models: tuple[ModelSize | OwnModel, ...]) -> list[str]:
+    """One line per note of each model's mapping (what it builds differently or leaves out), to print once; for a
+    module of your own, what is counted of it and what is not priced."""
+    out = []
+    for m in models:
+        if isinstance(m, OwnModel):
+            out.append(f"note: {m.name} ({m.factory}): {m.params:,} parameters, {m.flops_per_token():,} FLOPs per token "
+                       f"(counted by FlopCounterMode on the meta device), {m.n_blocks} x {m.block}; its memory, "
+                       f"communication and step time are not priced (the analytic model prices the harness's own "
+                       f"layers)")
+        elif m.origin is not None:
+            out += [f"note: {m.origin.name}: {n}" for n in m.origin.notes]
+    return out
 
 
 def seq_lens_arg(name: str, v) -> tuple[int, ...]:
@@ -193,7 +205,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sizes", help="workload sizes (harness workloads lists them)")
     g.add_argument("--arch", help="architecture families: gpt2,llama3,moe (default gpt2); each size is looked up in each")
     g.add_argument("--model", help="your own model: a Hugging Face style config.json, or a folder holding one (no "
-                                   "weights read, nothing fetched); a list sweeps several; in place of --sizes/--arch")
+                                   "weights read, nothing fetched), or package.module:factory for an nn.Module of your "
+                                   "own (docs/models.md); a list sweeps several; in place of --sizes/--arch")
     g.add_argument("--full-size", action="store_true", default=None,
                    help="--model on CPU ranks: run it as given, not shrunk to CPU scale (docs/models.md)")
     g.add_argument("--moe-routing", help="an MoE's routing: learned (the router's top-k, default) or balanced (round "

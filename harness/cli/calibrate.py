@@ -46,8 +46,12 @@ def _workload_args(args: argparse.Namespace, device: str) -> list[tuple[ModelSiz
             sizes.append(get_size(name))
         except ValueError as e:
             raise UsageError(f"--workloads: {e}") from None
-    sizes += models_arg(Settings({k: v for k, v in (("model", args.model), ("full_size", args.full_size))
-                                  if v is not None}), device)
+    for m in models_arg(Settings({k: v for k, v in (("model", args.model), ("full_size", args.full_size))
+                                  if v is not None}), device):
+        if not isinstance(m, ModelSize):
+            raise UsageError(f"--model {m.factory}: a module of your own is not calibrated (its step time is not "
+                             f"priced: the analytic model prices the harness's own layers)")
+        sizes.append(m)
     out = []
     for size in sizes:
         seq = int_arg("--seq-len", args.seq_len, 1) if args.seq_len is not None else size.seq_len

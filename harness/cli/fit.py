@@ -12,7 +12,18 @@ from pathlib import Path
 import psutil
 import torch
 
-from harness.cli.args import choices, csv_list, degrees_arg, int_arg, ints, seq_lens_arg, workload_keys
+from harness.cli.args import (
+    Settings,
+    choices,
+    csv_list,
+    degrees_arg,
+    int_arg,
+    ints,
+    model_notes,
+    models_arg,
+    seq_lens_arg,
+    workload_keys,
+)
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.fit_cells import RECORDS, fit_all
@@ -27,9 +38,10 @@ from harness.records.record import new_run_id
 from harness.report.fit_text import BANNER, fit_table, legend
 from harness.spec import default_device_kind
 from harness.units import GIB
-from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size, seq_len_error
+from workloads.own_model import OwnModel
+from workloads.sizes import ARCHS, DEFAULT_ARCH, ModelSize, get_size, seq_len_error
 
-FLAGS = ("arch", "gpus", "nnodes", "sizes", "strategies", "precision", "ac", "batch", "device_mem", "device", "compute",
+FLAGS = ("arch", "model", "gpus", "nnodes", "sizes", "strategies", "precision", "ac", "batch", "device_mem", "device", "compute",
          "steps", "seq_len", "microbatches", "pp_schedule", "degrees", "out")
 """Flags written back into fit.md's command line."""
 DEFAULTS = {"cpu": dict(sizes="tiny", precision="fp32"), "cuda": dict(sizes="small", precision="bf16")}
@@ -68,10 +80,21 @@ def _device(value: str | None) -> str:
     return default_device_kind() if device == "auto" else device
 
 
-def _compute(value: str, device_kind: str, size: str) -> str:
+def _compute(value: str, device_kind: str, size: ModelSize | OwnModel) -> str:
     if value == "auto":  # a GPU-class size's real step takes this CPU minutes to hours per rank role
-        return "fake" if device_kind == "cpu" and get_size(size).device_kind != "cpu" else "real"
+        return "fake" if device_kind == "cpu" and size.device_kind != "cpu" else "real"
     return value
+
+
+def _workloads(args: argparse.Namespace, device_kind: str) -> list[ModelSize | OwnModel]:
+    """The sizes asked for, or the ``--model`` ones as given (fit measures the model itself, never shrunk)."""
+    given = {k: v for k, v in (("model", args.model), ("sizes", args.sizes), ("arch", args.arch)) if v is not None}
+    models = models_arg(Settings(given), "cuda")
+    if models:
+        return list(models)
+    keys = workload_keys(choices("--arch", args.arch or DEFAULT_ARCH, ARCHS),
+                         csv_list(args.sizes or DEFAULTS[device_kind]["sizes"]))
+    return [get_size(k) for k in keys]
 
 
 def _tables(records: list[dict]) -> str:
@@ -88,7 +111,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     d = DEFAULTS[device_kind]
     gpus = ints("--gpus", args.gpus)
     nnodes = int_arg("--nnodes", args.nnodes, 1)
-    sizes = workload_keys(choices("--arch", args.arch or DEFAULT_ARCH, ARCHS), csv_list(args.sizes or d["sizes"]))
+    sizes = _workloads(args, device_kind)
     auto = str(args.batch).strip() == "auto"
     micro = 1 if auto else int_arg("--batch", args.batch, 1)
     steps = int_arg("--steps", args.steps, 1)
@@ -100,19 +123,19 @@ def cmd_fit(args: argparse.Namespace) -> int:
     cells, compute = [], {}
     for size in sizes:  # every cell is validated before anything runs
         for seq in seq_lens:
-            if seq and (error := seq_len_error(get_size(size), seq)):
+            if seq and isinstance(size, ModelSize) and (error := seq_len_error(size, seq)):
                 raise UsageError(f"--seq-len: {error}")
-        compute[size] = _compute(args.compute, device_kind, size)
+        compute[size.key] = _compute(args.compute, device_kind, size)
         for seq, prec, g, strategy, ac in product(seq_lens, csv_list(args.precision or d["precision"]), gpus,
                                                   csv_list(args.strategies), acs):
-            moe = get_size(size).moe
+            moe = size.moe
             experts = moe.n_experts if moe else None
             variants: Sequence[dict | None] = (None if degrees else degree_variants(strategy, g * nnodes, experts)) \
                 or [degrees]
             for cell_degrees in variants:
                 cells.append(plan_fit_cell(size, strategy, prec, g * nnodes, micro, device_kind, seq_len=seq,
                                            microbatches=mbs, pp_schedule=args.pp_schedule, nnodes=nnodes,
-                                           degrees=cell_degrees, ac=ac, compute=compute[size]))
+                                           degrees=cell_degrees, ac=ac, compute=compute[size.key]))
     out = args.out or Path("results") / f"fit-{new_run_id()}"
     if (out / RECORDS).exists():
         raise UsageError(f"--out {out}: already holds {RECORDS}; choose a new directory")
@@ -123,8 +146,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
           flush=True)
     records = []
     run_id = new_run_id()
+    for line in model_notes(tuple(sizes)):
+        print(line, flush=True)
     for size in sizes:
-        records += fit_all([c for c in cells if c.size == size], out, run_id, steps, mem_gib, auto,
+        records += fit_all([c for c in cells if c.size == size.key], out, run_id, steps, mem_gib, auto,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     table = _tables(records)
     print(table)
@@ -142,6 +167,8 @@ def register(sub) -> None:
     p.add_argument("--nnodes", default="1", help="nodes; the world is gpus x nnodes")
     p.add_argument("--arch", help="architecture families: gpt2,llama3 (default gpt2)")
     p.add_argument("--sizes", help="workload sizes (default tiny on CPU, small on GPU)")
+    p.add_argument("--model", help="your own model: a config.json (or a folder holding one), fitted as given; a list "
+                                   "fits each; in place of --sizes/--arch")
     p.add_argument("--strategies", default="fsdp", help="fsdp,zero2,hsdp,tp,tp-sp,pp,fsdp+tp,pp+fsdp,pp+fsdp+tp,ddp")
     p.add_argument("--precision", help="fp32,bf16,... (default fp32 on CPU, bf16 on GPU)")
     p.add_argument("--ac", default="none", help="activation checkpointing: none,selective,full (a list fits each)")

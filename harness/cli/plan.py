@@ -17,6 +17,8 @@ from harness.cli.args import (
     int_arg,
     ints,
     merged,
+    model_notes,
+    models_arg,
     positive_float,
     seq_lens_arg,
     spec_from_args,
@@ -119,9 +121,10 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
     if v.get("scaling", "strong") != "strong":
         raise UsageError(f"--scaling {v['scaling']}: the what-if takes --batch as the global batch; drop --scaling")
     efficiency = fraction(v.label("efficiency"), v["efficiency"]) if "efficiency" in v else None
+    models = models_arg(v, "cuda")  # a what-if prices the model as given, never shrunk
     archs = choices(v.label("arch"), v.get("arch", DEFAULT_ARCH), ARCHS)
-    sizes = (workload_keys(archs, csv_list(v["sizes"])) if "sizes" in v
-             else [get_size(WHATIF_DEFAULT_SIZE[a], a).key for a in archs])
+    sizes: list = list(models) or (workload_keys(archs, csv_list(v["sizes"])) if "sizes" in v
+                                   else [get_size(WHATIF_DEFAULT_SIZE[a], a).key for a in archs])
     strategies = csv_list(v["strategies"]) if v.get("strategies") else None
     seq_lens = seq_lens_arg(v.label("seq_len"), v["seq_len"]) if "seq_len" in v else (None,)
     pp_schedules = choices(v.label("pp_schedule"), v.get("pp_schedule", "1f1b"), PP_SCHEDULES)
@@ -145,16 +148,19 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
     run_dir = args.error_from or ERROR_FROM
     fit_records = load_fit_records(args.fit_from) if args.fit_from else None
     print(BANNER if fit_records is None else FIT_BANNER)
+    for line in model_notes(models):
+        print(line)
     for size, seq, prec, gpus in sections:
         s = scenario(size, device, gpus, prec, seq_len=seq, sequence_parallel=sps[0], **opts)
         print()
-        print(f"## {size}, seq {s.size.seq_len}, {prec}, {gpus} GPUs")
+        print(f"## {s.size.key}, seq {s.size.seq_len}, {prec}, {gpus} GPUs")
         print("\n".join(assumptions_lines(s)))
         print()
         rows = plan_at_scale(size, device, gpus, strategies, precision=prec, seq_len=seq, sequence_parallels=sps,
                              pp_schedules=pp_schedules, **opts)
         if fit_records is not None:
-            rows = with_measured_peaks(rows, fit_records, size, prec, s.size.seq_len, device.hbm_gib, args.fit_from)
+            rows = with_measured_peaks(rows, fit_records, s.size.key, prec, s.size.seq_len, device.hbm_gib,
+                                       args.fit_from)
         print(whatif_table(rows))
     print()
     print(error_line(model_error(run_dir), run_dir))

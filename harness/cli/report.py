@@ -7,12 +7,14 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from harness.cli.args import choices
+from harness.cli.args import Settings, choices, model_notes, models_arg
 from harness.errors import UsageError
 from harness.records.reader import records_file
 from harness.report import write_report
 from workloads.data import MarkovData
-from workloads.sizes import ARCHS, FAMILIES, FLOP_CONVENTION_LABEL, FLOP_CONVENTIONS
+from workloads.own_model import OwnModel
+from workloads.shrink import shrink
+from workloads.sizes import ARCHS, FAMILIES, FLOP_CONVENTION_LABEL, FLOP_CONVENTIONS, ModelSize
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -28,17 +30,17 @@ def _published(s) -> str:
     return f"{s.params_published:,} (tied head)"
 
 
-def _workload_rows(arch: str) -> tuple[list[list], list[str]]:
-    """One row per size of ``arch``; an MoE's counts are split into total and active parameters."""
+def _workload_rows(sizes: list[ModelSize]) -> tuple[list[list], list[str]]:
+    """One row per size; where any has experts, the counts are split into total and active parameters."""
     rows = []
-    moe = arch == "moe"
-    for s in FAMILIES[arch].values():
+    moe = any(s.moe is not None for s in sizes)
+    for s in sizes:
         floor = MarkovData(s.vocab_size, s.seq_len).entropy_floor if s.vocab_size <= 4096 else None
         flops = s.flops_by_convention()
         experts: list = []
         if moe:
-            assert s.moe is not None, f"{s.key}: an moe size without its MoESpec"
-            experts = [s.moe.n_experts, s.moe.top_k, s.moe.n_shared, s.moe.balancing]
+            m = s.moe
+            experts = [m.n_experts, m.top_k, m.n_shared, m.balancing] if m is not None else ["-"] * 4
         active = [f"{s.params_active:,}", f"{s.params_active_nonembedding:,}"] if moe else []
         total_flops = [f"{s.flops_per_token_total() / 1e6:,.1f}"] if moe else []
         rows.append([s.name, s.device_kind, s.n_layers, s.d_model, s.n_heads, s.kv_heads, *experts, s.d_ff, s.seq_len,
@@ -53,13 +55,36 @@ def _workload_rows(arch: str) -> tuple[list[list], list[str]]:
     return rows, headers
 
 
+def _model_section(models: tuple[ModelSize | OwnModel, ...]) -> list[str]:
+    """Each ``--model``'s rows, as given and shrunk for CPU ranks, what its block maps onto, and the mapping's notes
+    (a module of your own: what is counted of it)."""
+    out = []
+    for m in models:
+        if isinstance(m, OwnModel):
+            out += [f"## {m.name}", "", *model_notes((m,)), ""]
+            continue
+        shrunk = shrink(m)
+        rows, headers = _workload_rows([m, shrunk])
+        assert m.origin is not None
+        out += [f"## {m.name} ({m.origin.name}, sha256 {m.origin.digest})", "",
+                tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), "",
+                f"block: {m.block_summary()}", f"shrunk for CPU ranks ({shrunk.origin.shrink if shrunk.origin else ''}; "
+                f"docs/models.md): {shrunk.block_summary()}", *(f"note: {n}" for n in m.origin.notes), ""]
+    return out
+
+
 def cmd_workloads(args: argparse.Namespace) -> int:
-    archs = choices("--arch", args.arch, ARCHS) if args.arch else ARCHS
-    for arch in archs:
-        rows, headers = _workload_rows(arch)
-        print(f"## {arch}\n")
-        print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
-        print()
+    if args.model is not None and args.arch is not None:
+        raise UsageError("--model with --arch: --model lists your own model; --arch the built-in families; give one")
+    models = models_arg(Settings({"model": args.model}) if args.model is not None else Settings({}), "cuda")
+    if models:
+        print("\n".join(_model_section(models)))
+    else:
+        for arch in (choices("--arch", args.arch, ARCHS) if args.arch else ARCHS):
+            rows, headers = _workload_rows(list(FAMILIES[arch].values()))
+            print(f"## {arch}\n")
+            print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+            print()
     print("params (trained): the model the harness builds, LM head always untied so tensor and pipeline parallel "
           "can place it; params (published): the released checkpoint's count where it ties the head (Llama 3.2 "
           "1B, 3B). FLOPs per token at the size's seq_len, forward + backward, N = all parameters but the "
@@ -75,4 +100,6 @@ def register(sub) -> None:
     r.set_defaults(fn=cmd_report)
     w = sub.add_parser("workloads", help="print each family's sizes: parameters and FLOPs per token")
     w.add_argument("--arch", help="families to list: gpt2,llama3,moe (default all)")
+    w.add_argument("--model", help="your own model instead: a config.json or a folder holding one (a list: each), "
+                                   "as given and shrunk for CPU ranks")
     w.set_defaults(fn=cmd_workloads)

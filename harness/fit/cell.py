@@ -13,21 +13,24 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from harness.errors import UsageError
 from harness.fit.role_spec import RoleSpec
 from harness.fit.roles import Role, rank_roles
 from harness.jobs import drop_empty_log, run_job
 from harness.model.inventory import coords
 from harness.model.memory import peak_bytes, stage_peak_bytes, state_bytes_by_rank
 from harness.model.shape import CellShape
-from harness.parallel.presets import resolve_cell
+from harness.parallel.presets import resolve_cell, resolve_own_cell
 from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
 from harness.records.env import capture
 from harness.records.record import make_record
 from harness.units import GIB
-from workloads.sizes import get_size
+from workloads.own_model import OwnModel
+from workloads.resolve import workload_of
+from workloads.sizes import ModelSize, get_size
 
 ROLE_TIMEOUT_S = 1800.0
 OOM_MARKERS = ("MemoryError", "OutOfMemoryError", "out of memory", "can't allocate memory")
@@ -55,6 +58,13 @@ class FitCell:
     compute: str = "real"
     """``real`` or ``fake`` (FakeTensorMode): how the roles run, which decides the attention kernel the model
     prices (:attr:`harness.model.shape.CellShape.fake_compute`)."""
+    model: dict | None = None
+    """A ``--model``'s source (:meth:`workloads.architecture.ModelOrigin.as_dict`); None for a built-in size."""
+
+    @property
+    def workload(self) -> ModelSize | OwnModel:
+        """The workload this cell names (a size's key, or the model it carries)."""
+        return workload_of(self.size, None, self.model)
 
     @property
     def global_batch(self) -> int:
@@ -72,15 +82,21 @@ class FitCell:
         for dim in ("cp", "ep"):  # a context- or expert-parallel preset is fitted at every degree
             if degrees.get(dim, 1) > 1:
                 parts.append(f"{dim}{degrees[dim]}")
-        if self.seq_len != get_size(self.size).seq_len:  # the size's own length keeps the id it always had
+        if self.seq_len != self.workload.seq_len:  # the size's own length keeps the id it always had
             parts.append(f"s{self.seq_len}")
         return "-".join(parts)
 
     @property
     def shape(self) -> CellShape:
-        size = replace(get_size(self.size), seq_len=self.seq_len)
-        from_layout = plan_layout(self.strategy, self.world_size, self.degrees, size, self.precision,
-                                  self.pp_schedule, self.microbatches)
+        w = self.workload
+        if isinstance(w, OwnModel):  # only its tensors are read (the model states): a stand-in for a size
+            size = cast(ModelSize, w)
+            from_layout = resolve_own_cell(self.strategy, self.world_size, self.degrees, w, self.precision,
+                                           grad_accum=1, global_batch=self.world_size)
+        else:
+            size = replace(w, seq_len=self.seq_len)
+            from_layout = plan_layout(self.strategy, self.world_size, self.degrees, size, self.precision,
+                                      self.pp_schedule, self.microbatches)
         dims = from_layout.dims
         gb = self.micro_batch * dims.dp * (self.microbatches if dims.pp_enabled else 1)
         return CellShape(size=size, dims=dims, strategy=self.strategy, precision=self.precision, global_batch=gb,
@@ -91,7 +107,8 @@ class FitCell:
         return RoleSpec(size=self.size, strategy=self.strategy, precision=self.precision, world_size=self.world_size,
                         rank=role.rank, micro_batch=self.micro_batch, seq_len=self.seq_len,
                         microbatches=self.microbatches, pp_schedule=self.pp_schedule, steps=steps,
-                        device_kind=self.device_kind, compute=self.compute, degrees=self.degrees, ac=self.ac)
+                        device_kind=self.device_kind, compute=self.compute, degrees=self.degrees, ac=self.ac,
+                        model=self.model)
 
 
 def plan_layout(strategy: str, world: int, degrees: dict | None, size, precision: str, pp_schedule: str,
@@ -102,18 +119,28 @@ def plan_layout(strategy: str, world: int, degrees: dict | None, size, precision
     return layout
 
 
-def plan_fit_cell(size_name: str, strategy: str, precision: str, world: int, micro_batch: int, device_kind: str, *,
-                  seq_len: int | None = None, microbatches: int | None = None, pp_schedule: str = "1f1b",
+def plan_fit_cell(size: str | ModelSize | OwnModel, strategy: str, precision: str, world: int, micro_batch: int, device_kind: str,
+                  *, seq_len: int | None = None, microbatches: int | None = None, pp_schedule: str = "1f1b",
                   nnodes: int = 1, degrees: dict | None = None, ac: str = "none", compute: str = "real") -> FitCell:
-    """A validated cell; UsageError (naming the value and the fix) when the strategy cannot run at ``world``."""
-    size = get_size(size_name)
-    seq = seq_len or size.seq_len
+    """A validated cell of ``size`` (a size's key, or the workload itself); UsageError (naming the value and the fix)
+    when the strategy cannot run at ``world``."""
+    workload = get_size(size) if isinstance(size, str) else size
+    seq = seq_len or workload.seq_len
     PrecisionPlan(precision).check_device(device_kind)
-    layout, mb = resolve_cell(strategy, world, degrees, replace(size, seq_len=seq), precision, pp_schedule=pp_schedule,
-                              microbatches=microbatches, grad_accum=1, global_batch=world * (microbatches or 2 * world))
-    return FitCell(size=size_name, strategy=strategy, precision=precision, world_size=world, micro_batch=micro_batch,
+    if isinstance(workload, OwnModel):
+        if seq != workload.seq_len or ac in ("attn", "op"):
+            raise UsageError(f"{workload.name} fits at its factory's seq_len ({workload.seq_len}) with --ac none, full "
+                             f"or layerN; got seq {seq}, ac {ac}")
+        layout, mb = resolve_own_cell(strategy, world, degrees, workload, precision, grad_accum=1,
+                                      global_batch=world), 1
+    else:
+        layout, mb = resolve_cell(strategy, world, degrees, replace(workload, seq_len=seq), precision,
+                                  pp_schedule=pp_schedule, microbatches=microbatches, grad_accum=1,
+                                  global_batch=world * (microbatches or 2 * world))
+    return FitCell(size=workload.key, strategy=strategy, precision=precision, world_size=world, micro_batch=micro_batch,
                    seq_len=seq, microbatches=mb if layout.dims.pp_enabled else 1, pp_schedule=pp_schedule,
-                   nnodes=nnodes, degrees=degrees, device_kind=device_kind, ac=ac, compute=compute)
+                   nnodes=nnodes, degrees=degrees, device_kind=device_kind, ac=ac, compute=compute,
+                   model=workload.origin.as_dict() if workload.origin is not None else None)
 
 
 @dataclass(frozen=True)
@@ -163,22 +190,23 @@ def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_m
     """The cell's ``kind: "fit"`` record: measured roles, the model beside them, fits or not (and, for
     ``--batch auto``, every micro-batch tried)."""
     shape = cell.shape
+    own = isinstance(cell.workload, OwnModel)  # a module of your own: its model states priced, its peak not
     states = state_bytes_by_rank(shape)
-    predicted_peak = peak_bytes(shape, 0.0)
+    predicted_peak = None if own else peak_bytes(shape, 0.0)
     stage_of = [k.pp for k in coords(shape.dims)]
     roles: list[dict[str, Any]] = []
     for o in outcomes:
-        role_peak = stage_peak_bytes(shape, stage_of[o.role.rank])  # a pipeline stage's own, not the largest
+        role_peak = None if own else stage_peak_bytes(shape, stage_of[o.role.rank])  # a stage's own, not the largest
         row: dict[str, Any] = {"role": o.role.name, "rank": o.role.rank, "ranks": len(o.role.ranks),
                                "status": o.status, "error": o.error,
                                "predicted_model_state_bytes": states[o.role.rank].total,
-                               "predicted_peak_mem_gib": role_peak / GIB}
+                               "predicted_peak_mem_gib": role_peak / GIB if role_peak is not None else None}
         if o.result is not None:
             peak = o.result["peak_bytes"]
             row.update(peak_mem_gib=peak / GIB, peak_mem_kind=o.result["peak_kind"],
                        model_state_bytes=o.result["model_state_bytes"]["total"],
                        model_state_breakdown=o.result["model_state_bytes"],
-                       peak_error_pct=pct_error(role_peak, peak),
+                       peak_error_pct=pct_error(role_peak, peak) if role_peak is not None else None,
                        model_state_exact=o.result["model_state_bytes"]["total"] == states[o.role.rank].total,
                        fits=peak / GIB <= device_mem_gib)
         else:
@@ -204,10 +232,11 @@ def fit_record(run_id: str, cell: FitCell, outcomes: list[RoleOutcome], device_m
     }
     if batch_search is not None:
         metrics["batch_search"] = batch_search
-    config = {**asdict(cell), "global_batch": cell.global_batch, "steps": steps}
-    predicted = {"model": "harness.model", "peak_mem_gib": predicted_peak / GIB,
+    config = {**{k: v for k, v in asdict(cell).items() if k != "model" or v is not None}, "global_batch": cell.global_batch,
+              "steps": steps}
+    predicted = {"model": "harness.model", "peak_mem_gib": predicted_peak / GIB if predicted_peak is not None else None,
                  "model_state_bytes_per_rank": max(s.total for s in states),
-                 "peak_error_pct": pct_error(predicted_peak, peak * GIB) if peak else None}
+                 "peak_error_pct": pct_error(predicted_peak, peak * GIB) if peak and predicted_peak else None}
     return make_record(run_id=run_id, cell_id=cell.cell_id, status=status, config=config,
                        env=capture(cell.device_kind), degrees=shape.dims.degrees(),
                        workload={**shape.size.as_dict()}, metrics=metrics, kind="fit", predicted=predicted,

@@ -22,6 +22,7 @@ import multiprocessing.connection
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -42,10 +43,14 @@ from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
 from harness.run import train
 from workloads.model import Decoder, lm_loss
-from workloads.sizes import get_size
+from workloads.own_model import OwnModel
+from workloads.resolve import workload_of
+from workloads.sizes import ModelSize
 
 
 def _stage_shapes(spec: RoleSpec, size, layout, precision: PrecisionPlan) -> StageShapes | None:
+    if not layout.dims.pp_enabled:
+        return None
     return static_shapes(layout.dims, spec.micro_batch, spec.seq_len, size.d_model, size.vocab_size,
                          precision.autocast_dtype, layout.fsdp)
 
@@ -79,7 +84,8 @@ def _reduced_in_place(state, bucket):  # no annotations: DDP checks them, and th
 
 def run_role(spec: RoleSpec, device: torch.device) -> dict:
     """Build, parallelize and step the cell on this (initialised) process group; what this rank measured."""
-    size = replace(get_size(spec.size), seq_len=spec.seq_len)
+    workload = workload_of(spec.size, None, spec.model)
+    size = cast(ModelSize, workload if isinstance(workload, OwnModel) else replace(workload, seq_len=spec.seq_len))
     layout = resolve(spec.strategy, spec.world_size, spec.degrees)
     dims = layout.dims
     dims.build_mesh(device.type)
@@ -88,7 +94,7 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
     torch.manual_seed(0)
     on_meta = layout.data_parallel != "ddp"  # DDP broadcasts real parameters when it wraps them
     with torch.device("meta" if on_meta else device):
-        model = Decoder(size)
+        model = workload.module() if isinstance(workload, OwnModel) else Decoder(size)
     fake_group = dist.get_backend() == "fake"
     par = parallelize(model, layout, device, precision, pp_schedule=spec.pp_schedule, microbatches=spec.microbatches,
                       loss_fn=lm_loss,

@@ -32,6 +32,8 @@ class RoleSpec:
     """``real`` arithmetic, or ``fake`` (``FakeTensorMode``: shapes and allocations only)."""
     degrees: dict | None = None
     ac: str = "none"
+    model: dict | None = None
+    """A ``--model``'s source (the config it rebuilds the workload from); None for a built-in size."""
 
     @classmethod
     def from_dict(cls, d: dict) -> RoleSpec:

@@ -249,8 +249,9 @@ def _pp_calls(c: CellShape, coord: RankCoord) -> list[Call]:
 
 def kv_gather_bytes(c: CellShape, rows: int) -> int:
     """Bytes of one layer's K/V all-gather output (and of its gradients' reduce-scatter input): the whole
-    sequence's k and v for ``rows`` sequences, on one tp rank, in the compute dtype."""
-    return 2 * rows * c.size.seq_len * c.size.kv_dim // c.dims.tp * c.compute_bytes
+    sequence's k and v for ``rows`` sequences, on one tp rank, in the compute dtype (MLA: v narrower than k)."""
+    width = c.size.kv_dim + c.size.kv_heads * c.size.v_head_dim
+    return rows * c.size.seq_len * width // c.dims.tp * c.compute_bytes
 
 
 def _cp_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
@@ -264,26 +265,42 @@ def _cp_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
     return calls * passes
 
 
-def _forwards(c: CellShape) -> float:
-    """Forwards per micro-step of an MoE block, on average over them: 2 where the policy reruns it."""
-    moe = range(c.size.dense_layers, c.size.n_layers)
-    return 1 + sum(reruns_forward(c.recompute, i) for i in moe) / len(moe)
+def _moe_ids(c: CellShape, coord: RankCoord) -> list[int]:
+    """The MoE blocks on ``coord``'s pipeline stages (every MoE block without a pipeline)."""
+    ids = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, coord.pp, c.v_shape)
+    return [i for i in ids if c.size.is_moe_layer(i)]
 
 
-def _rerun_rows(c: CellShape, rows: float, rerun: float | None) -> float:
+def _passes(c: CellShape) -> tuple[int, int]:
+    """(passes, rows each) of one optimizer step: a pipeline's microbatches, or the accumulation micro-steps."""
+    if c.dims.pp_enabled:
+        return c.microbatches, c.microbatch_rows
+    return c.grad_accum, c.local_batch // c.grad_accum
+
+
+def _forwards(c: CellShape, ids: list[int] | None = None) -> float:
+    """Forwards per micro-step of an MoE block, on average over ``ids`` (every MoE block): 2 where the policy reruns
+    it."""
+    moe = ids if ids is not None else range(c.size.dense_layers, c.size.n_layers)
+    return 1 + sum(reruns_forward(c.recompute, i) for i in moe) / len(moe) if len(moe) else 1.0
+
+
+def _rerun_rows(c: CellShape, rows: float, rerun: float | None, ids: list[int] | None = None) -> float:
     """Rows of the layers whose forward ran again: as counted, or (older records) the layers' share."""
-    return rerun if rerun is not None else rows * (_forwards(c) - 1)
+    return rerun if rerun is not None else rows * (_forwards(c, ids) - 1)
 
 
 def ep_bytes(c: CellShape, sent_rows: int, received_rows: int, rerun_sent: float | None = None,
-             rerun_received: float | None = None) -> int:
+             rerun_received: float | None = None, coord: RankCoord | None = None) -> int:
     """All-to-all bytes of one rank's optimizer step whose MoE layers sent ``sent_rows`` and received
     ``received_rows`` routed rows in all (every layer and micro-step, the forward counted once), of which the
-    layers activation checkpointing ran again sent ``rerun_sent`` and received ``rerun_received``."""
+    layers activation checkpointing ran again sent ``rerun_sent`` and received ``rerun_received``; ``coord``: the
+    rank (its pipeline stages' MoE blocks; default every block)."""
     assert c.size.moe is not None, f"ep_bytes: {c.size.key} has no MoE layer"
-    counts = _forwards(c) * 8 * c.size.moe.n_experts * c.size.moe_layers * c.grad_accum
-    moved = 2 * (sent_rows + received_rows) + _rerun_rows(c, sent_rows, rerun_sent) + \
-        _rerun_rows(c, received_rows, rerun_received)
+    ids = _moe_ids(c, coord) if coord is not None else list(range(c.size.dense_layers, c.size.n_layers))
+    counts = _forwards(c, ids) * 8 * c.size.moe.n_experts * len(ids) * _passes(c)[0]
+    moved = 2 * (sent_rows + received_rows) + _rerun_rows(c, sent_rows, rerun_sent, ids) + \
+        _rerun_rows(c, received_rows, rerun_received, ids)
     return int(counts + moved * c.size.d_model * c.residual_bytes)
 
 
@@ -297,18 +314,19 @@ def ep_tp_bytes(c: CellShape, received_rows: int, rerun_received: float | None =
     return int(c.size.d_model * (forwards * c.compute_bytes + received_rows * c.residual_bytes))
 
 
-def _ep_calls(c: CellShape, passes: int, rows: int) -> list[Call]:
-    """Expert parallel's all-to-alls for ``passes`` forward+backward passes of ``rows`` sequences each,
+def _ep_calls(c: CellShape, coord: RankCoord) -> list[Call]:
+    """Expert parallel's all-to-alls of ``coord``'s rank in one optimizer step (its stages' MoE blocks, each pass),
     each rank receiving as many rows as it sends (see the module docstring)."""
     moe = c.size.moe
     assert moe is not None, f"_ep_calls: {c.size.key} has no MoE layer"
+    passes, rows = _passes(c)
     routed = rows * c.local_seq * moe.top_k
     rows_bytes = routed * c.size.d_model * c.residual_bytes
     forward = [Call("all_to_all", 8 * moe.n_experts, c.dims.ep, "ep", False)] + \
         [Call("all_to_all", rows_bytes, c.dims.ep, "ep", False)] * 2
     backward = [Call("all_to_all", rows_bytes, c.dims.ep, "ep", False)] * 2
     calls = []
-    for i in range(c.size.dense_layers, c.size.n_layers):
+    for i in _moe_ids(c, coord):
         calls += forward * (2 if reruns_forward(c.recompute, i) else 1) + backward
     return calls * passes
 
@@ -330,8 +348,8 @@ def rank_calls(c: CellShape, coord: RankCoord) -> list[Call]:
         calls += _pp_calls(c, coord)
     if c.dims.cp_enabled:  # refused with a pipeline (harness.parallel.presets.check_cp)
         calls += _cp_calls(c, c.grad_accum, c.local_batch // c.grad_accum)
-    if c.dims.ep_enabled:  # refused with a pipeline (harness.parallel.presets.check_ep)
-        calls += _ep_calls(c, c.grad_accum, c.local_batch // c.grad_accum)
+    if c.dims.ep_enabled:
+        calls += _ep_calls(c, coord)
     if c.size.moe is not None and c.dims.world_size > 1:
         # the experts' load, summed over every rank once per step (harness.parallel.expert_load): MoE layers x E fp32
         calls.append(Call("all_reduce", 4 * c.size.moe_layers * c.size.moe.n_experts, c.dims.world_size, "world",
@@ -349,9 +367,9 @@ def comm_for_routing(c: CellShape, ep: dict) -> list[dict]:
     n = len(sent_by_rank)
     rerun_sent = ep.get("counted_step_rerun_rows_sent_by_rank") or [None] * n
     rerun_received = ep.get("counted_step_rerun_rows_received_by_rank") or [None] * n
-    for rank, sent, received, rs, rr in zip(out, sent_by_rank, received_by_rank, rerun_sent, rerun_received,
-                                            strict=True):
-        rank["all_to_all"]["bytes_per_step"] = ep_bytes(c, sent, received, rs, rr)
+    for coord, rank, sent, received, rs, rr in zip(coords(c.dims), out, sent_by_rank, received_by_rank, rerun_sent,
+                                                   rerun_received, strict=True):
+        rank["all_to_all"]["bytes_per_step"] = ep_bytes(c, sent, received, rs, rr, coord)
         if c.dims.tp_enabled:
             rank["all_reduce"]["bytes_per_step"] += ep_tp_bytes(c, received, rr) - ep_tp_bytes(c, sent)
     return out

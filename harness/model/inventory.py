@@ -31,6 +31,7 @@ from harness.parallel.schedules import layer_ranges, placement
 from harness.parallel.tp_plan import COLUMN_LINEARS, PROJ_NORMS, ROW_LINEARS
 from workloads.model import Decoder
 from workloads.moe import WIDTH_DIM
+from workloads.own_model import OwnModel
 from workloads.sizes import ModelSize
 
 COL, ROW, REPLICATE = "col", "row", "replicate"
@@ -53,9 +54,11 @@ class ParamSpec:
 
 
 @functools.lru_cache(maxsize=64)
-def param_specs(size: ModelSize) -> tuple[ParamSpec, ...]:
+def param_specs(size: ModelSize | OwnModel) -> tuple[ParamSpec, ...]:
     """Every parameter tensor, in the model's registration order: the module tree itself, built on the meta device
     (no memory, milliseconds at any size), each tensor placed as tensor parallel places it (:func:`tp_of`)."""
+    if isinstance(size, OwnModel):
+        return _own_specs(size)
     with torch.device("meta"):
         model = Decoder(size)
     out = []
@@ -68,6 +71,16 @@ def param_specs(size: ModelSize) -> tuple[ParamSpec, ...]:
 
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
+
+
+def _own_specs(own: OwnModel) -> tuple[ParamSpec, ...]:
+    """A module of your own's tensors, each in the block it sits in (FSDP's groups), on the meta device; all
+    replicated under tensor parallel, whose plan is the factory's (a tp cell is not priced)."""
+    with torch.device("meta"):
+        module = own.module()
+    blocks = [(f"inner.{name}.", i) for i, (name, _) in enumerate(module.block_items())]
+    return tuple(ParamSpec(name, tuple(p.shape), next((i for prefix, i in blocks if name.startswith(prefix)), None),
+                           REPLICATE) for name, p in module.named_parameters())
 
 
 def tp_of(local: str, proj_norm: bool = False) -> str:

@@ -31,6 +31,7 @@ from harness.model.pipeline_sim import simulate
 from harness.model.shape import CellShape
 from harness.model.step_time import CommTime, predict_step
 from harness.units import GIB
+from workloads.own_model import OwnModel
 
 if TYPE_CHECKING:  # for annotations only: harness.spec imports torch, which the model never needs
     from harness.spec import CellConfig
@@ -79,8 +80,34 @@ def _comm_time_fn(comm: Callable[[int], dict | None]) -> CommTime:
     return fn
 
 
+OWN_MODULE_NOTE = ("n/a: a module of your own (--model package.module:factory): the analytic model prices the "
+                   "harness's own layers; its parameters and FLOPs per token are counted, its memory, communication "
+                   "and step time are not priced")
+
+
+def _own_prediction(cfg: CellConfig, own: OwnModel) -> dict:
+    """What the model can count of a module of your own: its parameters and FLOPs (counted on the meta device) and,
+    where the layout is data parallel only (its tensors placed by DDP's buckets and FSDP's shards, no tp plan to
+    read), its model states and every collective exactly; step time and peak memory are not priced."""
+    out = {"model": "harness.model", "step_time_s": None, "tokens_per_s": None, "breakdown": None,
+           "comm_bytes_per_step": None, "model_state_bytes_per_rank": None, "peak_mem_gib": None,
+           "params": own.params, "flops_per_token": own.flops_per_token(), "notes": [OWN_MODULE_NOTE]}
+    if cfg.layout.dims.tp_enabled:
+        return {**out, "notes": [OWN_MODULE_NOTE, "tensor parallel by the factory's plan: comm and model states "
+                                                  "not priced either"]}
+    c = CellShape.of(cfg)
+    comm, states = comm_by_rank(c), state_bytes_by_rank(c)
+    return {**out, "comm_bytes_per_step": sum(v["bytes_per_step"] for v in comm[0].values()), "comm": comm[0],
+            "comm_by_rank": comm, "model_state_bytes_per_rank": max(s.total for s in states),
+            "model_state_bytes_by_rank": [s.total for s in states]}
+
+
 def predict_cell(cfg: CellConfig, cal: CalibrationInputs) -> dict:
-    """Predicted step time, communication, model states and peak memory of a planned cell."""
+    """Predicted step time, communication, model states and peak memory of a planned cell (a module of your own:
+    what can be counted, and why the rest is not priced)."""
+    workload = cfg.workload
+    if isinstance(workload, OwnModel):
+        return _own_prediction(cfg, workload)
     c = CellShape.of(cfg)
     local_world = max(1, cfg.world_size // cfg.nnodes)
     notes = []
@@ -122,7 +149,7 @@ def predict_cell(cfg: CellConfig, cal: CalibrationInputs) -> dict:
         "peak_mem_gib": peak_bytes(c, base * GIB) / GIB,
         "peak_tensor_gib": peak_bytes(c, 0.0) / GIB,  # without the process: against measured tensor bytes
         "notes": notes,
-        **({"fp8_linears": fp8_linears(cfg.model_size)} if cfg.precision == "fp8" else {}),
+        **({"fp8_linears": fp8_linears(c.size)} if cfg.precision == "fp8" else {}),
         **({"checkpoint": checkpoint_prediction(c, cal.storage, cfg.nnodes)}
            if cfg.checkpoint != "off" and cal.storage is not None else {}),
         **({"pipeline_bubble_by_rank": [b.fraction for b in simulate(cfg.pp_schedule, c.dims.pp, c.microbatches)]}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
@@ -48,8 +48,9 @@ class CellShape:
 
     @classmethod
     def of(cls, cfg: CellConfig) -> CellShape:
-        """From a planned :class:`~harness.spec.CellConfig`."""
-        size = cfg.model_size
+        """From a planned :class:`~harness.spec.CellConfig` (a module of your own stands in for a size where only its
+        tensors are read: :func:`harness.model.predict._own_prediction`)."""
+        size = cast(ModelSize, cfg.model_size)
         dims = cfg.layout.dims
         return cls(size=size, dims=dims, strategy=cfg.strategy, precision=cfg.precision,
                    global_batch=cfg.global_batch, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches,

@@ -127,16 +127,17 @@ class Scenario:
         return math.ceil(self.gpus / self.device.gpus_per_node)
 
 
-def scenario(size_name: str, device: str | Device, gpus: int, precision: str = "bf16", *,
+def scenario(workload: str | ModelSize, device: str | Device, gpus: int, precision: str = "bf16", *,
              global_batch: int | None = None, seq_len: int | None = None, recompute: str = "none",
              microbatches: int | None = None, efficiency: float | None = None, pp_schedule: str = "1f1b",
              grad_accum: int = 1, degrees: dict | None = None, moe_imbalance: float = 1.0,
              sequence_parallel: bool = True, compile: CompileGain | None = None, checkpoint_every: int | None = None,
              checkpoint_gbps: float = DEFAULT_WRITE_GBPS) -> Scenario:
-    """Validate the inputs (UsageError naming the value and the fix) and fix the defaults."""
+    """Validate the inputs (UsageError naming the value and the fix) and fix the defaults. ``workload``: a size's
+    key (``llama3-8b``) or the workload itself (a ``--model``'s, resolved where the user named it)."""
     dev = get_device(device) if isinstance(device, str) else device
     try:
-        size = get_size(size_name)
+        size = get_size(workload) if isinstance(workload, str) else workload
     except ValueError as e:
         raise UsageError(f"--sizes: {e}") from None
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
@@ -265,14 +266,15 @@ def rank_rows(rows: list[dict]) -> list[dict]:
     return ok + oom + bad
 
 
-def plan_at_scale(size_name: str, device: str | Device, gpus: int, strategies: tuple[str, ...] | list[str] | None = None,
+def plan_at_scale(workload: str | ModelSize, device: str | Device, gpus: int,
+                  strategies: tuple[str, ...] | list[str] | None = None,
                   *, sequence_parallels: tuple[bool, ...] = (True,), pp_schedules: tuple[str, ...] | None = None,
                   **options: Any) -> list[dict]:
     """Predicted rows for each strategy at ``gpus`` devices, ranked (see :func:`rank_rows`); ``options`` are
     :func:`scenario`'s. With ``sequence_parallels=(True, False)`` a layout with tensor parallel appears with and
     without sequence parallel; with ``pp_schedules`` a pipelined layout once per schedule, labelled with it
     where it is not 1F1B (``pp+fsdp+tp (zb)``), its bubble simulated from the schedule's action list."""
-    s = scenario(size_name, device, gpus, **options)
+    s = scenario(workload, device, gpus, **options)
     names = tuple(strategies) if strategies else default_strategies(s.size)
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from harness.errors import UsageError
 from workloads.model import Attention, Decoder
+from workloads.own_model import OwnModule
 
 AC_POLICIES = ("none", "attn", "op", "layer2", "full")
 """Activation checkpointing policies (the module docstring); ``layerN`` for any N >= 2 checkpoints every N-th
@@ -118,13 +119,14 @@ def _checkpointed(fn, context_fn=None):
     return run
 
 
-def apply_ac(part: Decoder, mode: str) -> None:
-    """Activation checkpointing on the blocks of ``part`` (see the module docstring)."""
+def apply_ac(part: Decoder | OwnModule, mode: str) -> None:
+    """Activation checkpointing on the blocks of ``part`` (see the module docstring): a pipeline stage's by their
+    index in the whole model, a module of your own's in its order (``full`` and ``layerN`` only)."""
     mode = ac_policy(mode)
     if mode == "none":
         return
-    for name, block in part.blocks.items():
-        if checkpointed_layer(mode, int(name)):
+    for i, (name, block) in enumerate(part.block_items()):
+        if checkpointed_layer(mode, int(name) if name.isdigit() else i):
             block.forward = _checkpointed(block.forward)
         elif mode == "op":
             block.forward = _checkpointed(block.forward, _op_contexts)

@@ -8,6 +8,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workloads.model import Decoder
+from workloads.own_model import OwnModule
 
 
 def apply_ddp(model: nn.Module, dp_mesh, device_kind: str, comm_hook=None, comm_state=None) -> nn.Module:
@@ -23,14 +24,14 @@ def apply_ddp(model: nn.Module, dp_mesh, device_kind: str, comm_hook=None, comm_
     return ddp
 
 
-def apply_fsdp(model: Decoder, dp_mesh, reshard_after_forward: bool, mp_policy) -> nn.Module:
-    """FSDP2: shard each block, then the root (embeddings, final norm, head).
+def apply_fsdp(model: Decoder | OwnModule, dp_mesh, reshard_after_forward: bool, mp_policy) -> nn.Module:
+    """FSDP2: shard each block, then the root (embeddings, final norm, head; a module of your own: the rest).
 
     ``dp_mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP. Per-block wrapping lets
     the all-gather of block i+1 overlap the compute of block i. ``reshard_after_forward=False``
     keeps gathered parameters until backward: ZeRO-2-like (no second all-gather, more memory).
     """
-    for block in model.blocks.values():
+    for _, block in model.block_items():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     # The root's parameters are needed again at the start of backward (the head); keeping them
     # avoids an immediate re-gather, as torchtitan does.

@@ -24,6 +24,7 @@ import torch
 from harness.errors import UsageError
 from harness.records.record import FINGERPRINT_LEVERS
 from workloads.model import Decoder
+from workloads.own_model import OwnModule
 
 COMPILE_MODES = ("off", "on")
 OPTIMIZERS = ("adamw", "adamw-fused")
@@ -31,9 +32,9 @@ LEVER_DEFAULTS = FINGERPRINT_LEVERS
 """Cell fields of the levers and their values when not pulled (records without them mean these)."""
 
 
-def apply_compile(part: Decoder) -> None:
+def apply_compile(part: Decoder | OwnModule) -> None:
     """``torch.compile`` each block's forward (the instance's, so checkpointing is compiled with it)."""
-    for block in part.blocks.values():
+    for _, block in part.block_items():
         block.forward = torch.compile(block.forward)
 
 

@@ -41,9 +41,10 @@ from harness.parallel.schedules import stage_ids, stages_per_rank
 from harness.parallel.tp import apply_tp, head_shared_params, reduce_head_shared_grads, reduce_partial_grads
 from harness.precision import float8_tp_styles
 from workloads.model import Decoder
+from workloads.own_model import OwnModule
 
 
-def parallelize(model: Decoder, layout: Layout, device: torch.device, precision, *,
+def parallelize(model: Decoder | OwnModule, layout: Layout, device: torch.device, precision, *,
                 pp_schedule: str = "1f1b", microbatches: int = 1, loss_fn=None, ddp_comm_hook=None,
                 ddp_comm_state=None, stage_shapes: StageShapes | None = None, ac: str = "none",
                 compiled: bool = False) -> Parallelized:
@@ -55,7 +56,9 @@ def parallelize(model: Decoder, layout: Layout, device: torch.device, precision,
     if dims.pp_enabled:
         n_stages = dims.pp * stages_per_rank(pp_schedule)
         pp_rank = dims.mesh("pp").get_local_rank()
-        parts = {sid: build_stage_module(model, sid, n_stages) for sid in stage_ids(pp_rank, dims.pp, pp_schedule)}
+        assert isinstance(model, Decoder), "a pipeline splits the harness's own layers (the planner refuses the rest)"
+        parts: dict[int, Decoder | OwnModule] = {sid: build_stage_module(model, sid, n_stages)
+                                                 for sid in stage_ids(pp_rank, dims.pp, pp_schedule)}
     else:
         n_stages = 1
         parts = {0: model}

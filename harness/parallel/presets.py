@@ -13,10 +13,11 @@ from harness.errors import UsageError
 from harness.parallel.dims import ParallelDims
 from harness.parallel.schedules import check_pipeline, check_schedule_layout, stages_per_rank
 from harness.precision import check_strategy
+from workloads.own_model import OwnModel
 from workloads.sizes import ModelSize
 
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "pp+fsdp", "pp+fsdp+tp",
-              "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep")
+              "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep", "pp+fsdp+ep")
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 SP_NAMED = {"tp": False, "tp-sp": True}
 """Presets whose name says whether tensor parallel runs with sequence parallel. Every other layout with
@@ -59,6 +60,7 @@ OPTIONS = {
     "fsdp+tp+cp": StrategyOptions("fsdp"),
     "fsdp+ep": StrategyOptions("fsdp"),
     "fsdp+tp+ep": StrategyOptions("fsdp"),
+    "pp+fsdp+ep": StrategyOptions("fsdp"),
 }
 
 
@@ -120,6 +122,9 @@ def _preset_dims(strategy: str, world: int) -> ParallelDims:
     if strategy == "fsdp+tp+ep":  # Megatron's EP x TP: ep from the shards, experts tensor-parallel too
         _need(strategy, world, 4, 2, "tp 2 x >= 2 shards, every shard an expert-parallel rank")
         return ParallelDims(dp_shard=world // 2, tp=2, ep=world // 2, world_size=world)
+    if strategy == "pp+fsdp+ep":  # DeepSeek-V3's layout: stages, the experts split over each stage's shards
+        _need(strategy, world, 4, 2, "pp 2 x >= 2 shards, every shard an expert-parallel rank")
+        return ParallelDims(pp=2, dp_shard=world // 2, ep=world // 2, world_size=world)
     if strategy == "fsdp+tp+cp":
         _need(strategy, world, 4, 4, "cp 2 x tp 2 x the rest sharded")
         return ParallelDims(dp_shard=world // 4, cp=2, tp=2, world_size=world)
@@ -192,8 +197,8 @@ PP_PRESETS = tuple(s for s in STRATEGIES if "pp" in s.split("+"))
 """Presets with a pipeline: the ones a pipeline schedule varies."""
 CP_PRESETS = {"fsdp+cp": 1, "fsdp+tp+cp": 2}
 """The context-parallel presets and the tp degree each holds fixed."""
-EP_PRESETS = {"fsdp+ep": 1, "fsdp+tp+ep": 2}
-"""The expert-parallel presets and the tp degree each holds fixed."""
+EP_PRESETS = {"fsdp+ep": (1, 1), "fsdp+tp+ep": (2, 1), "pp+fsdp+ep": (1, 2)}
+"""The expert-parallel presets and the (tp, pp) degrees each holds fixed."""
 
 
 def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> list[dict[str, int]]:
@@ -201,12 +206,12 @@ def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> 
     or of every ep > 1 that divides the shards and ``n_experts`` for an expert-parallel preset, so ``plan``
     and ``fit`` rank cp (ep) 2, 4, ... of one preset against each other; [] for other strategies."""
     if strategy in EP_PRESETS:
-        tp = EP_PRESETS[strategy]
-        if world % tp:
+        tp, pp = EP_PRESETS[strategy]
+        if world % (tp * pp):
             return []
-        shards = world // tp
-        return [{"dp_shard": shards, "ep": ep} | ({"tp": tp} if tp > 1 else {}) for ep in range(2, shards + 1)
-                if shards % ep == 0 and (n_experts is None or n_experts % ep == 0)]
+        shards = world // (tp * pp)
+        return [{"dp_shard": shards, "ep": ep} | ({"tp": tp} if tp > 1 else {}) | ({"pp": pp} if pp > 1 else {})
+                for ep in range(2, shards + 1) if shards % ep == 0 and (n_experts is None or n_experts % ep == 0)]
     cp_tp = CP_PRESETS.get(strategy)
     if cp_tp is None or world % cp_tp:
         return []
@@ -215,19 +220,20 @@ def degree_variants(strategy: str, world: int, n_experts: int | None = None) -> 
 
 
 def check_ep(strategy: str, dims: ParallelDims) -> None:
-    """Expert parallel borrows FSDP's shards: it needs an FSDP strategy, and no pipeline or cp beside it (tp
-    shards the experts' width too, and under sequence parallel the MoE routes the gathered sequence:
-    :mod:`harness.parallel.ep`, :func:`harness.parallel.tp.apply_tp`)."""
+    """Expert parallel borrows FSDP's shards: it needs an FSDP strategy, and no cp beside it; with tp (which shards
+    the experts' width too, and under sequence parallel the MoE routes the gathered sequence: :mod:`harness.parallel.ep`,
+    :func:`harness.parallel.tp.apply_tp`) or with a pipeline (each stage's experts split over its shards), not both."""
     if not dims.ep_enabled:
         return
     if OPTIONS[strategy].data_parallel != "fsdp":
         raise UsageError(f"ep ({dims.ep}) needs an FSDP strategy, whose shards it borrows (dp_shard = efsdp x ep); "
                          f"strategy {strategy} does not shard: use fsdp+ep")
-    others = {n: getattr(dims, n) for n in ("pp", "cp") if getattr(dims, n) > 1}
-    if others:
-        named = ", ".join(f"{n} ({v})" for n, v in others.items())
-        raise UsageError(f"ep ({dims.ep}) with {named} is not supported: expert parallel is built beside FSDP and tp "
-                         f"only; set {' and '.join(f'{n}=1' for n in others)}, or ep=1")
+    if dims.cp_enabled:
+        raise UsageError(f"ep ({dims.ep}) with cp ({dims.cp}) is not supported: expert parallel is built beside FSDP, "
+                         f"tp and pp; set cp=1, or ep=1")
+    if dims.pp_enabled and dims.tp_enabled:
+        raise UsageError(f"ep ({dims.ep}) with pp ({dims.pp}) and tp ({dims.tp}) together is not supported: use "
+                         f"pp+fsdp+ep (tp=1) or fsdp+tp+ep (pp=1)")
 
 
 def check_cp(strategy: str, dims: ParallelDims) -> None:
@@ -279,6 +285,25 @@ def resolve_cell(strategy: str, world: int, degrees: dict | None, size: ModelSiz
     if layout.dims.pp_enabled:
         check_schedule_layout(strategy, pp_schedule, layout.fsdp)
     return layout, mb
+
+
+def resolve_own_cell(strategy: str, world: int, degrees: dict | None, own: OwnModel, precision: str, *,
+                     grad_accum: int, global_batch: int) -> Layout:
+    """:func:`resolve_cell` for a module of your own: data-parallel strategies as for any model, tensor parallel with
+    its factory's plan; a pipeline, context and expert parallel split the harness's own layers and are refused."""
+    layout = resolve(strategy, world, degrees, sequence_parallel=False)  # its plan says how it shards sequences
+    check_strategy(precision, strategy)
+    dims = layout.dims
+    split = [f"{n} ({getattr(dims, n)})" for n in ("pp", "cp", "ep") if getattr(dims, n) > 1]
+    if split:
+        raise UsageError(f"{' and '.join(split)} on {own.name} ({own.factory}): a pipeline, context and expert "
+                         f"parallel split the harness's own layers, not a module of your own; use ddp, fsdp, zero2, "
+                         f"hsdp (or tp with a tp_plan)")
+    if dims.tp_enabled and not own.has_tp_plan:
+        raise UsageError(f"tp ({dims.tp}) on {own.name}: its factory returned no tp_plan; return tp_plan "
+                         f"({{module name: ParallelStyle}}) to shard it, or use a data-parallel strategy")
+    check_batch_split(dims, global_batch, 1, grad_accum)
+    return layout
 
 
 def check_moe(dims: ParallelDims, size: ModelSize) -> None:

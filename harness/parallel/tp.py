@@ -36,6 +36,7 @@ from harness.parallel.tp_plan import COLUMN_LINEARS, HEAD_SHARED, ROW_LINEARS
 from workloads.layers import ProjNorm
 from workloads.model import Decoder, LatentAttention
 from workloads.moe import MoE
+from workloads.own_model import OwnModule
 
 
 def _float8(module: nn.Module) -> bool:
@@ -56,12 +57,15 @@ def _styles(float8: bool):
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
-def apply_tp(model: Decoder, tp_mesh, sequence_parallel: bool, loss_parallel: bool = False,
+def apply_tp(model: Decoder | OwnModule, tp_mesh, sequence_parallel: bool, loss_parallel: bool = False,
              float8: bool = False) -> None:
     """Shard ``model`` (a :class:`workloads.model.Decoder` or a pipeline stage of one) over ``tp_mesh``; with
     ``loss_parallel`` the LM head's logits stay sharded over the vocabulary (a DTensor, for
     :func:`torch.distributed.tensor.parallel.loss_parallel`'s cross-entropy). ``float8``: the linears torchao
     converted take its float8 styles (the others, the LM head among them, torch's)."""
+    if isinstance(model, OwnModule):  # a module of your own: its factory's plan, as given (the planner checked it)
+        parallelize_module(model.inner, tp_mesh, model.tp_plan)
+        return
     sp = sequence_parallel
     residual = Shard(1) if sp else Replicate()
     top: dict = {}

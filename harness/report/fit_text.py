@@ -11,8 +11,11 @@ BANNER = ("FIT: collectives are FAKE (torch's fake process group: they return at
           "throughput is reported; memory is measured on this device as one rank of N.")
 
 
-def _gib(x: float) -> str:
-    """Two decimals, or 3 significant digits below 1 GiB (the CPU sizes)."""
+def _gib(x: float | None) -> str:
+    """Two decimals, or 3 significant digits below 1 GiB (the CPU sizes); n/a where not priced (a module of your
+    own's peak)."""
+    if x is None:
+        return "n/a"
     return f"{x:.2f}" if x >= 1 else f"{x:.3g}"
 
 

@@ -26,6 +26,7 @@ from harness.scaling import lr_at
 from harness.spec import CellConfig, threads_per_rank
 from workloads.data import MarkovData
 from workloads.model import Decoder, lm_loss
+from workloads.own_model import OwnModel
 from workloads.sizes import ModelSize
 
 
@@ -59,7 +60,7 @@ def place(cfg: CellConfig) -> Placement:
 class BuiltCell:
     """What a rank trains and how: the parallelized model, its optimizer and the step's context."""
 
-    size: ModelSize
+    size: ModelSize | OwnModel
     layout: Layout
     precision: PrecisionPlan
     ctx: train.StepContext
@@ -83,7 +84,7 @@ def build_cell(cfg: CellConfig, device: torch.device) -> BuiltCell:
     precision.configure_backends(cfg.device_kind)
     torch.manual_seed(cfg.seed)
     with torch.device(device):
-        model = Decoder(size)
+        model = size.module() if isinstance(size, OwnModel) else Decoder(size)
     gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group()) \
         if layout.data_parallel == "ddp" else None
     # An MoE's stages are static: runtime shape inference would route an uninitialised tensor on later

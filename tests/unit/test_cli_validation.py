@@ -33,7 +33,7 @@ CASES = {
                              "--restore-from /nonexistent/step-000005: not a complete harness checkpoint"),
     # Every requested cell invalid: exit 2, though the added single-device reference is valid.
     "only-reference-valid": (["--gpus", "2", "--degrees", "pp=3"],
-                             "no valid cell to run: 14 cells (tiny-ddp-fp32-w2-gb8-strong, ...): dp_replicate (1) x "
+                             "no valid cell to run: 15 cells (tiny-ddp-fp32-w2-gb8-strong, ...): dp_replicate (1) x "
                              "dp_shard (1) x tp (1) x pp (3) = 3 must equal the world size (2)"),
 }
 

@@ -43,15 +43,26 @@ def test_ep_is_borrowed_from_the_shards():
 @pytest.mark.parametrize("strategy,degrees,match", [
     ("ddp", {"dp_replicate": 2, "ep": 1}, None),
     ("hsdp", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, r"ep \(2\) needs an FSDP strategy.*use fsdp\+ep"),
-    ("pp+fsdp", {"pp": 2, "dp_shard": 2, "ep": 2}, r"ep \(2\) with pp \(2\) is not supported.*set pp=1"),
+    ("pp+fsdp+tp", {"pp": 2, "dp_shard": 2, "tp": 2, "ep": 2},
+     r"ep \(2\) with pp \(2\) and tp \(2\) together is not supported: use pp\+fsdp\+ep \(tp=1\) or fsdp\+tp\+ep"),
     ("fsdp+cp", {"dp_shard": 2, "cp": 2, "ep": 2}, r"ep \(2\) with cp \(2\) is not supported.*set cp=1"),
 ])
 def test_ep_where_it_cannot_run_is_refused_with_the_reason(strategy, degrees, match):
     if match is None:
         assert resolve(strategy, 2, degrees).dims.ep == 1
         return
+    world = degrees.get("pp", 1) * degrees.get("tp", 1) * degrees.get("cp", 1) * degrees.get("dp_shard", 1) * \
+        degrees.get("dp_replicate", 1)
     with pytest.raises(UsageError, match=match):
-        resolve(strategy, 4, degrees)
+        resolve(strategy, world, degrees)
+
+
+def test_pp_fsdp_ep_splits_each_stages_experts_over_its_shards():
+    """DeepSeek-V3's layout as a preset: 2 stages, the rest sharded, every shard an expert-parallel rank; without
+    --degrees, every ep that divides the shards and the experts."""
+    dims = resolve("pp+fsdp+ep", 8).dims
+    assert (dims.pp, dims.dp_shard, dims.ep, dims.efsdp, dims.tp) == (2, 4, 4, 1, 1)
+    assert degree_variants("pp+fsdp+ep", 8, 8) == [{"dp_shard": 4, "ep": 2, "pp": 2}, {"dp_shard": 4, "ep": 4, "pp": 2}]
 
 
 def test_a_degree_the_model_cannot_split_is_refused_at_plan_time():

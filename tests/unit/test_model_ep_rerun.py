@@ -13,6 +13,7 @@ import pytest
 
 from harness.model.activations import composite_rms_norm, moe_token_bytes, op_token_bytes
 from harness.model.comm import _ep_calls, comm_by_rank, comm_for_routing, ep_bytes, ep_tp_bytes
+from harness.model.inventory import coords
 from harness.model.shape import CellShape
 from harness.parallel.presets import resolve, resolve_cell
 from workloads.sizes import get_size
@@ -39,7 +40,8 @@ def test_a_rerun_layer_sends_its_forward_all_to_alls_again():
     # the same through the routed rows: 4,096 sent and received over the 4 layers, half of them in rerun layers
     rows = 4 * 128 * 2 * 4
     assert ep_bytes(c, rows, rows) == 1.5 * 64 * 4 + (2 * 2 * rows + 2 * rows // 2) * 128 * 4
-    calls = _ep_calls(c, 1, 4)
+    assert (c.grad_accum, c.local_batch) == (1, 4)  # one pass of 4 rows
+    calls = _ep_calls(c, coords(c.dims)[0])
     assert len(calls) == 26 and {(k.collective, k.group, k.dim, k.overlappable) for k in calls} == {
         ("all_to_all", 2, "ep", False)}, "expert parallel's exchanges run over ep and nothing hides them"
 

@@ -184,14 +184,14 @@ def test_invalid_strategies_are_rows_with_the_reason():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(size_name="huge"), "--sizes: unknown gpt2 size 'huge'"),
+    (dict(workload="huge"), "--sizes: unknown gpt2 size 'huge'"),
     (dict(gpus=0), "--gpus 0: must be an integer >= 1"),
     (dict(efficiency=1.5), "--efficiency 1.5: must be a fraction of the datasheet peak in (0, 1]"),
     (dict(recompute="some"), "--recompute: unknown activation checkpointing 'some'; choose from none, attn, op, layer2, full"),
     (dict(seq_len=4096), "--seq-len: seq_len (4096) exceeds xl's position table (1024)"),
 ])
 def test_bad_inputs_are_usage_errors(kwargs, message):
-    args = dict(size_name="xl", device="h100", gpus=8) | kwargs
+    args = dict(workload="xl", device="h100", gpus=8) | kwargs
     with pytest.raises(UsageError) as e:
         scenario(**args)
     assert message in str(e.value)
