@@ -8,6 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 GPUS ?= 1
 ARCH ?=
+MODEL ?=
 SIZES ?=
 STRATEGIES ?=
 PRECISION ?=
@@ -26,7 +27,7 @@ ARGS ?=
 # make mutate: mutmut's parallel children (the machine is shared; each child is one pytest process).
 MUTATE_JOBS ?= 2
 
-bench_args = --gpus $(GPUS) $(if $(ARCH),--arch $(ARCH)) \
+bench_args = --gpus $(GPUS) $(if $(ARCH),--arch $(ARCH)) $(if $(MODEL),--model $(MODEL)) \
 	$(if $(SIZES),--sizes $(SIZES)) $(if $(STRATEGIES),--strategies $(STRATEGIES)) \
 	$(if $(PRECISION),--precision $(PRECISION)) $(if $(SCALING),--scaling $(SCALING)) \
 	$(if $(LR_RULE),--lr-rule $(LR_RULE)) $(if $(STEPS),--steps $(STEPS)) \

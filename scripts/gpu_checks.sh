@@ -36,6 +36,11 @@ python3 -c "import torchao, torchao.float8; print('torchao', torchao.__version__
 # First: `make bench GPUS=1`'s default sweep through the fork server on CUDA (nothing has run on CUDA since the
 # fork server, fp8, NCCL all-to-all and CP landed).
 phase default 120 $H bench --device cuda --gpus 1 --no-calibrate --cell-timeout 100 --out "$R/default"; keep default
+# Issue 58: config models at full size, as `make bench GPUS=1 MODEL=...` runs them: Qwen3-0.6B (q/k norms per head,
+# 128-wide heads over d 1024) and Llama 3.2 1B (rope_scaling, both tied heads trained untied), bf16, one GPU; the
+# allocator's peak against the model's (summary.md's "Predicted vs measured").
+phase model-configs 120 $H bench $COMMON --strategies single --model tests/data/hf_configs/qwen3-0.6b.json,tests/data/hf_configs/llama-3.2-1b.json \
+    --precision bf16 --batch 4 --seq-len 2048 --out "$R/model-configs"; keep model-configs
 # Issue 45: fp8 on FP8 tensor cores, llama3 1b: bf16 against fp8 tensorwise and rowwise (speedup and MFU in
 # summary.md; parity against the bf16 single device; converted linears against the model's list).
 phase fp8-llama3-1b 150 $H bench $COMMON --strategies single --arch llama3 --sizes 1b --batch 2 --precision bf16,fp8 \

@@ -54,6 +54,8 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"--model {path}: not UTF-8 text (byte {e.start}); a config.json is JSON text") from None
     try:
         content = json.loads(text, parse_constant=_no_constant)
+    except ConfigError as e:  # NaN, Infinity: JSON has no such numbers, Python's parser takes them unless told
+        raise ConfigError(f"--model {path}: not valid JSON ({e}); fix the file") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--model {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the "
                           f"file") from None

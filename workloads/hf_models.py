@@ -26,6 +26,7 @@ from typing import Any
 
 from workloads.architecture import CONFIG_ARCH, MLASpec, ModelOrigin, ModelSize, MoESpec
 from workloads.config_file import ConfigError, Fields, canonical, config_path, digest, model_name, read_json
+from workloads.shrink import VERSION as SHRINK_VERSION
 from workloads.shrink import shrink
 
 DEFAULT_SEQ_LEN = 4096
@@ -369,7 +370,7 @@ def config_model(value: str, shrunk: bool = False) -> ModelSize:
     :mod:`workloads.shrink`'s rules. ConfigError (one line) for anything that cannot be read or mapped."""
     path = config_path(value)
     content = read_json(path)
-    return _size_of(canonical(content), model_name(path), str(path), shrunk)
+    return _size_of(canonical(content), model_name(path), f"--model {path}", shrunk)
 
 
 def model_from_origin(origin: dict[str, Any]) -> ModelSize:
@@ -377,5 +378,8 @@ def model_from_origin(origin: dict[str, Any]) -> ModelSize:
     if origin.get("kind") != "config" or not isinstance(origin.get("content"), dict):
         raise ConfigError(f"a record's model {origin.get('name')!r} of kind {origin.get('kind')!r} cannot be rebuilt "
                           f"from the record (a module's code is not in it); run it again with --model")
+    if origin.get("shrink") not in (None, SHRINK_VERSION):
+        raise ConfigError(f"a record's model {origin.get('name')!r} was shrunk by rules {origin['shrink']}, and this "
+                          f"harness shrinks by {SHRINK_VERSION}: its workload cannot be rebuilt as it ran; run it again")
     return _size_of(canonical(origin["content"]), str(origin.get("name") or "model"), f"record model "
                     f"{origin.get('name')}", bool(origin.get("shrink")))

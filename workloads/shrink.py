@@ -1,14 +1,16 @@
 """A config model at CPU scale: the same architecture, small enough for CPU ranks (docs/models.md, "Shrink rules").
 
 ``bench --model`` on CPU ranks runs the model shrunk unless ``--full-size`` is given; the record and the cell id say
-so (``-shrunk`` in the size's name, ``model.shrink`` the rules' version). The rules keep what makes the architecture
+so (the rules' version ends the size's name, ``-cpu2``, and is the record's ``model.shrink``). The rules keep what makes the architecture
 what it is and shrink only its extent:
 
 * every part of the block as it is: norms and where they sit, biases, positions (learned, rotary with its fraction,
   ALiBi), q/k norms, a parallel residual, MLA, the MLP's kind, the router's scoring, normalisation and scale;
 * the grouped-query ratio ``n_heads / n_kv_heads`` (with at most 2 kv heads, so tp 2 divides them), at most 4 heads of
   multi-head attention (tp 4 divides them); MLA at 4 heads;
-* the width ``d_model`` :data:`WIDTH`, and every other width in its ratio to ``d_model``, rounded to a multiple of 16
+* the width ``d_model`` :data:`WIDTH` (where the heads do not divide it and each head is ``d_model / heads`` wide, the
+  heads times the even width nearest ``WIDTH / heads``), and every other width in its ratio to ``d_model``, rounded to
+  a multiple of 16
   (MLP and experts, q/k head width over ``d_model / n_heads``; MLA's ranks to a multiple of 8 and its head parts to 16,
   16 and 8, the rotary part the half of the no-position part it is in DeepSeek-V3);
 * at most :data:`LAYERS` blocks, the dense-then-MoE pattern kept (one dense block where there were some);
@@ -23,8 +25,9 @@ from dataclasses import replace
 
 from workloads.architecture import MLASpec, ModelSize, MoESpec
 
-VERSION = "cpu1"
-"""The rules' version, kept in a record (``model.shrink``): a rule changed is a new version."""
+VERSION = "cpu2"
+"""The rules' version, kept in a record (``model.shrink``): a rule changed is a new version (``cpu1`` gave heads that
+do not divide the width a fractional head width)."""
 WIDTH = 128
 LAYERS = 4
 EXPERTS = 8
@@ -81,16 +84,25 @@ def _mla(size: ModelSize) -> MLASpec | None:
                    kv_rank=_round(m.kv_rank * WIDTH / size.d_model, 8), nope_dim=16, rope_dim=8, v_dim=16)
 
 
+def _width(size: ModelSize, heads: int) -> int:
+    """:data:`WIDTH`, or where each head's width is ``d_model / heads`` and the heads do not divide it, the heads times
+    the even width nearest ``WIDTH / heads`` (Qwen2.5-7B's 28 heads in groups of 7: 14 heads of 10, d 140)."""
+    if size.attn_head_dim is not None or size.mla is not None or WIDTH % heads == 0:
+        return WIDTH
+    return heads * max(8, 2 * round(WIDTH / heads / 2))
+
+
 def shrink(size: ModelSize) -> ModelSize:
     """``size`` by the rules above (a config model: its origin says which rules ran)."""
     assert size.origin is not None, f"shrink: {size.name} is a built-in size, which has its own CPU sizes"
     heads, kv = _heads(size)
     dense = min(size.dense_layers, 1)
     layers = min(size.n_layers, LAYERS)
-    scale = WIDTH / size.d_model
+    width = _width(size, heads)
+    scale = width / size.d_model
     learned = size.learned_positions
     return replace(
-        size, name=f"{size.name}-shrunk", n_layers=layers, d_model=WIDTH, n_heads=heads, n_kv_heads=kv,
+        size, name=f"{size.name}-{VERSION}", n_layers=layers, d_model=width, n_heads=heads, n_kv_heads=kv,
         attn_head_dim=_head_dim(size, heads), ffn_width=_round(size.dense_ff * scale), vocab_size=VOCAB,
         seq_len=SEQ_LEN, max_positions=SEQ_LEN if learned else None, moe=_moe(size), mla=_mla(size),
         dense_layers=dense, dense_d_ff=_round(size.dense_d_ff * scale) if size.dense_d_ff else None,

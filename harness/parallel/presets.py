@@ -312,14 +312,14 @@ def check_moe(dims: ParallelDims, size: ModelSize) -> None:
     experts', :func:`check_model_fit`)."""
     if dims.ep_enabled:
         if size.moe is None:
-            raise UsageError(f"ep ({dims.ep}) needs a mixture of experts: use --arch moe, or ep=1")
+            raise UsageError(f"ep ({dims.ep}) needs a mixture of experts: use --arch moe or an MoE --model, or ep=1")
         if size.moe.n_experts % dims.ep:
             n = size.moe.n_experts
             raise UsageError(f"ep ({dims.ep}) must divide the experts ({n}) of {size.name}: each expert-parallel "
                              f"rank holds n_experts / ep of them; choose ep in {{{_divisors(n)}}}")
     if size.moe is not None and dims.tp_enabled:
         if not dims.ep_enabled:
-            raise UsageError(f"tp ({dims.tp}) with --arch moe needs expert parallel: the experts are tensor-parallel "
+            raise UsageError(f"tp ({dims.tp}) on a mixture of experts needs expert parallel: the experts are tensor-parallel "
                              f"only inside it; use fsdp+tp+ep (or --degrees with ep > 1)")
 
 

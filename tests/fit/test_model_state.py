@@ -65,7 +65,7 @@ def test_moe_model_states_per_role_equal_the_model_exactly(tmp_path):
     grid += [("fsdp+ep", 8, {"dp_shard": 8, "ep": 4}), ("fsdp+tp+ep", 8, {"dp_shard": 4, "tp": 2, "ep": 2})]
     cells = [plan_fit_cell("moe-mini", s, "fp32", n, 1, "cpu", seq_len=SEQ, degrees=d, compute="fake") for s, n, d in grid]
     _assert_states_exact(cells, run_fake_roles(cells, tmp_path, steps=1))
-    with pytest.raises(UsageError, match=r"tp \(2\) with --arch moe needs expert parallel"):
+    with pytest.raises(UsageError, match=r"tp \(2\) on a mixture of experts needs expert parallel"):
         plan_fit_cell("moe-mini", "fsdp+tp", "fp32", 8, 1, "cpu", seq_len=SEQ)
 
 

@@ -68,9 +68,9 @@ def test_pp_fsdp_ep_splits_each_stages_experts_over_its_shards():
 def test_a_degree_the_model_cannot_split_is_refused_at_plan_time():
     with pytest.raises(UsageError, match=r"ep \(16\) must divide the experts \(8\) of tiny.*\{1, 2, 4, 8\}"):
         _cell("fsdp+ep", 16)
-    with pytest.raises(UsageError, match=r"ep \(2\) needs a mixture of experts: use --arch moe"):
+    with pytest.raises(UsageError, match=r"ep \(2\) needs a mixture of experts: use --arch moe or an MoE --model"):
         _cell("fsdp+ep", 2, size=get_size("tiny", "llama3"))
-    with pytest.raises(UsageError, match=r"tp \(2\) with --arch moe needs expert parallel.*fsdp\+tp\+ep"):
+    with pytest.raises(UsageError, match=r"tp \(2\) on a mixture of experts needs expert parallel.*fsdp\+tp\+ep"):
         _cell("fsdp+tp", 4)
     narrow = replace(MOE, moe=replace(MOE.moe, d_ff=127))
     with pytest.raises(UsageError, match=r"tp \(2\) must divide the MLP width \(127\)"):

@@ -1,6 +1,6 @@
 """The committed config-models reference (results/reference/models-cpu-shrunk-w2-w4, issue 58) shows what it claims:
-one shrunk published config per architecture at 2 and 4 CPU ranks under ddp, fsdp, fsdp+tp and pp (fsdp+ep and
-fsdp+tp+ep for the MoE ones, fsdp+cp for all), every cell at parity with one device, every rank's collective bytes
+one shrunk published config per architecture at 2 and 4 CPU ranks under ddp, fsdp, fsdp+tp and pp (fsdp+ep,
+fsdp+tp+ep and pp+fsdp+ep for the MoE ones, fsdp+cp for all), every cell at parity with one device, every rank's collective bytes
 the model's recomputed here from the record's config (expert parallel's for the rows each rank routed), model
 states exact, and the peak per rank within the model's usual error; the records rebuild their workloads from the
 config they carry, without the files."""
@@ -42,6 +42,8 @@ def test_every_architecture_ran_every_layout_it_supports(cells):
                 assert (model_type, strategy, world) in ran, (model_type, strategy, world)
         tp = "fsdp+tp+ep" if model_type in MOE_TYPES else "fsdp+tp"
         assert (model_type, tp, 4) in ran, (model_type, tp)
+        if model_type in MOE_TYPES:  # DeepSeek-V3's layout: stages, each stage's experts over its shards
+            assert (model_type, "pp+fsdp+ep", 4) in ran, model_type
 
 
 def test_every_cell_is_ok_at_parity_and_the_refused_say_why(cells):
@@ -78,6 +80,6 @@ def test_a_record_rebuilds_its_workload_from_what_it_carries(cells):
     r = next(r for r in cells if r["status"] == "ok" and _type(r) == "deepseek_v3")
     cfg = CellConfig.from_record(r["config"])
     size = cfg.model_size
-    assert size.name == r["config"]["size"] and size.origin is not None and size.origin.shrink == "cpu1"
+    assert size.name == r["config"]["size"] and size.origin is not None and size.origin.shrink == "cpu2"
     assert r["workload"]["params"] == size.params and r["workload"]["model"]["digest"] == size.origin.digest
     assert size.mla is not None and size.dense_layers == 1 and size.moe is not None and size.moe.n_group == 4

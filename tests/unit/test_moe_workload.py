@@ -202,7 +202,7 @@ def test_routing_axis_ids_and_refusals(tmp_path, capsys):
     assert "--moe-routing balanced: only a mixture of experts routes tokens" in capsys.readouterr().err
     assert main(["plan", "--arch", "moe", "--sizes", "tiny", "--gpus", "2", "--strategies", "tp"]) == 0
     tp_row = next(line for line in capsys.readouterr().out.splitlines() if "moe-tiny-tp-" in line)
-    assert "invalid" in tp_row and "tp (2) with --arch moe needs expert parallel" in tp_row
+    assert "invalid" in tp_row and "tp (2) on a mixture of experts needs expert parallel" in tp_row
 
 
 class _Recorder:

@@ -123,7 +123,7 @@ def test_latest_record_per_cell_wins_and_attempts_are_counted():
 
 # ---------------------------------------------------------------- the strategy resolved once
 
-FSDP_APPLIED = {"fsdp", "zero2", "hsdp", "fsdp+tp", "pp+fsdp", "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep"}
+FSDP_APPLIED = {"fsdp", "zero2", "hsdp", "fsdp+tp", "pp+fsdp", "fsdp+cp", "fsdp+tp+cp", "fsdp+ep", "fsdp+tp+ep", "pp+fsdp+ep"}
 
 
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "pp+fsdp+tp"])
