@@ -4,8 +4,8 @@ Korthikanti et al. (2022, section 4), adapted to this model: no dropout, fused S
 output and log-sum-exp instead of the ``5 a s^2 b`` score matrices. Per layer and token, on one tp rank:
 
 * **norms**: each norm's input (sequence-sharded under SP) and its output, which the next linears save whole
-  (all-gathered: DTensor does not re-gather in backward as Megatron does); a composite RMSNorm (CPU, or CUDA under
-  autocast without FSDP's low-precision parameters) also its normalised input, both in fp32. A parallel residual's
+  (all-gathered: DTensor does not re-gather in backward as Megatron does); a composite RMSNorm (a block's on CPU only:
+  :func:`composite_block_norm`) also its normalised input, both in fp32. A parallel residual's
   two norms read one input; norms after each sub-layer (OLMo 2) save the same tensors by other names (the
   sub-layer's output in, the residual stream into the next sub-layer's linears);
 * **attention**: q, k and v (k and v gathered whole under context parallel) and the output, in the compute dtype;
@@ -33,10 +33,21 @@ from harness.parallel.activation_checkpoint import checkpointed_layer
 
 
 def composite_rms_norm(c: CellShape) -> bool:
-    """Whether ``nn.RMSNorm`` runs as composite ops, which also save the normalised input: on CPU always
-    (torch 2.13 fuses it on CUDA only), on CUDA when the input's dtype differs from the fp32 weight's
-    (autocast without FSDP's low-precision ``param_dtype``)."""
+    """Whether an ``nn.RMSNorm`` that reads a linear's output (q/k norms, MLA's latent norms) runs as composite ops,
+    which also save the normalised input: on CPU always (torch 2.13 fuses it on CUDA only), on CUDA when that output's
+    dtype (autocast's) differs from the fp32 weight's (autocast without FSDP's low-precision ``param_dtype``)."""
     return c.device_kind != "cuda" or (c.compute_bytes != 4 and not c.fsdp)
+
+
+def composite_block_norm(c: CellShape) -> bool:
+    """Whether a block's own RMSNorms run as composite ops: on CPU always; on CUDA never. They read the residual stream,
+    which has the weight's dtype in every mode (fp32 under autocast without FSDP, where the residual adds run in fp32:
+    :attr:`CellShape.residual_bytes`; FSDP's ``param_dtype`` for both under FSDP), and torch's ``rms_norm`` runs the
+    fused kernel wherever input and weight dtypes agree (``rms_norm_symint``: the composite ops on a mismatch only).
+    The H200's llama3 1b bf16 cells bound it (docs/model-accuracy.md, "Mixed precision"): under ``ac attn`` the loss's backward holds every
+    saved activation, and the composite's normalised copies (4.0 GiB) would put that moment 3.7 GiB above the
+    allocator's measured peak."""
+    return c.device_kind != "cuda"
 
 
 def _sp(c: CellShape) -> int:
@@ -46,7 +57,7 @@ def _sp(c: CellShape) -> int:
 def _norm_token_bytes(c: CellShape) -> float:
     """The block's two norms (the module docstring)."""
     size, hi, d = c.size, c.residual_bytes, c.size.d_model
-    composite = size.norm == "rmsnorm" and composite_rms_norm(c)
+    composite = size.norm == "rmsnorm" and composite_block_norm(c)
     inputs = (1 if size.parallel_residual else 2) * d * (4 if composite else hi)
     normalised = 2 * d * 4 if composite else 0
     return (inputs + normalised) / _sp(c) + 2 * d * hi

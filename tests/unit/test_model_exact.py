@@ -73,9 +73,13 @@ def test_inflight_microbatches() -> None:
 
 
 def test_logits_bytes_exact() -> None:
-    # rows x S x V x (compute bytes + fp32 copy + its gradient)
+    # the loss's backward, rows x S x V x 3 fp32 tensors (log-softmax's output, nll's gradient, log-softmax's)
     assert memory.logits_bytes(shape("single", 1)) == 8 * 128 * 256 * (4 + 8)
-    assert memory.logits_bytes(shape("single", 1, precision="bf16")) == 8 * 128 * 256 * (2 + 8)
+    # in every precision: the bf16 logits and their fp32 copy are freed by then (tests/unit/test_autocast_copies.py)
+    assert memory.logits_bytes(shape("single", 1, precision="bf16")) == 8 * 128 * 256 * (4 + 8)
+    # the forward's: the bf16 logits, their fp32 copy and log-softmax's output; fp32's copy is the logits themselves
+    assert memory.forward_logits_bytes(shape("single", 1, precision="bf16")) == 8 * 128 * 256 * (2 + 4 + 4)
+    assert memory.forward_logits_bytes(shape("single", 1)) == 8 * 128 * 256 * (4 + 4)
     # a pipeline's last stage also keeps its output, the logits, for its backward (harness fit measured 4 copies)
     assert memory.logits_bytes(shape("pp", 2, microbatches=4)) == 2 * 128 * 256 * 16
 
