@@ -41,6 +41,11 @@ phase default 120 $H bench --device cuda --gpus 1 --no-calibrate --cell-timeout 
 # allocator's peak against the model's (summary.md's "Predicted vs measured").
 phase model-configs 120 $H bench $COMMON --strategies single --model tests/data/hf_configs/qwen3-0.6b.json,tests/data/hf_configs/llama-3.2-1b.json \
     --precision bf16 --batch 4 --seq-len 2048 --out "$R/model-configs"; keep model-configs
+# Issue 59: the op-by-op what-if's rates measured on this GPU (GEMMs at the supported models' shapes in bf16, fp8 and
+# fp32, flash attention by length and head width, copy bandwidth, eager launch time, kernel floor) into
+# OUTDIR/calibration.json; the rows of results/gpu are then predicted again from them, here:
+#   .venv/bin/python scripts/gpu_records_vs_model.py --calibration OUTDIR/calibration.json
+phase calibrate-ops 90 $H calibrate --device cuda --no-comm --ops --dtype bf16
 # Issue 45: fp8 on FP8 tensor cores, llama3 1b: bf16 against fp8 tensorwise and rowwise (speedup and MFU in
 # summary.md; parity against the bf16 single device; converted linears against the model's list).
 phase fp8-llama3-1b 150 $H bench $COMMON --strategies single --arch llama3 --sizes 1b --batch 2 --precision bf16,fp8 \

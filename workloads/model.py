@@ -88,6 +88,9 @@ class _Positional(nn.Module):
     tp_rank = 0
     """This rank's index in its tensor-parallel group: which of ALiBi's heads it holds."""
     alibi: torch.Tensor | None
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+    """The attention kernel; the op-by-op what-if traces the block with a stand-in for the GPU's fused kernel
+    (:mod:`harness.model.op_trace`)."""
 
     def _setup_positions(self, size: ModelSize) -> None:
         self.rope_theta = size.rope_theta
@@ -112,9 +115,9 @@ class _Positional(nn.Module):
             return self.seq_shard.attention(q, k, v, slopes)
         gqa = k.shape[1] != q.shape[1]
         if slopes is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return self.sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
         pos = torch.arange(q.shape[2], device=q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(slopes, pos, pos, q.dtype), enable_gqa=gqa)
+        return self.sdpa(q, k, v, attn_mask=alibi_bias(slopes, pos, pos, q.dtype), enable_gqa=gqa)
 
 
 class Attention(_Positional):

@@ -133,18 +133,20 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _time_matmul(a: torch.Tensor, b: torch.Tensor, cuda: bool, min_time_s: float, repeats: int = 1) -> list[float]:
-    """Seconds per product in each of ``repeats`` windows of at least ``min_time_s`` (the caller keeps the median)."""
-    torch.matmul(a, b)  # warmup (also selects the kernel)
+def time_windows(fn: Callable[[], object], cuda: bool, min_time_s: float, repeats: int = 1,
+                 max_reps: int = 1 << 12) -> list[float]:
+    """Seconds per call of ``fn`` in each of ``repeats`` windows of at least ``min_time_s`` (the caller keeps the
+    median): one call first (warmup; for a matmul it also selects the kernel), then the window grown by doubling."""
+    fn()
     reps = 1
     while True:  # grow the window until it is long enough to time
         _sync(cuda)
         t0 = time.perf_counter()
         for _ in range(reps):
-            torch.matmul(a, b)
+            fn()
         _sync(cuda)
         elapsed = time.perf_counter() - t0
-        if elapsed >= min_time_s or reps >= 1 << 12:
+        if elapsed >= min_time_s or reps >= max_reps:
             break
         reps *= 2
     windows = [elapsed / reps]
@@ -152,10 +154,15 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor, cuda: bool, min_time_s: float
         _sync(cuda)
         t0 = time.perf_counter()
         for _ in range(reps):
-            torch.matmul(a, b)
+            fn()
         _sync(cuda)
         windows.append((time.perf_counter() - t0) / reps)
     return windows
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor, cuda: bool, min_time_s: float, repeats: int = 1) -> list[float]:
+    """Seconds per product in each of ``repeats`` windows of at least ``min_time_s`` (the caller keeps the median)."""
+    return time_windows(lambda: torch.matmul(a, b), cuda, min_time_s, repeats)
 
 
 def _warm(dev: torch.device, tdtype: torch.dtype, shape: Shape, seconds: float, cuda: bool) -> None:

@@ -43,6 +43,8 @@ def label_of(kind: str, fp: dict) -> str:
                 f"{fp.get('backend')}{_threads(fp, 'threads_per_rank')}")
     if kind == "storage":
         return f"storage {fp.get('mount')} ({fp.get('fstype')}) on {fp.get('host')}"
+    if kind == "ops":
+        return f"ops {dk} {fp.get('device_name')} torch {fp.get('torch')}"
     raise ValueError(f"unknown calibration kind {kind!r}; choose from {', '.join(store.KINDS)}")
 
 
@@ -60,6 +62,8 @@ def fix_command(kind: str, fp: dict) -> str:
         return f"harness calibrate --force comm --device {dk} --gpus {fp.get('world_size')}"
     if kind == "storage":
         return f"harness calibrate --force storage --storage RUN_DIR  (a folder on {fp.get('mount')})"
+    if kind == "ops":
+        return f"harness calibrate --force ops --device {dk} --no-comm --ops"
     raise ValueError(f"unknown calibration kind {kind!r}; choose from {', '.join(store.KINDS)}")
 
 

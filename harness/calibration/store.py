@@ -24,7 +24,7 @@ from pathlib import Path
 from harness.records.atomic import write_json_atomic
 from harness.records.fingerprint import digest
 
-KINDS = ("matmul", "comm", "workload", "storage")
+KINDS = ("matmul", "comm", "workload", "storage", "ops")
 ENV = "HARNESS_CALIBRATION"
 """Names the calibration file instead of ``~/.cache/harness/calibration.json``."""
 
@@ -74,6 +74,17 @@ def get(kind: str, fp: dict, path: Path | None = None) -> dict | None:
     """A copy of the stored entry of this kind and fingerprint, or None."""
     entry = by_key(key(kind, fp), path)
     return entry if entry is not None and entry.get("kind", "matmul") == kind else None
+
+
+def entries(kind: str, path: Path | None = None) -> list[dict]:
+    """Copies of every stored entry of ``kind``."""
+    path = path or default_path()
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return []
+    return [copy.deepcopy(e) for e in _parsed(str(path), st.st_mtime_ns, st.st_size).values()
+            if e.get("kind", "matmul") == kind]
 
 
 def by_key(entry_key: str, path: Path | None = None) -> dict | None:

@@ -256,8 +256,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="start every cell from this save of another run (a step-NNNNNN folder kept by "
                         "--checkpoint-keep), resharded into the cell's layout; its losses are held against the source's")
     g.add_argument("--device", default=None,
-                   help="auto (default), cpu or cuda; harness plan also takes a hardware preset "
-                        "(h100, h100-pcie, h200, a100) for a what-if prediction")
+                   help=f"auto (default), cpu or cuda; harness plan also takes a hardware preset "
+                        f"({', '.join(DEVICES)}) or a device file for a what-if prediction")
     g.add_argument("--nvtx", choices=("on", "off"), default=None, help="NVTX ranges (default on)")
     g.add_argument("--monitor-hz", help="GPU (NVML) or host sampling rate over the measured window, Hz "
                                         "(default 10; 0: no monitor thread, the record says so)")

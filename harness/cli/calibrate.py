@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from harness.calibration import matmul, storage, store
+from harness.calibration import matmul, ops, storage, store
 from harness.calibration.collectives import (
     COLLECTIVES,
     COMM_MAX_BYTES,
@@ -133,6 +133,16 @@ def _print_comm(e: dict, n: int) -> None:
     print(f"\ncomm cache: {store.default_path()}")
 
 
+def _print_ops(e: dict, origin: str) -> None:
+    print(f"\nops on {e['fingerprint']['device_name']} {origin}: copy {e['bandwidth_gbps']:.4g} GB/s, "
+          f"eager launch {e['launch_s'] * 1e6:.1f} us per op, kernel floor {e['kernel_floor_s'] * 1e6:.2f} us")
+    print(tabulate([[g["dtype"], f"{g['m']}x{g['n']}x{g['k']}", g["tflops"]] for g in e["gemms"]],
+                   headers=["dtype", "m x n x k", "TFLOP/s"], tablefmt="github", floatfmt=("", "", ".4g")))
+    print(tabulate([[a["head_dim"], a["seq"], a["fwd_tflops"], a["fwd_bwd_tflops"]] for a in e["attention"]],
+                   headers=["head dim", "seq", "attention fwd TFLOP/s", "fwd+bwd TFLOP/s"], tablefmt="github",
+                   floatfmt=("", "", ".4g", ".4g")))
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     device = default_device_kind() if args.device == "auto" else args.device
     threads = args.threads or (os.cpu_count() or 1)
@@ -179,6 +189,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         _print_comm(e, n)
     elif not args.no_comm:
         print("comm: n/a: bus bandwidth needs >= 2 ranks")
+    if args.ops:
+        stored = ops.lookup(device)
+        e = ops.calibrate(device, force="ops" in forced)
+        _said_forced("ops", stored, forced)
+        _print_ops(e, _origin(stored, "ops" in forced, e))
     if args.storage is not None:
         stored = storage.lookup(args.storage)
         e = storage.calibrate(args.storage, force="storage" in forced)
@@ -210,6 +225,9 @@ def register(sub) -> None:
     k.add_argument("--concurrent", help="--workloads: copies measured at once, as many as a node's ranks (default 1)")
     k.add_argument("--compile", action="store_true",
                    help="--workloads: time the passes with each block torch.compile'd, as --compile on cells run")
+    k.add_argument("--ops", action="store_true",
+                   help="also what plan's op-by-op pricing needs on this device: GEMMs at the models' shapes, flash "
+                        "attention by length and head width, copy bandwidth, eager launch time, kernel floor")
     k.add_argument("--storage", type=Path, metavar="DIR",
                    help="also the write and read bandwidth of DIR's filesystem (what a checkpoint's save is priced "
                         "at; harness bench measures its run directory's when a cell checkpoints)")

@@ -174,7 +174,7 @@ def register(sub) -> None:
     p.add_argument("--ac", default="none", help="activation checkpointing: none,selective,full (a list fits each)")
     p.add_argument("--batch", default="1", help="micro-batch: sequences per data-parallel rank per micro-step "
                                                 "(per pipeline microbatch), or auto: the largest that fits")
-    p.add_argument("--device-mem", help="memory budget per rank: GiB, or a preset's HBM (h100, h100-pcie, h200, a100); "
+    p.add_argument("--device-mem", help=f"memory budget per rank: GiB, or a preset's HBM ({', '.join(DEVICES)}); "
                                         "default the local device's memory")
     p.add_argument("--device", help="auto (default), cpu or cuda: where the roles run")
     p.add_argument("--compute", choices=("auto",) + COMPUTE, default="auto",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from harness.calibration.ops import with_measured
 from harness.cli.args import (
     RUN_DEVICES,
     SP_MODES,
@@ -28,15 +29,18 @@ from harness.errors import UsageError
 from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
 from harness.model.checkpoint_cost import DEFAULT_WRITE_GBPS
 from harness.model.device_file import device_arg
+from harness.model.hardware import DEVICES
 from harness.model.whatif import CompileGain, plan_at_scale, scenario
 from harness.parallel.levers import COMPILE_MODES
 from harness.parallel.schedules import PP_SCHEDULES
 from harness.planner import expand
+from harness.precision import FP8_RECIPES
 from harness.records.reader import load_records
 from harness.report.lever_gains import compile_speedup
 from harness.report.model_error import model_error
 from harness.report.plan_text import plan_table
-from harness.report.whatif_text import BANNER, assumptions_lines, error_line, whatif_table
+from harness.report.published import published_error_line
+from harness.report.whatif_text import BANNER, assumptions_lines, error_line, explain_table, whatif_table
 from workloads.sizes import ARCHS, DEFAULT_ARCH, get_size
 
 FIT_BANNER = ("PREDICTIONS from the analytic model (harness/model), except peak memory where `harness fit` measured "
@@ -48,12 +52,19 @@ ERROR_FROM = Path("results/reference/rounds-cpu-tiny-mini-w2-w4-C")
 
 
 def add_whatif_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("what-if (--device h100|h100-pcie|h200|a100 or a device file DEVICE.toml: predict, "
+    g = p.add_argument_group(f"what-if (--device {'|'.join(DEVICES)} or a device file DEVICE.toml: predict, "
                              "do not run; harness.model.device_file.py documents the file)")
     g.add_argument("--recompute", default=None,
                    help="activation checkpointing policy, as --ac takes it: none (default), attn, op, layerN, full")
-    g.add_argument("--efficiency", help="compute rate as a fraction of the datasheet peak, in (0, 1] "
-                                        "(default: MAMF x kernel efficiency measured on one H200)")
+    g.add_argument("--efficiency", help="price the compute as the model FLOPs at this fraction of the datasheet peak, "
+                                        "in (0, 1], one fraction for every op (default: priced op by op on the "
+                                        "device, harness/model/op_step.py)")
+    g.add_argument("--explain", action="store_true", default=None,
+                   help="where each row's step goes: GEMMs, attention, memory-bound kernels, host-bound launches, "
+                        "the optimizer, exposed communication and the bubble, in ms and %% of the step")
+    g.add_argument("--rms-norm", choices=("fused", "composite"), default=None,
+                   help="RMSNorm as torch's fused kernel (default; torch 2.8 onwards) or as the separate kernels "
+                        "earlier torch ran (to price a run made on it)")
     g.add_argument("--error-from", type=Path, default=None,
                    help="run directory whose records carry predictions, for the model's measured error "
                         "(default results/reference/rounds-cpu-tiny-mini-w2-w4-C, the rounds reference)")
@@ -107,12 +118,19 @@ def _compile_gain(v, device, where: Path | None) -> CompileGain | None:
     return CompileGain(speedup, f"{pairs} pair(s) on {device.product} in {where}")
 
 
+def _one_recipe(v) -> str:
+    recipes = choices(v.label("fp8_recipe"), v.get("fp8_recipe", "tensorwise"), FP8_RECIPES)
+    if len(recipes) > 1:
+        raise UsageError(f"{v.label('fp8_recipe')} {','.join(recipes)}: a what-if prices one recipe; give one")
+    return recipes[0]
+
+
 def cmd_plan_whatif(args: argparse.Namespace) -> int:
     """``harness plan --device PRESET``: rank strategies by predicted tokens/s per device."""
     v = merged(args)
-    device = device_arg(str(v["device"]),
-                        mem_gib=positive_float(v.label("device_mem"), v["device_mem"]) if "device_mem" in v else None,
-                        power_cap_w=positive_float(v.label("power_cap"), v["power_cap"]) if "power_cap" in v else None)
+    device = with_measured(device_arg(
+        str(v["device"]), mem_gib=positive_float(v.label("device_mem"), v["device_mem"]) if "device_mem" in v else None,
+        power_cap_w=positive_float(v.label("power_cap"), v["power_cap"]) if "power_cap" in v else None))
     if "nnodes" in v:
         raise UsageError(f"--nnodes {v['nnodes']}: the what-if takes --gpus as the total and fills nodes of "
                          f"{device.gpus_per_node} ({device.name}); drop --nnodes")
@@ -137,7 +155,10 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
                 checkpoint_every=int_arg(v.label("checkpoint_every"), v["checkpoint_every"], 1)
                 if "checkpoint_every" in v else None,
                 checkpoint_gbps=positive_float(v.label("checkpoint_gbps"), v["checkpoint_gbps"])
-                if "checkpoint_gbps" in v else DEFAULT_WRITE_GBPS)
+                if "checkpoint_gbps" in v else DEFAULT_WRITE_GBPS,
+                fused_rms_norm=v.get("rms_norm", "fused") == "fused", fp8_recipe=_one_recipe(v))
+    if v.get("explain") and efficiency is not None:
+        raise UsageError("--explain with --efficiency: the breakdown is the op-by-op pricing's; drop --efficiency")
     sps = tuple(x == "on" for x in choices(v.label("sp"), v.get("sp", "on"), SP_MODES))
     opts["compile"] = _compile_gain(v, device, args.compile_from)
     # one ranking per (size, sequence length, precision, device count): strategies compete at fixed work
@@ -162,8 +183,15 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
             rows = with_measured_peaks(rows, fit_records, s.size.key, prec, s.size.seq_len, device.hbm_gib,
                                        args.fit_from)
         print(whatif_table(rows))
+        if v.get("explain"):
+            print()
+            print("where the step goes (the slowest pipeline rank's microbatches priced op by op; host-bound: the GPU "
+                  "waiting for eager launches and syncs):")
+            print(explain_table(rows))
     print()
     print(error_line(model_error(run_dir), run_dir))
+    if efficiency is None and (published := published_error_line()) is not None:
+        print(published)
     return 0
 
 
@@ -171,10 +199,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if merged(args).get("device", "auto") not in RUN_DEVICES:
         return cmd_plan_whatif(args)
     for flag in ("recompute", "efficiency", "error_from", "fit_from", "moe_imbalance", "device_mem", "power_cap",
-                 "compile_from", "checkpoint_gbps"):
+                 "compile_from", "checkpoint_gbps", "explain", "rms_norm"):
         if getattr(args, flag, None) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
-                             f"(or h100-pcie, h200, a100)")
+                             f"(or {', '.join(d for d in DEVICES if d != 'h100')})")
     spec = spec_from_args(args)
     cells = expand(spec)
     print(device_line(spec))

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 # (name substring, peaks by compute dtype); first match wins, so specific names come first.
 _TABLE: list[tuple[str, dict[str, float]]] = [
+    # MLE's TFLOPS table (stas00/ml-engineering compute/accelerator/README.md): "NVIDIA B200 SXM | 80.0 | 1125.0 | 2250
+    # | 2250 | 4500", the DGX B200 datasheet's figures
+    ("B200", {"fp32": 80.0, "tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0}),
     ("H200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.5, "fp16": 989.5, "fp8": 1978.9}),
     ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0}),
     ("H100", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.5, "fp16": 989.5, "fp8": 1978.9}),  # SXM5 (HBM3)

@@ -49,6 +49,9 @@ class ComputeRates:
     """Extra per-pass cost of the strategy's wrappers (FSDP2 hooks, DTensor dispatch), whole model."""
     wrapper_optimizer_s: float = 0.0
     """Extra AdamW step cost over the wrappers' DTensor parameters (dispatch per tensor), whole model."""
+    stage_pass_s: tuple[float, ...] | None = None
+    """Per pipeline rank, one microbatch's pass priced op by op (:mod:`harness.model.op_step`): its tp, cp and ep
+    split and its recomputation already in it, in place of ``alpha + rows x beta`` over the rank's share."""
 
 
 @dataclass(frozen=True)

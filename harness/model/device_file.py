@@ -15,6 +15,11 @@ A device file names the part a published run used when no preset does (torchtita
     inter_gbps = 50               # per GPU NIC, across nodes
     [peak_tflops]                 # dense peaks by dtype; default: the datasheet table's for product (or base's)
     bf16 = 989.5
+    [op_rates]                    # what each kind of op runs at (harness/model/device_rates.toml's fields), over
+    sms = 132                     #   the base preset's; without a base: sms, attention and launch_us at least
+    gemm_tflops = { bf16 = 700.9 }
+    hbm_measured_tbps = 2.1
+    launch_us = 10
 
 An unknown key, a missing one or a bad value is a UsageError naming the key and the file.
 """
@@ -27,10 +32,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.errors import UsageError
+from harness.model.device_rates import RATE_KEYS
 from harness.model.hardware import DEVICES, Device, Interconnect, get_device, with_overrides
 
 FILE_KEYS = ("base", "name", "product", "hbm_gib", "hbm_gbps", "tdp_w", "power_cap_w", "gpus_per_node", "intra_gbps",
-             "inter_gbps", "peak_tflops")
+             "inter_gbps", "peak_tflops", "op_rates")
 NUMBERS = ("hbm_gib", "hbm_gbps", "tdp_w", "power_cap_w", "intra_gbps", "inter_gbps")
 
 
@@ -54,7 +60,7 @@ def device_from_file(path: Path) -> Device:
     if "base" in raw:
         base = get_device(str(raw["base"]))
     else:
-        missing = [k for k in FILE_KEYS if k not in raw and k not in ("base", "power_cap_w", "tdp_w")]
+        missing = [k for k in FILE_KEYS if k not in raw and k not in ("base", "power_cap_w", "tdp_w", "op_rates")]
         if missing:
             raise UsageError(f"{path}: without base = \"<preset>\" it needs {', '.join(missing)}; or name a base "
                              f"({', '.join(DEVICES)})")
@@ -75,15 +81,27 @@ def device_from_file(path: Path) -> Device:
                              str(path))
     if "inter_gbps" in nums:
         inter = Interconnect(f"NIC {nums['inter_gbps']:g} GB/s", nums["inter_gbps"], inter.latency_s or 10e-6, str(path))
+    rates = raw.get("op_rates", {})
+    if not isinstance(rates, dict):
+        raise UsageError(f"{path}: op_rates must be a table, e.g. [op_rates] sms = 132")
+    for key in rates:
+        if key not in RATE_KEYS:
+            raise UsageError(f"{path}: unknown op_rates key {key!r}; valid keys: {', '.join(RATE_KEYS)}")
+    overrides = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in rates.items()))
     dev = replace(template, name=str(raw.get("name", path.stem)), product=str(raw.get("product", template.product)),
                   hbm_gib=nums.get("hbm_gib", template.hbm_gib), hbm_gbps=nums.get("hbm_gbps", template.hbm_gbps),
                   gpus_per_node=gpn, intra=intra, inter=inter, source=str(path),
                   tdp_w=nums.get("tdp_w", template.tdp_w), peaks=peaks if peaks is not None else template.peaks,
-                  overrides=(f"from {path}" + (f" (base {base.name})" if base else ""),))
+                  overrides=(f"from {path}" + (f" (base {base.name})" if base else ""),),
+                  rates_preset=base.rates_preset if base else None, rate_overrides=overrides)
     try:
         dev.peak_tflops  # noqa: B018  (the product must be in the table when no peaks are given)
     except ValueError:
         raise UsageError(f"{path}: product {dev.product!r} is not in the datasheet table; give [peak_tflops]") from None
+    try:
+        dev.op_rates  # noqa: B018  (every rate the pricing needs, from the base or the file)
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}") from None
     return with_overrides(dev, power_cap_w=nums.get("power_cap_w"))
 
 

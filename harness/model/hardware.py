@@ -31,11 +31,14 @@ not modelled; at this harness's message sizes (MB to GB) the bandwidth term domi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from harness.errors import UsageError
 from harness.measure.comm_counter import BUS_FACTOR
 from harness.measure.peaks import datasheet_peaks
+from harness.model.device_rates import calibrated, op_rates
+from harness.model.op_cost import Device as PricedDevice
+from harness.model.op_cost import OpRates
 from harness.parallel.dims import ParallelDims
 from harness.units import GIB, MIB
 
@@ -69,6 +72,7 @@ class Interconnect:
 # is a few us (nccl issue #1259: ~6 us on 2 H100s with NVLS; nccl issue #1984: ~3.5 us on H800s).
 NVLINK3 = Interconnect("NVLink 3", 300.0, 5e-6, "A100 datasheet: 600 GB/s bidirectional")
 NVLINK4 = Interconnect("NVLink 4", 450.0, 5e-6, "H100/H200 datasheets: 900 GB/s bidirectional")
+NVLINK5 = Interconnect("NVLink 5", 900.0, 5e-6, "DGX B200 user guide: NVLink switches of 14.4 TB/s aggregate for 8 GPUs")
 # PCI-SIG: Gen4 x16 16 GT/s x 16 lanes ~ 32 GB/s per direction, Gen5 x16 ~ 64 GB/s (the datasheets'
 # "64 GB/s" for A100 and "128 GB/s" for H100 are bidirectional). Latency: assumed ~2x NVLink.
 PCIE4 = Interconnect("PCIe Gen4 x16", 32.0, 10e-6, "PCIe 4.0 x16: 64 GB/s bidirectional")
@@ -103,6 +107,30 @@ class Device:
     """Dense peaks by dtype given in a device file, in place of the datasheet table's for :attr:`product`."""
     overrides: tuple[str, ...] = ()
     """What differs from the preset, in words, for the what-if's header."""
+    rates_preset: str | None = None
+    """The preset whose op rates (harness/model/device_rates.toml) this device runs at: its own name for a preset,
+    a device file's ``base``; None: the file gives them all (:attr:`rate_overrides`)."""
+    rate_overrides: tuple[tuple[str, object], ...] = ()
+    """Op-rate fields a device file gives (``[op_rates]``), over its base preset's."""
+    measured_ops: dict | None = field(default=None, compare=False, hash=False)
+    """What ``harness calibrate --ops`` measured on a device of this product (set by
+    :func:`harness.calibration.ops.with_measured`), in place of the data file's figures."""
+
+    @property
+    def op_rates(self) -> OpRates:
+        """What each kind of op runs at on this device (:mod:`harness.model.device_rates`), or what ``harness
+        calibrate --ops`` measured on one (:attr:`measured_ops`)."""
+        preset = DEVICES.get(self.rates_preset or "")
+        rates = op_rates(self.rates_preset, self.product, preset.hbm_gbps if preset else self.hbm_gbps,
+                         dict(self.rate_overrides))
+        if self.measured_ops is None:
+            return rates
+        return calibrated(rates, self.measured_ops, self.peak_tflops, self.hbm_gbps)
+
+    def priced(self) -> PricedDevice:
+        """The device as the op-by-op pricing takes it (:mod:`harness.model.op_cost`)."""
+        return PricedDevice(rates=self.op_rates, peak_tflops=self.peak_tflops, hbm_gbps=self.hbm_gbps,
+                            compute_scale=self.compute_scale)
 
     @property
     def compute_scale(self) -> float:
@@ -152,18 +180,28 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     # H100 SXM5 datasheet: 80 GB HBM3, 3.35 TB/s, up to 700 W; nvidia-smi reports 81,559 MiB. DGX H100: 8 GPUs,
     # NVSwitch, 8 x NDR. Board powers below from the same datasheets: H100 PCIe 350 W, H200 SXM 700 W, A100 SXM 400 W.
     Device("h100", "NVIDIA H100 80GB HBM3", 81559 * MIB / GIB, 3350.0, 8, NVLINK4, IB_NDR,
-           "NVIDIA H100 datasheet (SXM5); DGX H100 user guide", tdp_w=700.0),
+           "NVIDIA H100 datasheet (SXM5); DGX H100 user guide", tdp_w=700.0, rates_preset="h100"),
     # H100 PCIe datasheet: 80 GB HBM2e, 2.0 TB/s; no NVLink bridge assumed (GPU-GPU over PCIe Gen5);
     # 8 GPUs and one NDR NIC per GPU per node assumed; memory total assumed equal to the SXM part's.
     Device("h100-pcie", "NVIDIA H100 PCIe", 81559 * MIB / GIB, 2000.0, 8, PCIE5, IB_NDR,
-           "NVIDIA H100 PCIe product brief PB-11133-001", tdp_w=350.0),
+           "NVIDIA H100 PCIe product brief PB-11133-001", tdp_w=350.0, rates_preset="h100-pcie"),
     # H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s; 143,771 MiB measured by nvidia-smi on the lent H200
     # (results/gpu/nvidia-smi.csv). DGX H200: 8 GPUs, NVLink 4, 8 x NDR.
     Device("h200", "NVIDIA H200", 143771 * MIB / GIB, 4800.0, 8, NVLINK4, IB_NDR,
-           "NVIDIA H200 datasheet; results/gpu/nvidia-smi.csv", tdp_w=700.0),
+           "NVIDIA H200 datasheet; results/gpu/nvidia-smi.csv", tdp_w=700.0, rates_preset="h200"),
     # A100 80GB SXM datasheet: 80 GB HBM2e, 2,039 GB/s; CUDA reports 85,056,798,720 bytes. DGX A100: 8 GPUs, 8 x HDR.
     Device("a100", "NVIDIA A100-SXM4-80GB", 85_056_798_720 / GIB, 2039.0, 8, NVLINK3, IB_HDR,
-           "NVIDIA A100 datasheet (80GB SXM); DGX A100 user guide", tdp_w=400.0),
+           "NVIDIA A100 datasheet (80GB SXM); DGX A100 user guide", tdp_w=400.0, rates_preset="a100"),
+    # A100 40GB SXM4: 40 GB HBM2 at 1,555 GB/s, 400 W, 108 SMs (NVIDIA's Hopper Architecture In-Depth blog, Table 3,
+    # whose A100 column is this part). The total the driver reports is assumed in the 80 GB part's proportion.
+    Device("a100-40gb", "NVIDIA A100-SXM4-40GB", 85_056_798_720 / GIB / 2, 1555.0, 8, NVLINK3, IB_HDR,
+           "NVIDIA Hopper Architecture In-Depth blog, Table 3 (A100 40GB SXM4); DGX A100 user guide", tdp_w=400.0,
+           rates_preset="a100-40gb"),
+    # DGX B200 user guide: 8 B200 GPUs with 1,440 GB in all (180 GB each), fifth-generation NVLink switches with
+    # 14.4 TB/s aggregate (1.8 TB/s per GPU, 900 GB/s each way), 8 ConnectX-7 at 400 Gb/s; HBM3e at 8 TB/s and a
+    # 1,000 W maximum TGP (MLE's memory and power tables). The total the driver reports is not read: 180 GB stated.
+    Device("b200", "NVIDIA B200", 180e9 / GIB, 8000.0, 8, NVLINK5, IB_NDR,
+           "DGX B200 user guide; MLE's B200 SXM rows (memory, power)", tdp_w=1000.0, rates_preset="b200"),
 )}
 
 

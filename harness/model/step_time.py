@@ -83,7 +83,10 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing
         if k.dp_replicate or k.dp_shard or k.tp:  # ranks of one pipeline rank are alike; price one each
             continue
         flop_share, layer_share = shares[k.pp]
-        one_pass = pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp * dims.cp)
+        if rates.stage_pass_s is not None:
+            one_pass = rates.stage_pass_s[k.pp]
+        else:
+            one_pass = pass_time_s(rates, c.microbatch_rows, flop_share, layer_share, dims.tp * dims.cp)
         compute = passes * one_pass * all_busy
         if dims.ep_enabled and c.moe_imbalance > 1:  # the rank with the busiest experts sets the pace
             compute *= 1 + (c.moe_imbalance - 1) * expert_flop_share(c)

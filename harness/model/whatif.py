@@ -4,11 +4,11 @@ For each strategy, :func:`plan_at_scale` resolves the preset degrees (or ``--deg
 them as the sweep planner does (an invalid one is a row with its reason), and prices one
 optimizer step with :func:`harness.model.step_time.predict_step`:
 
-* compute at the roofline of :func:`harness.model.compute.roofline_rates`: the model FLOPs
-  (PaLM convention, :mod:`workloads.sizes`) at ``datasheet peak x efficiency``, AdamW at the HBM
-  bandwidth; recomputation adds its forward FLOPs (full: every block's forward again,
-  ``2 N_layers`` of ``6 N``; selective: the attention core's forward, ``4 L d S`` per token,
-  Korthikanti et al. 2022);
+* compute op by op (:mod:`harness.model.op_step`): every kernel a rank's microbatch runs, traced at its real shape
+  (recomputation, fp8's casts and compile's fusion included), each at its own rate on the device (GEMMs by their
+  shape, attention by flash attention's measured rate, everything else by the bytes it moves), AdamW by its bytes;
+  with ``--efficiency`` instead, the model FLOPs at ``datasheet peak x efficiency`` (one fraction for every op,
+  :func:`harness.model.compute.roofline_rates`), recomputation adding its forward FLOPs;
 * communication at :func:`harness.model.hardware.comm_time_fn` (alpha-beta over NVLink / NIC),
   hiding what the strategy overlaps behind compute (GPU streams);
 * memory from :mod:`harness.model.memory` (exact model states, activations, transients).
@@ -29,15 +29,17 @@ from harness.errors import UsageError
 from harness.model.block_ops import fp8_flops_fraction
 from harness.model.checkpoint_cost import DEFAULT_WRITE_GBPS, checkpoint_bytes_by_rank, cost_per_step, save_seconds
 from harness.model.compute import ComputeRates, roofline_rates, with_recompute
-from harness.model.hardware import DEFAULT_EFFICIENCY, GIB, Device, comm_time_fn, get_device, placement
+from harness.model.hardware import GIB, Device, comm_time_fn, get_device, placement
 from harness.model.memory import peak_bytes, state_bytes_by_rank
+from harness.model.op_step import optimizer_s_per_param, rank_passes
 from harness.model.shape import LOW_BYTES, CellShape
-from harness.model.step_time import predict_step
+from harness.model.step_time import StepPrediction, predict_step
 from harness.parallel import presets
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import STRATEGIES, resolve, resolve_cell, world_for
 from harness.parallel.schedules import PP_SCHEDULES
+from harness.precision import Fp8Options
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
 SEQUENCES_PER_DEVICE = 8
@@ -82,8 +84,8 @@ class Scenario:
     device: Device
     gpus: int
     precision: str
-    efficiency: float
-    """Fraction of the datasheet peak the compute runs at."""
+    efficiency: float | None
+    """Fraction of the datasheet peak the compute runs at (``--efficiency``); None: priced op by op."""
     global_batch: int | None
     """Sequences per optimizer step; None: :func:`default_global_batch`."""
     recompute: str = "none"
@@ -102,6 +104,11 @@ class Scenario:
     """``--checkpoint-every``: a synchronous save every this many steps, priced per row; None: not priced."""
     checkpoint_gbps: float = DEFAULT_WRITE_GBPS
     """Write bandwidth per GPU the saves are priced at (GB/s; ``--checkpoint-gbps``)."""
+    fp8_recipe: str = "tensorwise"
+    """``fp8``: torchao's scaling recipe (``--fp8-recipe``)."""
+    fused_rms_norm: bool = True
+    """RMSNorm as torch's fused kernel (torch 2.8 onwards); False: as the separate kernels earlier torch ran
+    (``--rms-norm composite``, a published run's software)."""
 
     @property
     def peak_tflops(self) -> float:
@@ -132,7 +139,8 @@ def scenario(workload: str | ModelSize, device: str | Device, gpus: int, precisi
              microbatches: int | None = None, efficiency: float | None = None, pp_schedule: str = "1f1b",
              grad_accum: int = 1, degrees: dict | None = None, moe_imbalance: float = 1.0,
              sequence_parallel: bool = True, compile: CompileGain | None = None, checkpoint_every: int | None = None,
-             checkpoint_gbps: float = DEFAULT_WRITE_GBPS) -> Scenario:
+             checkpoint_gbps: float = DEFAULT_WRITE_GBPS, fused_rms_norm: bool = True,
+             fp8_recipe: str = "tensorwise") -> Scenario:
     """Validate the inputs (UsageError naming the value and the fix) and fix the defaults. ``workload``: a size's
     key (``llama3-8b``) or the workload itself (a ``--model``'s, resolved where the user named it)."""
     dev = get_device(device) if isinstance(device, str) else device
@@ -150,8 +158,8 @@ def scenario(workload: str | ModelSize, device: str | Device, gpus: int, precisi
         raise UsageError(f"--recompute: {e}") from None
     if pp_schedule not in PP_SCHEDULES:
         raise UsageError(f"--pp-schedule {pp_schedule!r}: choose from {', '.join(PP_SCHEDULES)}")
-    eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
-    if not 0 < eff <= 1:
+    eff = efficiency
+    if eff is not None and not 0 < eff <= 1:
         raise UsageError(f"--efficiency {efficiency!r}: must be a fraction of the datasheet peak in (0, 1], "
                          f"e.g. 0.4")
     if moe_imbalance != 1.0 and (size.moe is None or not moe_imbalance >= 1.0):
@@ -168,7 +176,8 @@ def scenario(workload: str | ModelSize, device: str | Device, gpus: int, precisi
     return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
                     recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
                     degrees=degrees, moe_imbalance=moe_imbalance, sequence_parallel=sequence_parallel, compile=compile,
-                    checkpoint_every=checkpoint_every, checkpoint_gbps=checkpoint_gbps)
+                    checkpoint_every=checkpoint_every, checkpoint_gbps=checkpoint_gbps, fused_rms_norm=fused_rms_norm,
+                    fp8_recipe=Fp8Options(recipe=fp8_recipe).recipe)
 
 
 def default_global_batch(seq_len: int, world: int, cp: int) -> int:
@@ -193,7 +202,14 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
 
 
 def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
-    """Roofline rates at ``peak x efficiency`` and the HBM bandwidth, scaled for recomputation."""
+    """Each pipeline rank's microbatch priced op by op (:mod:`harness.model.op_step`); with ``--efficiency``, roofline
+    rates at ``peak x efficiency`` and the HBM bandwidth, scaled for recomputation."""
+    if s.efficiency is None:
+        dev = s.device.priced()
+        passes = rank_passes(c, dev, compile=s.compile is not None, fused_norm=s.fused_rms_norm,
+                             fp8_recipe=s.fp8_recipe)
+        return ComputeRates(alpha_s=0.0, beta_s_per_row=0.0, optimizer_s_per_param=optimizer_s_per_param(c, dev),
+                            basis="ops", stage_pass_s=tuple(p.total_s for p in passes))
     r = with_recompute(roofline_rates(c, s.compute_peak_tflops * s.device.compute_scale * s.efficiency,
                                       mem_gbps=s.device.hbm_gbps), c)
     if s.compile is not None and s.compile.speedup:  # the measured gain, on the compute only
@@ -211,7 +227,8 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         row["reason"] = str(e)
         return row
     dims = c.dims
-    p = predict_step(c, rates_for(s, c), comm_time_fn(s.device, dims), hide_overlappable=True)
+    rates = rates_for(s, c)
+    p = predict_step(c, rates, comm_time_fn(s.device, dims), hide_overlappable=True)
     step = p.step_time_s
     assert step is not None, "the hardware table prices every collective"
     tokens_per_device = c.global_batch * c.size.seq_len / step / dims.world_size
@@ -236,13 +253,33 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         save_s = save_seconds(c, s.checkpoint_gbps)
         row.update(checkpoint_gib_per_rank=max(checkpoint_bytes_by_rank(c)) / GIB, checkpoint_save_s=save_s,
                    checkpoint_pct=100 * cost_per_step(save_s, s.checkpoint_every, step))
-    if s.compile is not None and not s.compile.speedup:
+    if s.efficiency is None:
+        row["explain"] = explain(s, c, p)
+    elif s.compile is not None and not s.compile.speedup:
         row["notes"].append(f"compile: not priced ({s.compile.source})")
     same = _same_size_dims(dims, where)
     if same:
         row["notes"].append(f"{' and '.join(same)} have the same size: their collectives are priced at the "
                             f"slower placement")
     return row
+
+
+EXPLAIN = ("gemm", "attention", "memory-bound", "host-bound", "optimizer", "exposed comm", "bubble")
+"""Where a step goes (``plan --explain``), the parts summing to the step time."""
+
+
+def explain(s: Scenario, c: CellShape, p: StepPrediction) -> dict[str, float]:
+    """The step's seconds by part (:data:`EXPLAIN`): the slowest pipeline rank's compute by kind of kernel (its
+    passes of one microbatch), the optimizer, the exposed communication and the bubble."""
+    costs = rank_passes(c, s.device.priced(), compile=s.compile is not None, fused_norm=s.fused_rms_norm,
+                        fp8_recipe=s.fp8_recipe)
+    cost = max(costs, key=lambda k: k.total_s)
+    passes = c.microbatches if c.dims.pp_enabled else c.grad_accum
+    scale = p.compute_s / (passes * cost.total_s) if cost.total_s else 0.0  # an MoE's busiest rank, if any
+    n = passes * scale
+    return {"gemm": n * cost.seconds["gemm"], "attention": n * cost.seconds["attention"],
+            "memory-bound": n * (cost.seconds["memory"] + cost.floor_s), "host-bound": n * cost.host_bound_s,
+            "optimizer": p.optimizer_s, "exposed comm": p.exposed_comm_s or 0.0, "bubble": p.bubble_s}
 
 
 def _same_size_dims(dims: ParallelDims, where: dict) -> list[str]:

@@ -50,6 +50,8 @@ class PublishedRow:
     grad_accum: int = 1
     published_mem_gib: float | None = None
     assumed: str = ""
+    rms_norm: str = "fused"
+    """``fused`` or ``composite``: the run's torch ran RMSNorm as separate kernels (before torch 2.8's fused one)."""
 
     @property
     def can_plan(self) -> bool:
@@ -79,12 +81,38 @@ def predict(row: PublishedRow, folder: Path) -> dict:
     (pred,) = plan_at_scale(f"{row.arch}-{row.size}", device, row.gpus, [row.strategy], precision=row.precision,
                             global_batch=row.global_batch, seq_len=row.seq_len, recompute=row.ac,
                             grad_accum=row.grad_accum, degrees=row.degrees_dict(),
-                            compile=CompileGain(None, NO_COMPILE_MEASUREMENT) if row.compile else None)
+                            compile=CompileGain(None, NO_COMPILE_MEASUREMENT) if row.compile else None,
+                            fused_rms_norm=row.rms_norm == "fused")
     if not pred["valid"]:
         raise UsageError(f"published row {row.id}: marked expressible, but plan refuses it: {pred['reason']}")
     return {"device_gib": device.hbm_gib, "fits": pred["fits"], "peak_gib": pred["peak_mem_gib_per_rank"],
             "tokens_per_s_per_gpu": pred["tokens_per_s_per_device"],
             "error_pct": 100 * (pred["tokens_per_s_per_device"] / row.published_tokens_per_s_per_gpu - 1)}
+
+
+PUBLISHED_TABLE = Path("results/reference/published-layouts/table.md")
+"""The committed table (``scripts/published_layouts.py``): what ``plan`` prints of its error reads it."""
+
+
+def published_error_line(table: Path = PUBLISHED_TABLE) -> str | None:
+    """The what-if's throughput error against the published runs it expresses, from the committed table: how far and
+    in which direction its predictions run on hardware nobody here measured; None without the table (outside the
+    repository)."""
+    if not table.is_file():
+        return None
+    errors = []
+    for line in table.read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) > 2 and line.startswith("| ") and not line.startswith("| row") and cells[-2] not in ("-", ""):
+            try:
+                errors.append(float(cells[-2]))
+            except ValueError:
+                continue
+    if not errors:
+        return None
+    return (f"against {len(errors)} published runs ({table}): predicted tokens/s per GPU mean |error| "
+            f"{sum(map(abs, errors)) / len(errors):.1f}%, signed {sum(errors) / len(errors):+.1f}% (docs/op-pricing.md "
+            f"says where it runs over)")
 
 
 def _num(x: float | None, spec: str) -> str:

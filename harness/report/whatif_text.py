@@ -10,8 +10,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from harness.model.checkpoint_cost import DEFAULT_WRITE_GBPS
-from harness.model.hardware import DEFAULT_EFFICIENCY, KERNEL_EFFICIENCY, MAMF_FRACTION
-from harness.model.whatif import TOKENS_PER_DEVICE, Scenario, sequences_per_device
+from harness.model.whatif import EXPLAIN, TOKENS_PER_DEVICE, Scenario, sequences_per_device
 from harness.text import degrees_label
 from workloads.sizes import FLOP_CONVENTION_LABEL
 
@@ -28,14 +27,37 @@ def _peak(s: Scenario) -> str:
             f"{s.device.peak_tflops['bf16']:g})")
 
 
+def compute_lines(s: Scenario) -> list[str]:
+    """How the compute is priced: op by op with the device's rates and their sources, or one ``--efficiency``."""
+    d = s.device
+    cap = f" x power cap {d.compute_scale:.3f}" if d.compute_scale != 1 else ""
+    if s.efficiency is not None:
+        return [f"compute: {s.compute_peak_tflops * d.compute_scale * s.efficiency:.1f} TFLOP/s per GPU = " + _peak(s) +
+                cap + f" x {s.efficiency:.3f} (--efficiency: one fraction for every op)"]
+    r = d.op_rates
+    sources = dict(r.sources)
+    gemm = dict(r.gemm_tflops)
+    dtype = "bf16" if s.precision in ("bf16", "fp8") else s.precision
+    att = r.attention.fraction(False, s.size.head_dim, s.size.seq_len)
+    lines = [
+        f"compute: priced op by op (harness/model/op_step.py): every kernel a rank's microbatch runs, traced at its "
+        f"shape; GEMMs at {gemm.get(dtype, 0):,.1f} TFLOP/s {dtype}" +
+        (f" and {gemm['fp8']:,.1f} fp8" if s.precision == "fp8" and "fp8" in gemm else "") +
+        f" achievable{cap} x each shape's wave efficiency over {r.sms} SMs ({sources['gemm_tflops']}); flash "
+        f"attention at {100 * att:.1f}% of the {dtype} peak forward at seq {s.size.seq_len} "
+        f"({sources['attention']}); every other kernel at its bytes over {r.bandwidth_efficiency:.3f} x "
+        f"{d.hbm_gbps:,.0f} GB/s ({sources['bandwidth_efficiency']}); {r.launch_s * 1e6:g} us of host time per "
+        f"eager op ({sources['launch_s']}); kernel floor {r.kernel_floor_s * 1e6:g} us ({sources['kernel_floor_s']})",
+        f"kernels: RMSNorm {'fused (torch 2.8 onwards)' if s.fused_rms_norm else 'as separate kernels (--rms-norm composite: torch before 2.8)'}"
+        + ("; fp8: torchao's float8 GEMMs, each operand's amax and scaled cast as memory-bound kernels (two eager, "
+           "one pass compiled)" if s.precision == "fp8" else ""),
+    ]
+    return lines
+
+
 def assumptions_lines(s: Scenario) -> list[str]:
     d = s.device
     per_device = sequences_per_device(s.size.seq_len)
-    if s.efficiency == DEFAULT_EFFICIENCY:
-        eff = (f"{s.efficiency:.3f} (matmul fraction {MAMF_FRACTION:.3f} x step efficiency {KERNEL_EFFICIENCY:.3f}, "
-               f"both measured in bf16 on one H200, results/gpu/; assumed for this device)")
-    else:
-        eff = f"{s.efficiency:.3f} (--efficiency)"
     nodes = f"{s.gpus} GPUs = {s.nodes} node(s) x {d.gpus_per_node}" if s.gpus > d.gpus_per_node else \
         f"{s.gpus} GPUs on one node of {d.gpus_per_node}"
     batch = f"global batch {s.global_batch} sequences" if s.global_batch else \
@@ -46,16 +68,10 @@ def assumptions_lines(s: Scenario) -> list[str]:
     on_active = " on active parameters" if moe else ""
     total = (f"; counted on every parameter as if active it would be {s.size.flops_per_token_total() / 1e9:,.2f} "
              f"GFLOP, which overstates an MoE's MFU") if moe else ""
-    lines = []
-    if s.precision != "bf16" and s.efficiency == DEFAULT_EFFICIENCY:
-        lines.append(f"warning: the default efficiency was measured in bf16; {s.precision} kernels reach another "
-                     f"fraction of their peak (fp32 xl on the H200: 73% of 67 TFLOP/s, results/gpu/); "
-                     f"pass --efficiency")
-    return lines + [
+    return [
         f"device: {d.product} (--device {d.name}), {nodes}; {d.hbm_gib:.1f} GiB HBM at {d.hbm_gbps:,.0f} GB/s" +
         (f"; overridden: {'; '.join(d.overrides)}" if d.overrides else ""),
-        f"compute: {s.compute_peak_tflops * d.compute_scale * s.efficiency:.1f} TFLOP/s per GPU = " + _peak(s) +
-        (f" x power cap {d.compute_scale:.3f}" if d.compute_scale != 1 else "") + f" x {eff}",
+        *compute_lines(s),
         f"interconnect: {d.intra.name} {d.intra.gbps:g} GB/s/direction ({d.intra.latency_s * 1e6:g} us) in a node; "
         f"{d.inter.name} {d.inter.gbps:g} GB/s per GPU NIC ({d.inter.latency_s * 1e6:g} us) across nodes; "
         f"tp innermost on NVLink, a group spanning nodes at min(NVLink, its GPUs per node x NIC)",
@@ -83,6 +99,11 @@ def _checkpoint_lines(s: Scenario) -> list[str]:
 def _compile_lines(s: Scenario) -> list[str]:
     if s.compile is None:
         return []
+    if s.efficiency is None:
+        measured = f"; measured on this device: {s.compile.speedup:.3f}x ({s.compile.source})" if s.compile.speedup \
+            else ""
+        return ["compile: priced as fusion: each run of memory-bound kernels between two GEMMs or attentions one "
+                "kernel, reading what comes from outside it and writing what is read after it" + measured]
     if not s.compile.speedup:
         return [f"compile: not priced ({s.compile.source}); the rows are eager"]
     return [f"compile: the compute {s.compile.speedup:.3f}x faster, the median gain measured on this device "
@@ -121,6 +142,20 @@ def whatif_table(rows: list[dict]) -> str:
                                   "exposed comm ms", "bubble ms", "model states GiB/rank", "peak GiB/rank",
                                   *(CHECKPOINT_COLUMNS if ckpt else []), "fits", "note"], tablefmt="github",
                     disable_numparse=True, colalign=("right", "left", "left") + ("right",) * (8 + 3 * ckpt) + ("left", "left"))
+
+
+def explain_table(rows: list[dict]) -> str:
+    """Where each valid row's step goes (``plan --explain``): ms and % of the step by part (:data:`EXPLAIN`)."""
+    out = []
+    for r in rows:
+        parts = r.get("explain")
+        if not r["valid"] or parts is None:
+            continue
+        step = r["step_time_s"]
+        out.append([r["rank"] or "-", r["strategy"], degrees_label(r["degrees"]), _num(step * 1e3),
+                    *(f"{_num(parts[k] * 1e3)} ({100 * parts[k] / step:.0f}%)" for k in EXPLAIN)])
+    return tabulate(out, headers=["rank", "strategy", "degrees", "step ms", *(f"{k} ms (%)" for k in EXPLAIN)],
+                    tablefmt="github", disable_numparse=True)
 
 
 def error_line(err: dict, run_dir: Path) -> str:

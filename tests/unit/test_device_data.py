@@ -1,5 +1,5 @@
-"""The device as data: a preset with overrides, a device file, a power cap's rule, and compile priced only from a
-measurement on the device."""
+"""The device as data: a preset with overrides, a device file, a power cap's rule, and compile: priced as fusion op
+by op, or under one ``--efficiency`` only from a measurement on the device."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ def test_a_power_cap_scales_compute_by_the_cube_root_of_the_power_ratio():
     assert any("power cap 500 W of 700 W" in o for o in capped.overrides)
     eager = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], global_batch=16, recompute="op")[0]
     slower = plan_at_scale("llama3-8b", capped, 8, ["fsdp"], global_batch=16, recompute="op")[0]
+    # GEMMs and attention run at the capped clock; the memory-bound kernels at the unscaled bandwidth
+    for part in ("gemm", "attention"):
+        assert slower["explain"][part] == pytest.approx(eager["explain"][part] / 0.893904, rel=1e-5)
+    assert slower["explain"]["memory-bound"] == pytest.approx(eager["explain"]["memory-bound"], rel=1e-9)
+    one = dict(global_batch=16, recompute="op", efficiency=0.4)  # one fraction: all the compute scales
+    eager, slower = (plan_at_scale("llama3-8b", d, 8, ["fsdp"], **one)[0] for d in ("h100", capped))
     assert slower["compute_s"] == pytest.approx(eager["compute_s"] / 0.893904, rel=1e-5)
 
 
@@ -77,7 +83,7 @@ def test_plan_header_says_what_was_overridden(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "overridden: memory 96 GiB (preset 79.6); power cap 500 W of 700 W: compute peaks x 0.894" in out
-    assert "bf16 datasheet peak 989.5 x power cap 0.894 x" in out
+    assert "GEMMs at 700.9 TFLOP/s bf16 achievable x power cap 0.894 x each shape's wave efficiency" in out
 
 
 def _record(cell: str, compile_on: bool, median: float, device: str) -> dict:
@@ -88,13 +94,13 @@ def _record(cell: str, compile_on: bool, median: float, device: str) -> dict:
 
 
 def test_compile_is_priced_from_the_measured_gain_on_the_device_and_said_unpriced_otherwise(tmp_path):
-    """An eager cell at 1.2 s beside its compiled twin at 1.0 s on the device's product: a gain of 1.2, the compute
-    priced 1.2x faster; the same pair on another product leaves compile unpriced."""
+    """Under one ``--efficiency``: an eager cell at 1.2 s beside its compiled twin at 1.0 s on the device's product:
+    a gain of 1.2, the compute priced 1.2x faster; the same pair on another product leaves compile unpriced."""
     h100 = get_device("h100").product
     records = [_record("a", False, 1.2, h100), _record("a-compile", True, 1.0, h100)]
     assert compile_speedup(records, h100) == (pytest.approx(1.2), 1)
     assert compile_speedup(records, "NVIDIA H200") == (None, 0)
-    kw = dict(global_batch=16, recompute="op")
+    kw = dict(global_batch=16, recompute="op", efficiency=0.4)
     eager = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], **kw)[0]
     fast = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], compile=CompileGain(1.2, "test"), **kw)[0]
     assert fast["compute_s"] == pytest.approx(eager["compute_s"] / 1.2, rel=1e-9)
@@ -105,13 +111,28 @@ def test_compile_is_priced_from_the_measured_gain_on_the_device_and_said_unprice
     run.mkdir(parents=True)
     (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     rc = main(["plan", "--arch", "llama3", "--sizes", "8b", "--gpus", "8", "--device", "h100", "--strategies",
-               "fsdp", "--compile", "on", "--compile-from", str(tmp_path / "gpu")])
+               "fsdp", "--compile", "on", "--compile-from", str(tmp_path / "gpu"), "--efficiency", "0.4"])
     assert rc == 0
 
 
 def test_plan_without_compile_measurements_says_so(capsys):
     rc = main(["plan", "--arch", "llama3", "--sizes", "8b", "--gpus", "8", "--device", "h100", "--strategies",
-               "fsdp", "--compile", "on"])
+               "fsdp", "--compile", "on", "--efficiency", "0.4"])
     out = capsys.readouterr().out
     assert rc == 0 and "compile: not priced (no measurement on this device" in out
     assert out.count("compile: not priced") >= 2  # the header and the row's note
+
+
+def test_compile_priced_op_by_op_is_fusion_and_never_unpriced(capsys):
+    """Without --efficiency, compile fuses the memory-bound kernels: the same GEMMs and attention, fewer bytes and
+    kernels, so a faster step; no row says compile is unpriced."""
+    kw = dict(global_batch=16, recompute="op")
+    eager = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], **kw)[0]
+    fused = plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], compile=CompileGain(None, "no measurement"), **kw)[0]
+    assert fused["explain"]["gemm"] == pytest.approx(eager["explain"]["gemm"])
+    assert fused["explain"]["memory-bound"] < 0.6 * eager["explain"]["memory-bound"]
+    assert fused["compute_s"] < eager["compute_s"] and not any("compile" in n for n in fused["notes"])
+    assert main(["plan", "--arch", "llama3", "--sizes", "8b", "--gpus", "8", "--device", "h100", "--strategies",
+                 "fsdp", "--compile", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "compile: priced as fusion" in out and "not priced" not in out

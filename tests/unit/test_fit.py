@@ -103,10 +103,10 @@ def test_tensor_bytes_follows_storages_resized_in_place():
     (["--gpus", "8", "--strategies", "tp"],
      "harness fit: error: tp (8) must divide n_heads (4); choose tp in {1, 2, 4}"),
     (["--gpus", "8", "--device-mem", "0"],
-     "harness fit: error: --device-mem '0': must be > 0 GiB, e.g. 80 (H100) or a preset: h100, h100-pcie, h200, a100"),
+     "harness fit: error: --device-mem '0': must be > 0 GiB, e.g. 80 (H100) or a preset: h100, h100-pcie, h200, a100, a100-40gb, b200"),
     (["--gpus", "8", "--device-mem", "h900"],
      "harness fit: error: --device-mem 'h900': not a number of GiB nor a preset; give GiB > 0 (e.g. 80), one of "
-     "h100, h100-pcie, h200, a100 or a device file (DEVICE.toml)"),
+     "h100, h100-pcie, h200, a100, a100-40gb, b200 or a device file (DEVICE.toml)"),
     (["--gpus", "8", "--device", "h100"],
      "harness fit: error: --device 'h100': fit runs on auto, cpu or cuda; name a preset's memory with --device-mem h100"),
 ])

@@ -80,7 +80,7 @@ def test_fp8_prices_its_float8_linears_at_the_fp8_peak_and_the_rest_at_bf16s():
     per_block = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672
     f = 6 * per_block * 80 / size.flops_per_token()
     assert fp8_flops_fraction(size) == pytest.approx(f, rel=1e-12) and 0.8 < f < 0.9
-    s = scenario("llama3-70b", "h100", 256, "fp8")
+    s = scenario("llama3-70b", "h100", 256, "fp8", efficiency=0.4)  # one fraction: fp8's FLOPs split by peak
     fp8_peak, bf16_peak = s.device.peak_tflops["fp8"], s.device.peak_tflops["bf16"]
     assert s.compute_peak_tflops == pytest.approx(1 / (f / fp8_peak + (1 - f) / bf16_peak))
     assert bf16_peak < s.compute_peak_tflops < fp8_peak
@@ -88,6 +88,8 @@ def test_fp8_prices_its_float8_linears_at_the_fp8_peak_and_the_rest_at_bf16s():
     assert f"float8 linears {100 * f:.1f}% of the model FLOPs at the fp8 datasheet peak {fp8_peak:g}" in header
     row = predict_row(s, "fsdp+tp")  # fp8 with tensor parallel: a row, no longer refused (torchao's float8 TP styles)
     assert row["valid"] and row["tokens_per_s_per_device"] > 0, row
+    ops = scenario("llama3-70b", "h100", 256, "fp8")  # op by op: torchao's float8 GEMMs and their casts
+    assert "fp8: torchao's float8 GEMMs, each operand's amax and scaled cast" in "\n".join(assumptions_lines(ops))
 
 
 def test_the_table_says_emulated():

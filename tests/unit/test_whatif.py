@@ -148,12 +148,14 @@ def test_mfu_is_efficiency_when_nothing_but_matmuls_takes_time():
 
 
 def test_recompute_adds_forward_flops_and_saves_memory():
-    s_full = scenario("xl", "h100", 1, recompute="full")
+    """Under one --efficiency: recomputation's forward FLOPs at the same rate (op by op, the trace runs it:
+    tests/unit/test_op_pricing.py)."""
+    s_full = scenario("xl", "h100", 1, recompute="full", efficiency=0.4)
     c = shape_for(s_full, "single")
     matmul = XL.params_per_layer - 4 * XL.d_model
     extra = XL.n_layers * (2 * matmul + 4 * XL.d_model * XL.seq_len)
     assert recompute_factor(c) == pytest.approx(1 + extra / XL.flops_per_token(), rel=1e-12)
-    none, full = predict_row(scenario("xl", "h100", 1), "single"), predict_row(s_full, "single")
+    none, full = predict_row(scenario("xl", "h100", 1, efficiency=0.4), "single"), predict_row(s_full, "single")
     assert full["peak_mem_gib_per_rank"] < none["peak_mem_gib_per_rank"]
     assert full["compute_s"] == pytest.approx(none["compute_s"] * recompute_factor(c), rel=1e-12)
     assert full["mfu_pct"] < none["mfu_pct"]  # MFU counts model FLOPs only

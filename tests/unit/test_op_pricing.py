@@ -1,0 +1,188 @@
+"""The op-by-op what-if (harness/model/op_cost.py, op_trace.py, op_step.py): values worked by hand beside each
+expected figure, and the trace held against independent counts (the block's own matmul list, the FlashAttention
+papers' count)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from harness.model.block_ops import block_matmuls, kept_by_op
+from harness.model.op_cost import (
+    AttentionTable,
+    Device,
+    OpRates,
+    fuse,
+    op_seconds,
+    price,
+    split_for_tp,
+    wave_efficiency,
+)
+from harness.model.op_trace import (
+    ATTENTION,
+    BACKWARD,
+    FORWARD,
+    GEMM,
+    MEMORY,
+    RECOMPUTE,
+    SYNC,
+    Op,
+    TraceSpec,
+    trace_block,
+)
+from workloads.architecture import MoESpec
+from workloads.sizes import get_size
+
+TABLE = AttentionTable(peak=1000.0, seq=(1024, 4096), fwd=((128, (300.0, 400.0)),), fwd_bwd=((128, (250.0, 350.0)),))
+RATES = OpRates(gemm_tflops=(("bf16", 700.0),), sms=132, attention=TABLE, bandwidth_efficiency=0.5, launch_s=10e-6,
+                tile=(128, 128))
+DEV = Device(rates=RATES, peak_tflops={"bf16": 1000.0}, hbm_gbps=4000.0)
+"""Memory at 0.5 x 4,000 GB/s = 2e12 B/s; GEMMs at 700 TFLOP/s x wave efficiency."""
+
+
+def gemm(m: int, n: int, k: int, **kw) -> Op:
+    return Op(name="mm", kind=GEMM, phase=FORWARD, module="", flops=2.0 * m * n * k, read=2 * (m * k + k * n),
+              written=2 * m * n, dtype="bf16", gemm=(1, m, n, k), **kw)
+
+
+def test_a_large_gemm_at_its_waves():
+    # 4096^3: 32 x 32 = 1,024 tiles of 128 x 128 over 132 SMs: ceil(1024 / 132) = 8 waves of 132 = 1,056 slots,
+    # efficiency 1024 / 1056 = 0.969697; 2 x 4096^3 = 1.374390e11 FLOPs / (700e12 x 0.969697) = 2.024770e-4 s
+    # (its bytes, 3 x 4096^2 x 2 = 1.00663e8 over 2e12 B/s = 5.03e-5 s: compute-bound)
+    op = gemm(4096, 4096, 4096)
+    assert wave_efficiency(op, RATES) == pytest.approx(1024 / 1056)
+    assert op_seconds(op, DEV) == pytest.approx(2.024770e-4, rel=1e-6)
+
+
+def test_an_expert_gemm_of_a_few_rows_fills_one_partial_wave():
+    # an MoE expert: 2,048 rows x 768 wide from 4,096: 16 x 6 = 96 tiles, one wave of 132 slots: efficiency
+    # 96 / 132 = 0.72727; 2 x 2048 x 768 x 4096 = 1.28849e10 FLOPs / (700e12 x 0.72727) = 2.53095e-5 s
+    op = gemm(2048, 768, 4096)
+    assert wave_efficiency(op, RATES) == pytest.approx(96 / 132)
+    assert op_seconds(op, DEV) == pytest.approx(2.53095e-5, rel=1e-5)
+
+
+def test_a_gemm_too_thin_for_its_flops_is_bound_by_its_bytes():
+    # 65,536 x 16 from 16: 2 x 65536 x 16 x 16 = 3.35544e7 FLOPs (512 x 1 tiles, 4 waves: efficiency 512/528 ->
+    # 4.94e-8 s); bytes 2 x (65536 x 16 + 256) + 2 x 65536 x 16 = 4,194,816 / 2e12 = 2.097408e-6 s
+    op = gemm(65536, 16, 16)
+    assert op_seconds(op, DEV) == pytest.approx(4_194_816 / 2e12)
+
+
+def test_a_memory_bound_op_is_its_bytes_over_the_achievable_bandwidth():
+    # 1e9 bytes read + 5e8 written over 0.5 x 4,000 GB/s = 1.5e9 / 2e12 = 7.5e-4 s
+    op = Op(name="add", kind=MEMORY, phase=FORWARD, module="", flops=0.0, read=1_000_000_000, written=500_000_000)
+    assert op_seconds(op, DEV) == pytest.approx(7.5e-4)
+
+
+def test_attention_at_the_measured_rate_for_its_length_forward_and_backward():
+    # forward at seq 2048, between 1024 (300) and 4096 (400) in log(seq): halfway, 350 TFLOP/s of a 1,000 peak,
+    # 0.35 of this device's 1,000; 1e12 FLOPs / 350e12 = 2.857143e-3 s
+    fwd = Op(name="attention", kind=ATTENTION, phase=FORWARD, module="attn", flops=1e12, read=0, written=0,
+             dtype="bf16", attn=(32, 2048, 2048, 128, 128))
+    assert op_seconds(fwd, DEV) == pytest.approx(1e12 / 350e12)
+    # backward at 1024: what forward+backward (250) leaves after the forward (300): 2.5 / (3.5/250 - 1/300)
+    # = 2.5 / (0.014 - 0.0033333) = 234.375 TFLOP/s
+    bwd = replace(fwd, phase=BACKWARD, attn=(32, 1024, 1024, 128, 128))
+    assert op_seconds(bwd, DEV) == pytest.approx(1e12 / 234.375e12)
+
+
+def test_a_pass_waits_for_the_host_where_its_kernels_are_small_and_for_a_sync():
+    # two 1 us kernels (2e6 bytes each over 2e12 B/s) launched 10 us apart: the GPU idles waiting for launches;
+    # host 10 + 10 = 20 us, the second kernel ends at 20 + 1 = 21 us
+    tiny = Op(name="mul", kind=MEMORY, phase=FORWARD, module="", flops=0.0, read=1_000_000, written=1_000_000)
+    cost = price([tiny, tiny], DEV)
+    assert cost.gpu_s == pytest.approx(2e-6)
+    assert cost.total_s == pytest.approx(21e-6)
+    # a 1 ms kernel, a sync, then a tiny one: the host waits for the GPU (at 10 + 1000 us), launches (+10 us), and
+    # the tiny kernel ends 1 us later: 1,021 us
+    big = replace(tiny, read=1_000_000_000, written=1_000_000_000)
+    sync = Op(name="counts.tolist", kind=SYNC, phase=FORWARD, module="mlp", flops=0.0, read=0, written=0)
+    assert price([big, sync, tiny], DEV).total_s == pytest.approx(1021e-6)
+
+
+def mem(name: str, reads: list[tuple[int, int]], writes: list[tuple[int, int]], phase: str = FORWARD) -> Op:
+    return Op(name=name, kind=MEMORY, phase=phase, module="", flops=0.0, read=sum(b for _, b in reads),
+              written=sum(b for _, b in writes), reads=tuple(reads), writes=tuple(writes))
+
+
+def test_compile_fuses_a_run_of_memory_bound_ops_into_what_crosses_its_edges():
+    # GEMM writes A (100); norm reads A writes B (100); cast reads B writes C (50); GEMM reads C. B is read only
+    # inside the run: the fused op reads A and writes C: 100 + 50 = 150 bytes, not 100+100 + 100+50 = 350
+    g1 = replace(gemm(8, 8, 8), writes=((1, 100),))
+    g2 = replace(gemm(8, 8, 8), reads=((3, 50),))
+    ops = [g1, mem("norm", [(1, 100)], [(2, 100)]), mem("cast", [(2, 100)], [(3, 50)]), g2]
+    fused = fuse(ops)
+    assert [o.kind for o in fused] == [GEMM, MEMORY, GEMM]
+    assert (fused[1].read, fused[1].written) == (100, 50)
+    # the same run with B saved for the backward (a backward op reads it): B is written too, 150 + 100 = 250
+    saved = ops + [mem("norm_backward", [(2, 100)], [(4, 100)], phase=BACKWARD)]
+    assert fuse(saved)[1].bytes == 250
+    # a run never crosses from forward into backward
+    assert len([o for o in fuse(saved) if o.kind == MEMORY]) == 2
+
+
+def test_tensor_parallel_splits_a_column_linear_by_its_output_and_a_row_linear_by_its_input():
+    # attn.q of 4,096 -> 4,096 over 16,384 tokens at tp 4: n 4096 -> 1024 (forward), FLOPs / 4
+    col = replace(gemm(16384, 4096, 4096), module="attn.q", features=(4096, 4096))
+    assert split_for_tp(col, 4, sp=True).gemm == (1, 16384, 1024, 4096)
+    # mlp.proj of 14,336 -> 4,096: its input width 14,336 is the one split: k 14336 -> 3584
+    row = replace(gemm(16384, 4096, 14336), module="mlp.proj", features=(14336, 4096))
+    assert split_for_tp(row, 4, sp=True).gemm == (1, 16384, 4096, 3584)
+    assert split_for_tp(row, 4, sp=True).flops == row.flops / 4
+    # a residual add: split by sp (tp 4) only when sequence parallel is on
+    add = mem("add", [(1, 400)], [(2, 400)])
+    assert split_for_tp(add, 4, sp=True).bytes == 200 and split_for_tp(add, 4, sp=False).bytes == 800
+
+
+@pytest.fixture(scope="module")
+def llama_tiny():
+    return replace(get_size("tiny", "llama3"), seq_len=64)
+
+
+def test_the_traced_block_runs_the_matmuls_the_model_lists(llama_tiny):
+    # forward GEMM FLOPs = 2 x tokens x each matmul's k x n (block_ops' list); backward twice that (input and weight)
+    spec = TraceSpec(rows=2, seq=64, precision="fp32")
+    ops = trace_block(llama_tiny, 0, spec)
+    tokens = 2 * 64
+    listed = sum(2 * tokens * m.k * m.n for m in block_matmuls(llama_tiny))
+    assert sum(o.flops for o in ops if o.kind == GEMM and o.phase == FORWARD) == pytest.approx(listed)
+    assert sum(o.flops for o in ops if o.kind == GEMM and o.phase == BACKWARD) == pytest.approx(2 * listed)
+    # attention: the FlashAttention papers' count, 4 x seq^2 x head width x heads per row, halved (causal)
+    s = llama_tiny
+    att = [o for o in ops if o.kind == ATTENTION and o.phase == FORWARD]
+    assert len(att) == 1 and att[0].flops == pytest.approx(4 * 2 * 64 * 64 * s.head_dim * s.n_heads / 2)
+
+
+def test_the_op_policy_recomputes_the_matmuls_it_does_not_keep(llama_tiny):
+    # block_ops' "op" rule keeps the 1st, 3rd, ... matmul: the trace's recomputed GEMMs are exactly the others
+    ops = trace_block(llama_tiny, 0, TraceSpec(rows=2, seq=64, precision="fp32", recompute="op"))
+    matmuls = block_matmuls(llama_tiny)
+    dropped = sorted(2 * 128 * m.k * m.n for m, keep in zip(matmuls, kept_by_op(matmuls)) if not keep)
+    assert sorted(o.flops for o in ops if o.kind == GEMM and o.phase == RECOMPUTE) == pytest.approx(dropped)
+    assert not [o for o in ops if o.kind == ATTENTION and o.phase == RECOMPUTE]  # the attention's output is kept
+
+
+def test_an_expert_gemm_runs_its_rows_per_expert_and_expert_parallel_gathers_them():
+    # 8 experts, top 2, 128 tokens: 256 routed rows, 32 per expert; under ep 4 a rank's 2 experts get 128 each
+    size = replace(get_size("tiny", "moe"), seq_len=64)
+    size = replace(size, moe=replace(size.moe, n_experts=8, top_k=2, n_shared=0, d_ff=2 * size.d_model))
+    assert isinstance(size.moe, MoESpec)
+    for ep, rows, experts in ((1, 32, 8), (4, 128, 2)):
+        ops = trace_block(size, 0, TraceSpec(rows=2, seq=64, precision="fp32", ep=ep))
+        up = [o for o in ops if o.kind == GEMM and o.phase == FORWARD and o.module == "mlp.experts"
+              and o.gemm[2] == size.moe.d_ff]
+        assert [o.gemm[1] for o in up] == [rows] * (2 * experts)  # gate and up per local expert
+        assert sum(o.kind == SYNC for o in ops) == 1  # the routed counts read on the host
+
+
+def test_every_preset_names_a_source_for_each_rate():
+    from harness.model.hardware import DEVICES  # noqa: PLC0415
+
+    for name, dev in DEVICES.items():
+        sources = dict(dev.op_rates.sources)
+        assert set(sources) == {"gemm_tflops", "attention", "bandwidth_efficiency", "launch_s", "kernel_floor_s"}, name
+        assert all(sources.values()), name
+        assert math.isfinite(dev.op_rates.bandwidth_efficiency) and 0 < dev.op_rates.bandwidth_efficiency <= 1, name
