@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness.errors import UsageError
 from harness.records.atomic import write_json_atomic
 from harness.records.fingerprint import digest
 
@@ -40,6 +41,8 @@ def unwritable(path: Path) -> str | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(path.name + ".lock"), "a"):
             pass
+        if path.is_dir():
+            return f"{path} is a folder, not a file"
         if path.exists() and not os.access(path, os.W_OK):
             return f"{path} is read-only"
     except OSError as e:
@@ -56,12 +59,20 @@ def key(kind: str, fp: dict) -> str:
 
 
 def _read(path: Path) -> dict:
+    """The store's entries by key; a store that is not a JSON object of entries (a folder, another file, a damaged
+    write) is a UsageError naming it and the fix, for every command that reads it."""
     if not path.exists():
         return {}
+    fix = f"move it aside to re-measure, or set {ENV} to another file"
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise RuntimeError(f"calibration file {path} is not valid JSON ({e}); delete it to re-measure") from None
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"calibration store {path} is not valid JSON ({e}); {fix}") from None
+    except OSError as e:
+        raise UsageError(f"calibration store {path} cannot be read ({e.strerror}); {fix}") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise UsageError(f"calibration store {path} is not a JSON object of calibration entries; {fix}")
+    return doc
 
 
 @functools.lru_cache(maxsize=4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import NoReturn
 
 from harness.cli import bench, calibrate, compare, diff, fit, gate, history, plan, report, slurm, trace
 from harness.cli.args import EXIT_USAGE, spec_from_args
@@ -20,8 +21,15 @@ from harness.jobs import Terminated
 __all__ = ["build_parser", "main", "spec_from_args"]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its refusals on one line, as the harness's own (the usage is ``--help``'s), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0])
+    ap = Parser(prog="harness", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for module in (bench, plan, fit, report, compare, diff, history, gate, calibrate, trace, slurm):
         module.register(sub)

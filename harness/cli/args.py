@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
+import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +20,7 @@ from harness.errors import UsageError
 from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
 from harness.parallel.levers import COMPILE_MODES, OPTIMIZERS
-from harness.parallel.presets import STRATEGIES
+from harness.parallel.presets import PP_PRESETS, STRATEGIES
 from harness.parallel.schedules import PP_SCHEDULES, check_schedule_compile
 from harness.precision import FP8_RECIPES, PRECISIONS
 from harness.run.resume import source_error
@@ -39,14 +41,30 @@ DEFAULTS = {
 }
 
 
+def path_arg(text: str) -> Path:
+    """A path flag's value: an empty one (``--out ""``) would mean the current folder, and is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty path (it would be the current folder); give a path, "
+                                         f"e.g. results/run1")
+    return Path(text)
+
+
 def csv_list(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def listed(name: str, s, example: str) -> tuple[str, ...]:
+    """A comma list (a sweep file's list arrives joined) that names at least one value: an empty one sweeps nothing."""
+    out = csv_list(str(s))
+    if not out:
+        raise UsageError(f"{name} {s!r} is empty: it would sweep nothing; give a value, e.g. {example}, or drop it")
+    return out
 
 
 def ints(name: str, s: str, minimum: int = 1, example: str = "2 or 1,2,4") -> tuple[int, ...]:
     out = []
     for x in csv_list(str(s)):
-        if not x.lstrip("-").isdigit() or int(x) < minimum:
+        if not _integer(x) or int(x) < minimum:
             raise UsageError(f"{name} {s!r}: each value must be an integer >= {minimum}, e.g. {example}")
         out.append(int(x))
     if not out:
@@ -54,9 +72,14 @@ def ints(name: str, s: str, minimum: int = 1, example: str = "2 or 1,2,4") -> tu
     return tuple(out)
 
 
+def _integer(s: str) -> bool:
+    """Decimal ASCII digits with an optional minus (``str.isdigit`` also takes superscripts ``int`` refuses)."""
+    return re.fullmatch(r"-?[0-9]+", s) is not None
+
+
 def int_arg(name: str, v, minimum: int) -> int:
     s = str(v).strip()
-    if not s.lstrip("-").isdigit() or int(s) < minimum:
+    if isinstance(v, bool) or not _integer(s) or int(s) < minimum:
         raise UsageError(f"{name} {v!r}: must be an integer >= {minimum}")
     return int(s)
 
@@ -164,17 +187,21 @@ def degrees_arg(s: str | None) -> dict | None:
     out = {}
     for part in csv_list(s):
         k, _, v = part.partition("=")
-        if not v.isdigit():
-            raise UsageError(f"--degrees {s!r}: expected name=int pairs like pp=2,tp=2")
+        if not k.strip() or not _integer(v.strip()) or int(v) < 1:
+            raise UsageError(f"--degrees {s!r}: expected name=int pairs with each degree >= 1, like pp=2,tp=2")
         out[k.strip()] = int(v)
     return out
 
 
 def _number(name: str, v, expected: str) -> float:
+    """A finite number (a flag's text or a sweep file's value); NaN, the infinities and a TOML boolean are refused."""
     try:
-        return float(v)
+        x = float(v) if not isinstance(v, bool) else math.nan
     except (TypeError, ValueError):
         raise UsageError(f"{name} {v!r}: expected {expected}") from None
+    if not math.isfinite(x):
+        raise UsageError(f"{name} {v!r}: not a finite number; expected {expected}")
+    return x
 
 
 def _rate(name: str, v) -> float:
@@ -185,7 +212,7 @@ def _rate(name: str, v) -> float:
 
 
 def positive_float(name: str, v) -> float:
-    x = _number(name, v, "a number")
+    x = _number(name, v, "a number > 0")
     if x <= 0:
         raise UsageError(f"{name} {v!r}: must be > 0")
     return x
@@ -200,7 +227,7 @@ def fraction(name: str, v) -> float:
 
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sweep matrix")
-    g.add_argument("--sweep", type=Path, help="TOML sweep file; flags given on the command line override it")
+    g.add_argument("--sweep", type=path_arg, help="TOML sweep file; flags given on the command line override it")
     g.add_argument("--gpus", help="devices per node (CPU ranks without a GPU); a list sweeps device counts: 1,2,4")
     g.add_argument("--sizes", help="workload sizes (harness workloads lists them)")
     g.add_argument("--arch", help="architecture families: gpt2,llama3,moe (default gpt2); each size is looked up in each")
@@ -305,22 +332,33 @@ WHATIF_KEYS = ("recompute", "efficiency", "error_from", "device_mem", "power_cap
 """Keys a sweep file may also hold for ``harness plan --device PRESET``."""
 
 
-def _read_sweep_file(path: Path, known: set[str]) -> dict:
+def _read_sweep_file(path: Path, known: set[str], switches: frozenset[str] = frozenset()) -> dict:
+    """A sweep file's keys as flag dests. ``switches`` are the on/off flags (``--force``): their keys take a TOML
+    boolean only (``force = "no"`` would read as on); every other key a value or a flat list of values."""
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--sweep {path}: not UTF-8 text (byte {e.start}); a sweep file is TOML, fix the file") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise UsageError(f"--sweep {path}: cannot read TOML ({e}); fix the file") from None
-    values = {}
+    values: dict[str, object] = {}
     for key, value in raw.items():
         dest = key.replace("-", "_")
         if dest not in known:
             close = difflib.get_close_matches(dest, sorted(known), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(known))}"
             raise UsageError(f"unknown key {key!r} in {path}; {hint}")
-        if isinstance(value, dict):
-            raise UsageError(f"{path}: {key} is a table; give a value or a list, e.g. {key} = [1, 2]")
-        values[dest] = ",".join(map(str, value)) if isinstance(value, list) else value
-    return values
+        if dest in switches:
+            if not isinstance(value, bool):
+                raise UsageError(f"{path}: {key} = {value!r} is an on/off switch; write {key} = true or {key} = false")
+            values[dest] = value or None  # false: as if not given (the flag's own default)
+            continue
+        items = value if isinstance(value, list) else [value]
+        if not items or any(isinstance(x, dict | list | bool) for x in items):
+            raise UsageError(f"{path}: {key} = {value!r}: give a value or a flat list of values (a switch's words "
+                             f"quoted, e.g. compile = \"on\"), e.g. {key} = [1, 2]")
+        values[dest] = ",".join(map(str, items)) if isinstance(value, list) else value
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def merged(args: argparse.Namespace) -> Settings:
@@ -330,7 +368,8 @@ def merged(args: argparse.Namespace) -> Settings:
     if path:
         known = {a.dest for a in sweep_actions()} - {"sweep"}
         known |= {k for k in WHATIF_KEYS if hasattr(args, k)}
-        file_vals = _read_sweep_file(path, known)
+        switches = frozenset(a.dest for a in sweep_actions() if a.nargs == 0)
+        file_vals = _read_sweep_file(path, known, switches)
     cli = {k: v for k, v in vars(args).items() if v is not None}
     return Settings({**file_vals, **cli}, path, frozenset(k for k in file_vals if k not in cli))
 
@@ -368,7 +407,8 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     if auto:
         check_batch_auto(v, device)
     # Several devices: every multi-device strategy; the planner adds the single-device reference.
-    strategies = v.get("strategies") or ("single" if max(gpus) == 1 else ",".join(s for s in STRATEGIES if s != "single"))
+    strategies = (listed(v.label("strategies"), v["strategies"], "ddp,fsdp") if "strategies" in v else
+                  ("single",) if max(gpus) == 1 else tuple(s for s in STRATEGIES if s != "single"))
     compiles = tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES))
     schedules = choices(v.label("pp_schedule"), v.get("pp_schedule", "1f1b"), PP_SCHEDULES)
     check_schedule_compile(schedules, compiles)
@@ -376,19 +416,19 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         raise UsageError("--checkpoint-keep keeps saves, and --checkpoint is off: add --checkpoint sync (or async), "
                          "or drop --checkpoint-keep")
     models = models_arg(v, device)
-    return SweepSpec(
+    spec = SweepSpec(
         models=models,
-        sizes=csv_list(v.get("sizes", d["sizes"])),
-        strategies=csv_list(strategies),
-        precisions=csv_list(v.get("precision", d["precision"])),
+        sizes=listed(v.label("sizes"), v.get("sizes", d["sizes"]), "tiny,small"),
+        strategies=strategies,
+        precisions=listed(v.label("precision"), v.get("precision", d["precision"]), "fp32,bf16"),
         gpus=gpus,
         device_kind=device,
         batch=1 if auto else int_arg(v.label("batch"), v.get("batch", d["batch"]), 1),
         batch_auto=auto,
         steps=int_arg(v.label("steps"), v.get("steps", d["steps"]), 1),
         warmup=int_arg(v.label("warmup"), v.get("warmup", d["warmup"]), 0),
-        scalings=csv_list(v.get("scaling", "strong")),
-        lr_rules=csv_list(v.get("lr_rule", "none")),
+        scalings=listed(v.label("scaling"), v.get("scaling", "strong"), "strong,weak"),
+        lr_rules=listed(v.label("lr_rule"), v.get("lr_rule", "none"), "none,linear,sqrt"),
         compiles=compiles,
         acs=policies_arg(v.label("ac"), v.get("ac", "none")),
         optimizers=choices(v.label("optimizer"), v.get("optimizer", "adamw"), OPTIMIZERS),
@@ -421,6 +461,32 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         reference=not v.get("no_reference", False),
         force=bool(v.get("force", False)),
     )
+    check_applies(v, spec)
+    return spec
+
+
+def check_applies(v: Settings, spec: SweepSpec) -> None:
+    """A flag given for a part no strategy or precision of the sweep has is refused, never silently dropped."""
+    strategies = ", ".join(spec.strategies)
+    degrees = spec.degrees or {}
+    has = {
+        "a pipeline (pp, pp+fsdp, ...)": degrees.get("pp", 1) > 1 or any(s in PP_PRESETS for s in spec.strategies),
+        "tensor parallel (tp, fsdp+tp, ...)": degrees.get("tp", 1) > 1 or any(
+            "tp" in s.split("+") or s == "tp-sp" for s in spec.strategies),
+    }
+    needs = {"pp_schedule": "a pipeline (pp, pp+fsdp, ...)", "microbatches": "a pipeline (pp, pp+fsdp, ...)",
+             "sp": "tensor parallel (tp, fsdp+tp, ...)"}
+    for key, part in needs.items():
+        if key in v and not has[part]:
+            raise UsageError(f"{v.label(key)} {v[key]!r}: no strategy of this sweep ({strategies}) has {part}; add "
+                             f"one to --strategies, or drop {v.label(key)}")
+    for key in ("fp8_recipe", "fp8_all_gather", "fp8_emulate"):
+        if key in v and "fp8" not in spec.precisions:
+            raise UsageError(f"{v.label(key)} {v[key]!r} sets up --precision fp8, and this sweep's precisions are "
+                             f"{', '.join(spec.precisions)}; add fp8 to --precision, or drop {v.label(key)}")
+    if "checkpoint_every" in v and spec.checkpoints == ("off",):
+        raise UsageError(f"{v.label('checkpoint_every')} {v['checkpoint_every']!r}: --checkpoint is off, so nothing "
+                         f"is saved; add --checkpoint sync (or async), or drop {v.label('checkpoint_every')}")
 
 
 def device_line(spec: SweepSpec) -> str:

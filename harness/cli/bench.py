@@ -12,7 +12,7 @@ from harness.calibration import store
 from harness.calibration.auto import ensure_calibrated
 from harness.calibration.normaliser import calibration_record
 from harness.calibration.provenance import misprediction_note
-from harness.cli.args import add_sweep_args, device_line, int_arg, spec_from_args, sweep_arg_values
+from harness.cli.args import add_sweep_args, device_line, int_arg, path_arg, spec_from_args, sweep_arg_values
 from harness.errors import UsageError
 from harness.jobs import Terminated, sigterm_as_interrupt
 from harness.planner import PlannedCell, expand, predict_cells
@@ -23,6 +23,7 @@ from harness.run.nsys_capture import REPORT_WAIT_S, nsys_tool
 from harness.run.resume import check_same_training
 from harness.run.rounds import ORDERS, RoundsPlan, recorded_rounds
 from harness.run.rundir import (
+    check_resumable,
     check_same_sweep,
     existing_records,
     holds_records,
@@ -81,6 +82,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.or_resume:
         _or_resume(args)
     if args.resume is not None:
+        if not args.or_resume:  # --or-resume checked the sweep its own way (the same flags, given again)
+            check_resumable(args.resume, sweep_arg_values(args))
         _restore_sweep_args(args.resume, args)  # `--resume DIR` alone re-plans the run's cells; flags given win
     spec = spec_from_args(args)
     if args.node_rank is not None and not 0 <= args.node_rank < spec.nnodes:
@@ -192,8 +195,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 def register(sub) -> None:
     b = sub.add_parser("bench", help="run a sweep: each cell's ranks forked by a server that imported torch once -> records, summary, plots")
     add_sweep_args(b)
-    b.add_argument("--out", type=Path, help="run directory (default results/<run-id>); never overwritten")
-    b.add_argument("--resume", type=Path, help="finish an interrupted run: re-run cells without an ok record")
+    b.add_argument("--out", type=path_arg, help="run directory (default results/<run-id>); never overwritten")
+    b.add_argument("--resume", type=path_arg, help="finish an interrupted run: re-run cells without an ok record")
     b.add_argument("--or-resume", action="store_true",
                    help="with --out DIR: start DIR, or finish it as --resume would when it already holds this same "
                         "sweep (same flags); another sweep there is refused. For jobs a scheduler may requeue")

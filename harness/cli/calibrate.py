@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -23,7 +22,7 @@ from harness.calibration.collectives import (
 )
 from harness.calibration.provenance import label_of
 from harness.calibration.workload import calibrate_workload, lookup_workload
-from harness.cli.args import Settings, csv_list, int_arg, models_arg
+from harness.cli.args import Settings, csv_list, int_arg, models_arg, path_arg
 from harness.errors import UsageError
 from harness.parallel.levers import check_levers
 from harness.spec import default_device_kind
@@ -228,7 +227,7 @@ def register(sub) -> None:
     k.add_argument("--ops", action="store_true",
                    help="also what plan's op-by-op pricing needs on this device: GEMMs at the models' shapes, flash "
                         "attention by length and head width, copy bandwidth, eager launch time, kernel floor")
-    k.add_argument("--storage", type=Path, metavar="DIR",
+    k.add_argument("--storage", type=path_arg, metavar="DIR",
                    help="also the write and read bandwidth of DIR's filesystem (what a checkpoint's save is priced "
                         "at; harness bench measures its run directory's when a cell checkpoints)")
     k.set_defaults(fn=cmd_calibrate)

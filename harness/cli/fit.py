@@ -21,6 +21,7 @@ from harness.cli.args import (
     ints,
     model_notes,
     models_arg,
+    path_arg,
     seq_lens_arg,
     workload_keys,
 )
@@ -36,6 +37,7 @@ from harness.parallel.schedules import PP_SCHEDULES
 from harness.records.atomic import write_text_atomic
 from harness.records.record import new_run_id
 from harness.report.fit_text import BANNER, fit_table, legend
+from harness.run.rundir import check_writable
 from harness.spec import default_device_kind
 from harness.units import GIB
 from workloads.own_model import OwnModel
@@ -139,6 +141,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     out = args.out or Path("results") / f"fit-{new_run_id()}"
     if (out / RECORDS).exists():
         raise UsageError(f"--out {out}: already holds {RECORDS}; choose a new directory")
+    check_writable(out)
     modes = ", ".join(f"{s}: {c}" for s, c in compute.items())
     print(BANNER)
     print(f"device: {device_kind}; budget {mem_gib:.1f} GiB per rank ({mem_from}); compute {modes}; "
@@ -185,5 +188,5 @@ def register(sub) -> None:
     p.add_argument("--microbatches", help="pipeline microbatches (default 2 x pp)")
     p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES)
     p.add_argument("--degrees", help="explicit degrees overriding the presets, e.g. pp=2,tp=2")
-    p.add_argument("--out", type=Path, help="run directory (default results/fit-<run-id>)")
+    p.add_argument("--out", type=path_arg, help="run directory (default results/fit-<run-id>)")
     p.set_defaults(fn=cmd_fit)

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 from typing import cast
 
+from harness.cli.args import path_arg
 from harness.compare.run_history import Run, find_changes, history_frame, history_markdown
 from harness.errors import UsageError
 from harness.records.atomic import write_text_atomic
-from harness.records.reader import load_records, resolve_records_path
+from harness.records.reader import load_run, resolve_records_path
 
 ORDERS = ("git", "time", "given")
 
@@ -45,7 +46,7 @@ def order_runs(runs: list[Run], order: str) -> list[Run]:
 def cmd_history(args: argparse.Namespace) -> int:
     if len(args.runs) < 2:
         raise UsageError(f"history needs at least 2 run directories, got {len(args.runs)}")
-    runs = [Run(str(p), load_records(resolve_records_path(p))) for p in args.runs]
+    runs = [Run(str(p), load_run(resolve_records_path(p))) for p in args.runs]
     runs = order_runs(runs, args.order)
     frame = history_frame(runs)
     if frame.empty:
@@ -71,10 +72,10 @@ def _fraction(text: str) -> float:
 
 def register(sub) -> None:
     h = sub.add_parser("history", help="throughput per cell over runs in commit order; names the run after a step")
-    h.add_argument("runs", nargs="+", type=Path, help="run directories (or records.jsonl), any order")
+    h.add_argument("runs", nargs="+", type=path_arg, help="run directories (or records.jsonl), any order")
     h.add_argument("--order", choices=ORDERS, default="time",
                    help="git: this checkout's first-parent history; time: run start (default); given: as listed")
-    h.add_argument("--out", type=Path, default=Path("."), help="directory for history.md and history.png")
+    h.add_argument("--out", type=path_arg, default=Path("."), help="directory for history.md and history.png")
     h.add_argument("--alpha", type=_fraction, default=0.01, help="permutation-test significance of a step")
     h.add_argument("--min-shift", type=_fraction, default=0.05, help="smallest relative shift reported")
     h.add_argument("--seed", type=int, default=0, help="permutation and bootstrap seed")

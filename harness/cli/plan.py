@@ -20,6 +20,7 @@ from harness.cli.args import (
     merged,
     model_notes,
     models_arg,
+    path_arg,
     positive_float,
     seq_lens_arg,
     spec_from_args,
@@ -65,7 +66,7 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rms-norm", choices=("fused", "composite"), default=None,
                    help="RMSNorm as torch's fused kernel (default; torch 2.8 onwards) or as the separate kernels "
                         "earlier torch ran (to price a run made on it)")
-    g.add_argument("--error-from", type=Path, default=None,
+    g.add_argument("--error-from", type=path_arg, default=None,
                    help="run directory whose records carry predictions, for the model's measured error "
                         "(default results/reference/rounds-cpu-tiny-mini-w2-w4-C, the rounds reference)")
     g.add_argument("--moe-imbalance", default=None,
@@ -77,13 +78,13 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--power-cap", default=None,
                    help="a power limit in W below the preset's board power: compute peaks x (cap / board power) ** "
                         "(1/3), HBM and links unscaled (e.g. --device h100 --power-cap 500)")
-    g.add_argument("--compile-from", type=Path, default=None,
+    g.add_argument("--compile-from", type=path_arg, default=None,
                    help="with --compile on: run directories whose compiled cells beside eager ones on the device's "
                         "product price the gain (default results/gpu); none there: compile is not priced, and said")
     g.add_argument("--checkpoint-gbps", default=None,
                    help="with --checkpoint-every: the write bandwidth per GPU its saves are priced at, GB/s "
                         "(default 1, an assumption the output names)")
-    g.add_argument("--fit-from", type=Path, default=None,
+    g.add_argument("--fit-from", type=path_arg, default=None,
                    help="harness fit run directory: its measured peaks replace the predicted ones where a record "
                         "matches (size, strategy, N, precision, global batch)")
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from tabulate import tabulate
 
-from harness.cli.args import Settings, choices, model_notes, models_arg
+from harness.cli.args import Settings, choices, model_notes, models_arg, path_arg
 from harness.errors import UsageError
-from harness.records.reader import records_file
+from harness.records.reader import load_run, records_file
 from harness.report import write_report
 from workloads.data import MarkovData
 from workloads.own_model import OwnModel
@@ -20,6 +19,7 @@ from workloads.sizes import ARCHS, FAMILIES, FLOP_CONVENTION_LABEL, FLOP_CONVENT
 def cmd_report(args: argparse.Namespace) -> int:
     if records_file(args.dir) is None:
         raise UsageError(f"{args.dir}: no records.jsonl there; pass a run directory written by harness bench")
+    load_run(args.dir)  # refused here, as by every reader, when damaged or empty
     print(write_report(args.dir))
     return 0
 
@@ -96,7 +96,7 @@ def cmd_workloads(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     r = sub.add_parser("report", help="rebuild summary.md, summary.csv and plots from a run's records")
-    r.add_argument("dir", type=Path)
+    r.add_argument("dir", type=path_arg)
     r.set_defaults(fn=cmd_report)
     w = sub.add_parser("workloads", help="print each family's sizes: parameters and FLOPs per token")
     w.add_argument("--arch", help="families to list: gpt2,llama3,moe (default all)")

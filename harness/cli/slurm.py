@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from harness.cli.args import actions_of, add_sweep_args, spec_from_args, sweep_actions, sweep_arg_values
+from harness.cli.args import actions_of, add_sweep_args, path_arg, spec_from_args, sweep_actions, sweep_arg_values
 from harness.cli.bench import add_run_args
 from harness.errors import UsageError
 from harness.planner import expand
@@ -238,7 +238,7 @@ def register(sub) -> None:
     add_run_args(s)
     s.add_argument("--time", default="01:00:00", help="Slurm time limit, e.g. 90, 01:30:00, 1-12:00:00")
     s.add_argument("--partition", help="Slurm partition (default: the cluster's)")
-    s.add_argument("--out", type=Path, help="run directory on a filesystem every node sees (default results/<run-id>); "
+    s.add_argument("--out", type=path_arg, help="run directory on a filesystem every node sees (default results/<run-id>); "
                                             "the script is kept there as job.sbatch")
     s.add_argument("--warn-before", type=int, default=120, metavar="S",
                    help="seconds before the time limit at which the harness gets SIGTERM, ends its cell and the job "

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from harness.cli.args import add_sweep_args, device_line, spec_from_args
+from harness.cli.args import add_sweep_args, device_line, path_arg, spec_from_args
 from harness.errors import UsageError
 from harness.jobs import sigterm_as_interrupt
 from harness.measure import nsys as nsys_mod
@@ -118,7 +118,7 @@ def register(sub) -> None:
     t = sub.add_parser("trace", help="one cell under nsys (per-rank reports) or torch.profiler without nsys")
     add_sweep_args(t)
     t.add_argument("--cell", help="cell id to trace (default: the first multi-device cell of the sweep)")
-    t.add_argument("--out", type=Path, help="run directory (default results/<run-id>)")
+    t.add_argument("--out", type=path_arg, help="run directory (default results/<run-id>)")
     t.add_argument("--cell-timeout", type=float)
     t.add_argument("--nsys-wait", type=float, default=REPORT_WAIT_S, metavar="SECONDS",
                    help="how long a capture may go without progress (no importer, no nsys I/O) once rank 0 is done; "

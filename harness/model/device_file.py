@@ -27,6 +27,7 @@ An unknown key, a missing one or a bad value is a UsageError naming the key and 
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 from dataclasses import replace
 from pathlib import Path
@@ -37,19 +38,54 @@ from harness.model.hardware import DEVICES, Device, Interconnect, get_device, wi
 
 FILE_KEYS = ("base", "name", "product", "hbm_gib", "hbm_gbps", "tdp_w", "power_cap_w", "gpus_per_node", "intra_gbps",
              "inter_gbps", "peak_tflops", "op_rates")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+"""The compute dtypes a peak or a GEMM rate is given for."""
 NUMBERS = ("hbm_gib", "hbm_gbps", "tdp_w", "power_cap_w", "intra_gbps", "inter_gbps")
 
 
-def _positive(path: Path, key: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise UsageError(f"{path}: {key} = {value!r} must be a number > 0")
+def _positive(path: Path, key: str, value: object, minimum: float = 0.0, strict: bool = True) -> float:
+    """A finite number > ``minimum`` (>= when not ``strict``); NaN, the infinities and booleans refused."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or not (
+            value > minimum if strict else value >= minimum):
+        raise UsageError(f"{path}: {key} = {value!r} must be a finite number {'>' if strict else '>='} {minimum:g}")
     return float(value)
+
+
+RATE_NUMBERS = {"hbm_measured_tbps": True, "launch_us": True, "kernel_floor_us": False}
+"""``[op_rates]``'s plain numbers: > 0 (True) or >= 0 (False)."""
+RATE_TEXTS = ("gemm_source", "attention", "hbm_source", "launch_source")
+
+
+def _rates(path: Path, rates: object) -> dict:
+    """A file's ``[op_rates]`` with each value's type checked (the figures finite, ``sms`` a whole count)."""
+    if not isinstance(rates, dict):
+        raise UsageError(f"{path}: op_rates must be a table, e.g. [op_rates] sms = 132")
+    for key, value in rates.items():
+        where = f"op_rates.{key}"
+        if key not in RATE_KEYS:
+            raise UsageError(f"{path}: unknown op_rates key {key!r}; valid keys: {', '.join(RATE_KEYS)}")
+        if key == "sms" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UsageError(f"{path}: {where} = {value!r} must be an integer >= 1 (the part's SM count)")
+        if key in RATE_NUMBERS:
+            _positive(path, where, value, strict=RATE_NUMBERS[key])
+        if key in RATE_TEXTS and not isinstance(value, str):
+            raise UsageError(f"{path}: {where} = {value!r} must be a string")
+        if key == "gemm_tflops":
+            if not isinstance(value, dict) or not value:
+                raise UsageError(f"{path}: {where} must be a table of dtype = TFLOP/s, e.g. gemm_tflops = {{ bf16 = 700 }}")
+            for dtype, rate in value.items():
+                if dtype not in DTYPES:
+                    raise UsageError(f"{path}: {where}.{dtype}: not a compute dtype; give {', '.join(DTYPES)}")
+                _positive(path, f"{where}.{dtype}", rate)
+    return rates
 
 
 def device_from_file(path: Path) -> Device:
     """A device from a TOML file (the module docstring)."""
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--device {path}: not UTF-8 text (byte {e.start}); a device file is TOML, fix the file") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise UsageError(f"--device {path}: cannot read TOML ({e}); fix the file") from None
     for key in raw:
@@ -58,7 +94,9 @@ def device_from_file(path: Path) -> Device:
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(FILE_KEYS)}"
             raise UsageError(f"{path}: unknown key {key!r}; {hint}")
     if "base" in raw:
-        base = get_device(str(raw["base"]))
+        if not isinstance(raw["base"], str) or raw["base"].lower() not in DEVICES:
+            raise UsageError(f"{path}: base = {raw['base']!r} is not a preset; choose from {', '.join(DEVICES)}")
+        base = get_device(raw["base"])
     else:
         missing = [k for k in FILE_KEYS if k not in raw and k not in ("base", "power_cap_w", "tdp_w", "op_rates")]
         if missing:
@@ -70,6 +108,9 @@ def device_from_file(path: Path) -> Device:
     if peaks is not None:
         if not isinstance(peaks, dict) or not peaks:
             raise UsageError(f"{path}: peak_tflops must be a table of dtype = TFLOP/s, e.g. bf16 = 989.5")
+        for k in peaks:
+            if k not in DTYPES:
+                raise UsageError(f"{path}: peak_tflops.{k}: not a compute dtype; give {', '.join(DTYPES)}")
         peaks = tuple(sorted((str(k), _positive(path, f"peak_tflops.{k}", v)) for k, v in peaks.items()))
     gpn = raw.get("gpus_per_node", base.gpus_per_node if base else None)
     if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
@@ -81,12 +122,7 @@ def device_from_file(path: Path) -> Device:
                              str(path))
     if "inter_gbps" in nums:
         inter = Interconnect(f"NIC {nums['inter_gbps']:g} GB/s", nums["inter_gbps"], inter.latency_s or 10e-6, str(path))
-    rates = raw.get("op_rates", {})
-    if not isinstance(rates, dict):
-        raise UsageError(f"{path}: op_rates must be a table, e.g. [op_rates] sms = 132")
-    for key in rates:
-        if key not in RATE_KEYS:
-            raise UsageError(f"{path}: unknown op_rates key {key!r}; valid keys: {', '.join(RATE_KEYS)}")
+    rates = _rates(path, raw.get("op_rates", {}))
     overrides = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in rates.items()))
     dev = replace(template, name=str(raw.get("name", path.stem)), product=str(raw.get("product", template.product)),
                   hbm_gib=nums.get("hbm_gib", template.hbm_gib), hbm_gbps=nums.get("hbm_gbps", template.hbm_gbps),
@@ -102,7 +138,13 @@ def device_from_file(path: Path) -> Device:
         dev.op_rates  # noqa: B018  (every rate the pricing needs, from the base or the file)
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
-    return with_overrides(dev, power_cap_w=nums.get("power_cap_w"))
+    cap = nums.get("power_cap_w")
+    if cap is not None and not (dev.tdp_w and cap <= dev.tdp_w):
+        raise UsageError(f"{path}: power_cap_w = {cap:g} W is above tdp_w = {dev.tdp_w:g} W, the board power (a "
+                         f"higher limit changes nothing); give power_cap_w <= {dev.tdp_w:g}"
+                         if dev.tdp_w else f"{path}: power_cap_w = {cap:g} needs tdp_w (the board power the peaks "
+                         f"hold at) in the file or its base")
+    return with_overrides(dev, power_cap_w=cap)
 
 
 def device_arg(value: str, mem_gib: float | None = None, power_cap_w: float | None = None) -> Device:

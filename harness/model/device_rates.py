@@ -86,7 +86,7 @@ def op_rates(preset: str | None, product: str, hbm_gbps: float, overrides: dict 
     sources.append(("attention", d.get("attention_note", table.source)))
     if "hbm_measured_tbps" in d:
         efficiency = float(d["hbm_measured_tbps"]) * 1000 / hbm_gbps
-        sources.append(("bandwidth_efficiency", d["hbm_source"]))
+        sources.append(("bandwidth_efficiency", d.get("hbm_source", "the device file")))
     else:
         efficiency = float(ref["hbm_measured_tbps"]) * 1000 / REFERENCE_HBM_GBPS
         sources.append(("bandwidth_efficiency", f"no measurement found: the H200's ({ref['hbm_source']})"))

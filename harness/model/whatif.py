@@ -151,7 +151,10 @@ def scenario(workload: str | ModelSize, device: str | Device, gpus: int, precisi
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise UsageError(f"--gpus {gpus!r}: must be an integer >= 1")
     if precision not in LOW_BYTES or precision not in dev.peak_tflops:
-        raise UsageError(f"--precision {precision!r}: choose from {', '.join(dev.peak_tflops)}")
+        fix = (f"; or give {precision} = <TFLOP/s> under [peak_tflops] in {dev.source}"
+               if dev.source.endswith(".toml") and precision in LOW_BYTES else "")
+        raise UsageError(f"--precision {precision!r}: {dev.name} has no {precision} peak; choose from "
+                         f"{', '.join(dev.peak_tflops)}{fix}")
     try:
         recompute = ac_policy(recompute)
     except UsageError as e:

@@ -23,6 +23,7 @@ from harness.errors import UsageError
 from harness.records.atomic import append_jsonl
 from harness.records.fingerprint import digest
 from harness.records.record import SCHEMA_VERSION
+from harness.records.record_shape import record_problem
 
 RECORDS_FILENAME = "records.jsonl"
 CLOSED_RECORDS_FILENAME = RECORDS_FILENAME + ".gz"
@@ -95,11 +96,9 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], TornTail | Non
                 "corrupt at that line: restore it from a copy, or remove that line and rerun its cell"
             raise UsageError(f"{p}: line {lineno} is not valid JSON ({exc.msg} at column {exc.colno}); "
                              f"the file is {what}") from exc
-        if not isinstance(obj, dict):
-            raise UsageError(
-                f"{p}: line {lineno} is a JSON {type(obj).__name__}, expected one record object "
-                "per line (docs/records.md)"
-            )
+        if (problem := record_problem(obj)) is not None:
+            raise UsageError(f"{p}: line {lineno} is not a record this harness reads ({problem}); restore the file "
+                             f"from a copy, or move that line out of it (docs/records.md, 'A damaged run')")
         records.append(obj)
     return records, None
 
@@ -109,6 +108,18 @@ def load_records(path: str | Path, warn: TextIO | None = None) -> list[dict[str,
     records, torn = read_records(path)
     if torn is not None:
         print(torn.warning(), file=warn or sys.stderr, flush=True)
+    return records
+
+
+def load_run(path: str | Path, warn: TextIO | None = None) -> list[dict[str, Any]]:
+    """A finished or partial run's records for a reader that compares or renders cells (report, diff, history,
+    compare): :func:`load_records`, refused when the run holds no cell record (an empty run: nothing was measured,
+    by every reader's definition)."""
+    records = load_records(path, warn)
+    if not any(r.get("kind", "cell") == "cell" for r in records):
+        what = "is empty" if not records else f"holds {len(records)} record(s) but no cell record (kind == 'cell')"
+        raise UsageError(f"{resolve_records_path(path)} {what}: nothing was measured; pass a run of harness bench "
+                         f"that measured a cell")
     return records
 
 
@@ -265,4 +276,4 @@ def load_any(path: str | Path, warn: TextIO | None = None) -> list[dict[str, Any
     """Load records from a records.jsonl, a run directory or a pytest-benchmark JSON file."""
     if is_benchmark_json(path):
         return load_benchmark_json(path)
-    return load_records(path, warn)
+    return load_run(path, warn)

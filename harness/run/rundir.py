@@ -28,7 +28,7 @@ SWEEP_ARGS_FILE = "sweep_args.json"
 """A run's sweep flags, so that ``harness bench --resume DIR`` alone re-plans the same cells."""
 
 
-def _writable(out: Path) -> None:
+def check_writable(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -106,6 +106,26 @@ def recorded_sweep_args(out: Path) -> dict:
         raise UsageError(f"{path} is unreadable ({e}); give the sweep flags again with --resume {out}") from None
 
 
+def check_resumable(out: Path, values: dict) -> None:
+    """``--resume DIR`` finishes exactly the sweep DIR recorded: refused when DIR holds no records file or no recorded
+    sweep flags (its cells cannot be known), or when ``values`` (the sweep flags given, by dest) change its sweep."""
+    if not (out / RECORDS_FILENAME).exists():
+        raise UsageError(f"--resume {out}: no {RECORDS_FILENAME} there, so there is no run to finish; start one with "
+                         f"harness bench --out {out}")
+    held = recorded_sweep_args(out)
+    if not held:
+        raise UsageError(f"--resume {out}: the run recorded no sweep flags ({SWEEP_ARGS_FILE}), so its cells cannot "
+                         f"be known; start the sweep again with harness bench --out <new dir> and its flags")
+    existing_records(out)  # a damaged or foreign record is refused here, before the run's lock is taken
+    given = _as_recorded(values)
+    differ = sorted(k for k in given if held.get(k) != given[k])
+    if differ:
+        what = ", ".join(f"--{k.replace('_', '-')} {_shown(given, k)} here, {_shown(held, k)} there" for k in differ)
+        raise UsageError(f"--resume {out} with flags that change its sweep ({what}); a resumed run finishes its own "
+                         f"sweep: harness bench --resume {out} (no sweep flags), or start this sweep with --out <new "
+                         f"dir>")
+
+
 def _as_recorded(values: dict) -> dict:
     """Sweep flag values as :func:`save_sweep_args` keeps them (paths resolved, JSON types)."""
     return json.loads(json.dumps({k: str(Path(v).resolve()) if isinstance(v, Path) else v
@@ -130,8 +150,8 @@ def check_same_sweep(out: Path, values: dict) -> None:
     """
     held = recorded_sweep_args(out)
     if not held:
-        raise UsageError(f"--out {out} holds records without recorded sweep flags ({SWEEP_ARGS_FILE}); finish it "
-                         f"with --resume {out} and its flags, or pass a new --out")
+        raise UsageError(f"--out {out} holds records without recorded sweep flags ({SWEEP_ARGS_FILE}), so its sweep "
+                         f"cannot be known; pass a new --out")
     given = _as_recorded(values)
     differ = sorted(k for k in held.keys() | given.keys() if held.get(k) != given.get(k))
     if differ:
@@ -159,11 +179,12 @@ def start_run(out: Path | None, resume: Path | None, node_rank: int) -> Run:
     records = out / RECORDS_FILENAME
     if resume is not None and not records.exists():
         raise UsageError(f"--resume {out}: no records.jsonl there; start a new run with --out {out}")
-    _writable(out)
+    check_writable(out)
     lock = lock_run(out, node_rank)
     try:
         if resume is None and node_rank == 0 and holds_records(out):
-            raise UsageError(f"--out {out} already holds records; pass a new --out, or --resume {out} to finish it")
+            finish = f", or --resume {out} to finish it" if recorded_sweep_args(out) else ""
+            raise UsageError(f"--out {out} already holds records; pass a new --out{finish}")
         if resume is not None:
             recs = existing_records(out)
             run_id = recs[0]["run_id"] if recs else run_id

@@ -28,7 +28,7 @@ NONE = (NO_NORMALISER, NO_NORMALISER)
 
 def rec(cell_id: str, fp: str, times: list[float] | None = None, status: str = "ok", error: str | None = None,
         precision: str = "fp32", kind: str = "cell", tokens: int | None = 1000, **extra: Any) -> dict[str, Any]:
-    r = {"kind": kind, "cell_id": cell_id, "status": status, "error": error, "fingerprint": fp,
+    r = {"schema_version": 1, "kind": kind, "cell_id": cell_id, "status": status, "error": error, "fingerprint": fp,
          "fingerprint_fields": {"precision": precision, "degrees": {"tp": 1, "pp": 1}},
          "config": {"global_batch": 4, "seq_len": 8}, "metrics": {"tokens_per_step": tokens},
          "samples": {"step_time_s": times if times is not None else [0.5] * 5}}

@@ -40,13 +40,13 @@ def cell(i: int, times: np.ndarray, probes: tuple[float, float] | None = None,
     metrics: dict[str, Any] = {"tokens_per_step": TOKENS, "unstable": bool(unstable), "unstable_reason": unstable}
     if probes is not None:
         metrics["machine_probe_s"] = {"before": probes[0], "after": probes[1]}
-    return {"kind": "cell", "cell_id": f"cell{i}", "status": status, "error": None if status == "ok" else "boom",
+    return {"schema_version": 1, "config": {}, "kind": "cell", "cell_id": f"cell{i}", "status": status, "error": None if status == "ok" else "boom",
             "fingerprint": f"fp{i}", "fingerprint_fields": {"cell": i}, "metrics": metrics,
             "samples": {"step_time_s": [float(t) for t in times]}}
 
 
 def calibration(times: np.ndarray) -> dict[str, Any]:
-    return {"kind": "calibration", "cell_id": "calibration", "status": "ok", "fingerprint": "cal",
+    return {"schema_version": 1, "config": {}, "kind": "calibration", "cell_id": "calibration", "status": "ok", "fingerprint": "cal",
             "metrics": {"tokens_per_step": 1}, "samples": {"step_time_s": [float(t) for t in times]}}
 
 

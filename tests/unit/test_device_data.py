@@ -65,7 +65,7 @@ def test_a_device_file_names_the_part(tmp_path):
 
 @pytest.mark.parametrize("body, message", [
     ('base = "h100"\nhbm_gb = 96\n', "unknown key 'hbm_gb'; did you mean 'hbm_gib'?"),
-    ('base = "h100"\nhbm_gib = -1\n', "hbm_gib = -1 must be a number > 0"),
+    ('base = "h100"\nhbm_gib = -1\n', "hbm_gib = -1 must be a finite number > 0"),
     ('name = "x"\n', "without base = \"<preset>\" it needs product, hbm_gib"),
     ('base = "h100"\nproduct = "Mystery GPU"\n', "product 'Mystery GPU' is not in the datasheet table; give [peak_tflops]"),
 ])
@@ -89,7 +89,7 @@ def test_plan_header_says_what_was_overridden(capsys):
 def _record(cell: str, compile_on: bool, median: float, device: str) -> dict:
     config = dict(size="tiny", strategy="fsdp", precision="bf16", world_size=8, compile=compile_on, ac="none",
                   optimizer="adamw")
-    return {"kind": "cell", "status": "ok", "cell_id": cell, "run_id": "r", "config": config,
+    return {"schema_version": 1, "samples": {}, "kind": "cell", "status": "ok", "cell_id": cell, "run_id": "r", "config": config,
             "env": {"device_name": device}, "metrics": {"step_time_s": {"median": median}}, "predicted": {}}
 
 

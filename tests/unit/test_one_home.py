@@ -74,7 +74,7 @@ def test_concurrent_writers_keep_every_entry(tmp_path):
 
 
 def _line(cell_id: str) -> str:
-    return json.dumps({"schema_version": 1, "kind": "cell", "cell_id": cell_id, "run_id": "r", "status": "ok"}) + "\n"
+    return json.dumps({"schema_version": 1, "kind": "cell", "cell_id": cell_id, "run_id": "r", "status": "ok", "config": {}, "metrics": {}, "samples": {}}) + "\n"
 
 
 def test_torn_last_line_is_reported_then_set_aside_at_the_next_append(tmp_path, capsys):

@@ -40,7 +40,7 @@ def test_zb_under_fsdp_and_zb_past_the_layers_are_invalid_cells_with_their_reaso
 
 
 def test_the_flag_takes_a_list():
-    args = build_parser().parse_args(["bench", "--device", "cpu", "--pp-schedule", "gpipe,zb"])
+    args = build_parser().parse_args(["bench", "--device", "cpu", "--gpus", "2", "--strategies", "pp", "--pp-schedule", "gpipe,zb"])
     assert spec_from_args(args).pp_schedules == ("gpipe", "zb")
 
 

@@ -206,7 +206,7 @@ def _series(seed: int, cv: float, step_at: int | None, n: int = 20) -> np.ndarra
 def _runs(values: np.ndarray) -> list[Run]:
     runs = []
     for i, v in enumerate(values):
-        record = {"kind": "cell", "status": "ok", "cell_id": "tiny-ddp", "fingerprint": "f" * 16,
+        record = {"schema_version": 1, "config": {}, "samples": {}, "kind": "cell", "status": "ok", "cell_id": "tiny-ddp", "fingerprint": "f" * 16,
                   "run_id": f"20261201-{i:06d}-0000", "env": {"git_sha": f"{i:040x}"},
                   "metrics": {"tokens_per_s_per_device": float(v)}}
         runs.append(Run(f"run{i}", [record]))

@@ -202,13 +202,13 @@ def test_bad_inputs_are_usage_errors(kwargs, message):
 # ---- measured error of the model ----
 
 def _record(cell, pred, meas, status="ok"):
-    return {"kind": "cell", "cell_id": cell, "status": status, "config": {"device_kind": "cpu"},
-            "predicted": {"step_time_s": pred}, "metrics": {"step_time_s": {"median": meas}}}
+    return {"schema_version": 1, "kind": "cell", "cell_id": cell, "status": status, "config": {"device_kind": "cpu"},
+            "predicted": {"step_time_s": pred}, "metrics": {"step_time_s": {"median": meas}}, "samples": {}}
 
 
 def test_model_error_over_ok_records_with_both(tmp_path):
-    recs = [_record("a", 1.1, 1.0), _record("b", 0.8, 1.0), _record("c", 5.0, 1.0, status="failed"),
-            _record("d", None, 1.0), {"kind": "calibration", "status": "ok"}]
+    recs = [_record("a", 1.1, 1.0), _record("b", 0.8, 1.0), _record("c", 5.0, 1.0, status="crashed"),
+            _record("d", None, 1.0), {**_record("calibration", None, 1.0), "kind": "calibration"}]
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     err = model_error(tmp_path)
     assert err["n"] == 2 and err["mean_pct"] == pytest.approx(15.0) and err["max_pct"] == pytest.approx(20.0)
