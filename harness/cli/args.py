@@ -333,8 +333,9 @@ WHATIF_KEYS = ("recompute", "efficiency", "error_from", "device_mem", "power_cap
 
 
 def _read_sweep_file(path: Path, known: set[str], switches: frozenset[str] = frozenset()) -> dict:
-    """A sweep file's keys as flag dests. ``switches`` are the on/off flags (``--force``): their keys take a TOML
-    boolean only (``force = "no"`` would read as on); every other key a value or a flat list of values."""
+    """A sweep file's keys as flag dests, each value as a flag's text. ``switches`` are the on/off flags (``--force``):
+    their keys take a TOML boolean only (``force = "no"`` would read as on); every other key a value or a flat list
+    of values (a list is its comma list)."""
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
@@ -357,7 +358,10 @@ def _read_sweep_file(path: Path, known: set[str], switches: frozenset[str] = fro
         if not items or any(isinstance(x, dict | list | bool) for x in items):
             raise UsageError(f"{path}: {key} = {value!r}: give a value or a flat list of values (a switch's words "
                              f"quoted, e.g. compile = \"on\"), e.g. {key} = [1, 2]")
-        values[dest] = ",".join(map(str, items)) if isinstance(value, list) else value
+        text = ",".join(map(str, items))  # as a flag's text: every value goes through the flags' one check
+        if "\x00" in text:
+            raise UsageError(f"{path}: {key} holds a NUL character; fix the file")
+        values[dest] = text
     return {k: v for k, v in values.items() if v is not None}
 
 

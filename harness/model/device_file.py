@@ -80,6 +80,25 @@ def _rates(path: Path, rates: object) -> dict:
     return rates
 
 
+def _within_the_part(path: Path, rates: dict, dev: Device) -> None:
+    """A measured rate lies between a thousandth of the part's datasheet figure and the figure itself (a measurement
+    above the datasheet, or a unit off by a thousand, is a typo); launch and floor times under a second."""
+    bounds = {f"gemm_tflops.{dtype}": (rate, dev.peak_tflops.get(dtype)) for dtype, rate in
+              rates.get("gemm_tflops", {}).items()}
+    if "hbm_measured_tbps" in rates:
+        bounds["hbm_measured_tbps"] = (rates["hbm_measured_tbps"], dev.hbm_gbps / 1000)
+    for key, (value, top) in bounds.items():
+        if top is None:
+            raise UsageError(f"{path}: op_rates.{key}: the part has no {key.split('.')[-1]} peak; give it under "
+                             f"[peak_tflops]")
+        if not top / 1000 <= value <= top:
+            raise UsageError(f"{path}: op_rates.{key} = {value:g} must lie in [{top / 1000:g}, {top:g}], up to the "
+                             f"part's datasheet figure")
+    for key in ("launch_us", "kernel_floor_us"):
+        if key in rates and rates[key] > 1e6:
+            raise UsageError(f"{path}: op_rates.{key} = {rates[key]:g} us is over a second; give microseconds")
+
+
 def device_from_file(path: Path) -> Device:
     """A device from a TOML file (the module docstring)."""
     try:
@@ -134,6 +153,7 @@ def device_from_file(path: Path) -> Device:
         dev.peak_tflops  # noqa: B018  (the product must be in the table when no peaks are given)
     except ValueError:
         raise UsageError(f"{path}: product {dev.product!r} is not in the datasheet table; give [peak_tflops]") from None
+    _within_the_part(path, rates, dev)
     try:
         dev.op_rates  # noqa: B018  (every rate the pricing needs, from the base or the file)
     except ValueError as e:

@@ -56,9 +56,9 @@ RATE_KEYS = ("sms", "gemm_tflops", "gemm_source", "attention", "hbm_measured_tbp
 REQUIRED = ("sms", "attention", "launch_us")
 
 
-def op_rates(preset: str | None, product: str, hbm_gbps: float, overrides: dict | None = None) -> OpRates:
-    """The op rates of ``preset`` (a key of the data file; None: ``overrides`` give them all) for a part of datasheet
-    ``product`` whose datasheet bandwidth is ``hbm_gbps`` (the preset's: a measured bandwidth is a fraction of it)."""
+def op_rates(preset: str | None, peaks: dict[str, float], hbm_gbps: float, overrides: dict | None = None) -> OpRates:
+    """The op rates of ``preset`` (a key of the data file; None: ``overrides`` give them all) for a part whose dense
+    peaks by dtype are ``peaks`` (its datasheet's, or a device file's) and whose datasheet bandwidth is ``hbm_gbps`` (the preset's: a measured bandwidth is a fraction of it)."""
     data = _data()
     if preset is not None and preset not in data["devices"]:
         raise ValueError(f"no op rates for device preset {preset!r} in {DATA.name}; have {', '.join(data['devices'])}")
@@ -75,7 +75,6 @@ def op_rates(preset: str | None, product: str, hbm_gbps: float, overrides: dict 
     d.setdefault("launch_source", "hta")
     ref = data["devices"][REFERENCE]
     ref_peaks = datasheet_peaks(REFERENCE_PRODUCT) or {}
-    peaks = datasheet_peaks(product) or {}
     measured = {k: float(v) for k, v in d.get("gemm_tflops", {}).items()}
     gemm = {dtype: measured.get(dtype, float(ref["gemm_tflops"][dtype]) / ref_peaks[dtype] * peak)
             for dtype, peak in peaks.items() if dtype in measured or dtype in ref["gemm_tflops"]}

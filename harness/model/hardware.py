@@ -30,6 +30,7 @@ not modelled; at this harness's message sizes (MB to GB) the bandwidth term domi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -121,7 +122,7 @@ class Device:
         """What each kind of op runs at on this device (:mod:`harness.model.device_rates`), or what ``harness
         calibrate --ops`` measured on one (:attr:`measured_ops`)."""
         preset = DEVICES.get(self.rates_preset or "")
-        rates = op_rates(self.rates_preset, self.product, preset.hbm_gbps if preset else self.hbm_gbps,
+        rates = op_rates(self.rates_preset, self.peak_tflops, preset.hbm_gbps if preset else self.hbm_gbps,
                          dict(self.rate_overrides))
         if self.measured_ops is None:
             return rates
@@ -158,8 +159,8 @@ def with_overrides(device: Device, *, hbm_gib: float | None = None, power_cap_w:
     changes: dict = {}
     said = list(device.overrides)
     if hbm_gib is not None:
-        if not hbm_gib > 0:
-            raise UsageError(f"--device-mem {hbm_gib!r}: must be > 0 GiB, e.g. 96")
+        if not 0 < hbm_gib < math.inf:
+            raise UsageError(f"--device-mem {hbm_gib!r}: must be a finite number > 0 GiB, e.g. 96")
         changes["hbm_gib"] = hbm_gib
         said.append(f"memory {hbm_gib:g} GiB (preset {device.hbm_gib:.1f})")
     if power_cap_w is not None:

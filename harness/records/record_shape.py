@@ -28,6 +28,24 @@ OPTIONAL: dict[str, Any] = {"kind": str, "run_id": str, "error": str | None, "fi
                             "env": dict, "workload": dict | None, "predicted": dict | None}
 """The other fields a writer gives, typed where present: a record made by hand or converted (a pytest-benchmark
 file) may leave them out (``kind`` then reads as ``"cell"``), and ``predicted`` is absent from records before the model's predictions."""
+CONFIG: dict[str, Any] = {
+    "size": str, "strategy": str, "precision": str, "world_size": int, "global_batch": int, "seq_len": int,
+    "steps": int, "warmup": int, "device_kind": str, "nnodes": int, "grad_accum": int, "microbatches": int,
+    "pp_schedule": str, "scaling": str, "lr_rule": str, "base_lr": float, "base_batch": int, "lr": float,
+    "lr_warmup_steps": int, "seed": int, "target_loss": float | None, "nvtx": bool, "profile": bool,
+    "profile_ranks": list[int], "monitor_hz": float, "degrees": dict[str, int] | None, "mem_cap_gib": float | None,
+    "compile": bool, "ac": str, "optimizer": str, "batch_auto": bool, "arch": str, "model": dict | None,
+    "moe_routing": str, "sequence_parallel": bool, "fp8_recipe": str, "fp8_all_gather": bool, "fp8_emulate": bool,
+    "checkpoint": str, "checkpoint_every": int, "checkpoint_keep": bool, "restore_from": str | None,
+}
+"""A record's ``config`` keys: :class:`harness.spec.CellConfig`'s fields as JSON types (a test holds the two alike;
+this layer does not import the spec)."""
+ENV: dict[str, Any] = {
+    "git_sha": str | None, "git_dirty": bool | None, "python": str, "torch": str, "cuda": str | None,
+    "nccl": str | None, "device_kind": str, "device_name": str, "device_count": int, "driver": str | None,
+    "cpu_model": str, "cpu_count": int | None, "hostname": str, "platform": str,
+}
+"""A record's ``env`` keys (:func:`harness.records.env.collect_env`) and their types."""
 SAMPLES: dict[str, Any] = {"step_time_s": list[float], "warmup_step_time_s": list[float],
                            "step_time_s_per_rank": list[list[float]]}
 """The samples readers compute with, and their types."""
@@ -92,13 +110,16 @@ def record_problem(obj: Any) -> str | None:
         return f"kind {kind!r} is not one of {', '.join(KINDS)}"
     if obj["status"] not in STATUSES:
         return f"status {obj['status']!r} is not one of {', '.join(STATUSES)}"
-    for name, tp in SAMPLES.items():
-        if name in obj["samples"] and not _conforms(obj["samples"][name], tp):
-            return f"samples.{name} = {_shown(obj['samples'][name])} is not {_type_name(tp)}"
-    if kind == "cell":
-        types_ = _metric_types()
-        for name, value in obj["metrics"].items():
-            if name in types_ and not _conforms(value, types_[name]):
-                return f"metrics.{name} = {_shown(value)} is not {_type_name(types_[name])}"
+    for part, types_ in (("config", CONFIG), ("env", ENV), ("samples", SAMPLES)):
+        if (problem := _part_problem(part, obj.get(part) or {}, types_)) is not None:
+            return problem
+    return _part_problem("metrics", obj["metrics"], _metric_types()) if kind == "cell" else None
+
+
+def _part_problem(part: str, values: dict, types_: dict[str, Any]) -> str | None:
+    """The first of ``values``' keys named in ``types_`` whose value is not of its type."""
+    for name, value in values.items():
+        if name in types_ and not _conforms(value, types_[name]):
+            return f"{part}.{name} = {_shown(value)} is not {_type_name(types_[name])}"
     return None
 

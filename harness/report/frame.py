@@ -164,9 +164,8 @@ def _fill_scaling_efficiency(rows: list[dict[str, Any]]) -> None:
         refs = [s for s in singles if _scaling_key(s) == _scaling_key(row)]
         same = [s for s in refs if s["strategy"] == row["strategy"]]
         pool = same or refs
-        if pool:
-            ref = max(s["tokens_per_s"] for s in pool)
-            row["scaling_efficiency"] = row["tokens_per_s"] / (row["world_size"] * ref)
+        if pool and (ideal := row["world_size"] * max(s["tokens_per_s"] for s in pool)) > 0:
+            row["scaling_efficiency"] = row["tokens_per_s"] / ideal  # a zero rate (a damaged record): none
 
 
 def cells_frame(records: Sequence[dict[str, Any]]) -> pd.DataFrame:

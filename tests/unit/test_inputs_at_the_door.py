@@ -91,7 +91,7 @@ CASES = [
          "dev.toml: op_rates.gemm_tflops.bf16 = nan must be a finite number > 0",
          {"dev.toml": 'base = "h100"\n[op_rates]\ngemm_tflops = { bf16 = nan }\n'}),
     Case("not a number", ("bench", "--device", "cpu", "--sweep", "sweep.toml", "--out", "out"),
-         "sweep.toml: base_lr nan: not a finite number", {"sweep.toml": "base_lr = nan\n"}),
+         "sweep.toml: base_lr 'nan': not a finite number", {"sweep.toml": "base_lr = nan\n"}),
     Case("not a number", ("plan", "--device", "cpu", "--sweep", "sweep.toml"),
          "sweep.toml: warmup_steps 'True': must be an integer >= 0", {"sweep.toml": 'warmup_steps = "True"\n'}),
     # Empty or loosely typed values

@@ -122,3 +122,17 @@ def test_reference_readme_lists_exactly_the_runs_there():
     listed = set(re.findall(r"^\| `([\w.+-]+)/` \|", readme, re.M))
     present = {p.name for p in (REPO / "results" / "reference").iterdir() if p.is_dir()}
     assert listed == present, f"listed but absent {sorted(listed - present)}; present but unlisted {sorted(present - listed)}"
+
+
+def test_the_record_check_types_config_as_the_cell_config_does():
+    """harness/records/record_shape.py's CONFIG (this layer does not import the spec) is CellConfig's fields, a tuple
+    as a JSON list: a field added to one and not the other fails here."""
+    from typing import get_type_hints
+
+    from harness.records.record_shape import CONFIG
+    from harness.spec import CellConfig
+
+    # a tuple is a JSON list; degrees are named ints in a record (CellConfig says dict)
+    as_json = {k: (list[int] if v == tuple[int, ...] else v) for k, v in get_type_hints(CellConfig).items()}
+    as_json["degrees"] = dict[str, int] | None
+    assert {k: str(v) for k, v in CONFIG.items()} == {k: str(v) for k, v in as_json.items()}
