@@ -37,6 +37,9 @@ from harness.run.sweep import SweepOptions, cells_to_run, finished_cells, run_sw
 def check_valid_any(cells: list[PlannedCell]) -> None:
     """Nothing is launched when no cell the user asked for is valid (the parity reference doesn't count)."""
     asked = [c for c in cells if not c.reference_only]
+    if not asked:
+        raise UsageError("the sweep plans no cell (every combination of its flags was left out); check it with "
+                         "harness plan and the same flags")
     if not any(c.valid for c in asked):
         by_reason: dict[str | None, list[str]] = {}
         for c in asked:

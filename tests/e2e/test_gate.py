@@ -81,4 +81,4 @@ def test_torn_tail_is_reported_and_the_complete_records_compared(runs):
     assert r.returncode == 2, r.stdout + r.stderr
     err = r.stderr.strip().splitlines()
     assert len(err) == 2 and "truncated.jsonl: line 2 is a torn write" in err[0], err
-    assert "truncated.jsonl: no cell records" in err[1]
+    assert "truncated.jsonl holds 1 record(s) but no cell record (kind == 'cell')" in err[1], err

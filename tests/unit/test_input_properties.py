@@ -6,7 +6,7 @@ exits 2); argparse's own ``SystemExit(2)`` for a malformed command line is a cle
 returns is held to the same standard: a number it accepted is finite (and positive where it is a rate or a size).
 
 Targets, one test each; the examples per run are in :data:`EXAMPLES` (cli_flags 600, sweep_bytes 600, sweep_toml
-500, device_file 500, records 100, each on top of its ``@example`` inputs: the whole file runs in about 30 s on 2 CPU
+500, device_file 500, records 40, each on top of its ``@example`` inputs: the whole file runs in about 30 s on 2 CPU
 cores when every example passes):
 
 * ``cli_flags``: ``harness plan --device cpu`` with 1 to 3 sweep flags of odd values (text, ``nan``, ``inf``,
@@ -67,7 +67,7 @@ from harness.spec import CHECKPOINT_MODES, SweepSpec
 from workloads.moe import ROUTINGS
 from workloads.sizes import ARCHS, FAMILIES
 
-EXAMPLES = {"cli_flags": 600, "sweep_bytes": 600, "sweep_toml": 500, "device_file": 500, "records": 100}
+EXAMPLES = {"cli_flags": 600, "sweep_bytes": 600, "sweep_toml": 500, "device_file": 500, "records": 40}
 """Hypothesis examples per target and run (the ``@example`` inputs run on top of these)."""
 
 

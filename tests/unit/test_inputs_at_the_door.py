@@ -187,3 +187,18 @@ def test_refused_at_the_door_with_one_line(case: Case, door: Path, capsys) -> No
     assert "Traceback" not in err[0]
     assert {p.relative_to(door) for p in door.rglob("*")} - before <= {Path("store.json.lock"), *map(Path, case.leaves)}, \
         "nothing may be written for bad input"
+
+
+def test_a_sweep_of_only_the_parity_reference_is_refused() -> None:
+    """A sweep whose only cell is the parity reference plans nothing the user asked for: refused, never a run of 0."""
+    from harness.cli.bench import check_valid_any
+    from harness.errors import UsageError
+    from harness.planner import expand
+    from harness.spec import SweepSpec
+
+    reference = [c for c in expand(SweepSpec(sizes=("tiny",), strategies=("ddp",), precisions=("fp32",), gpus=(2,),
+                                          device_kind="cpu", batch=4, steps=2, warmup=1))
+                 if c.reference_only]
+    assert reference, "a multi-rank sweep plans its single-device parity reference"
+    with pytest.raises(UsageError, match="the sweep plans no cell"):
+        check_valid_any(reference)
