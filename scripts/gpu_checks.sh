@@ -46,6 +46,10 @@ phase model-configs 120 $H bench $COMMON --strategies single --model tests/data/
 # OUTDIR/calibration.json; the rows of results/gpu are then predicted again from them, here:
 #   .venv/bin/python scripts/gpu_records_vs_model.py --calibration OUTDIR/calibration.json
 phase calibrate-ops 90 $H calibrate --device cuda --no-comm --ops --dtype bf16
+# Issue 62: the harness's own cost on CUDA: the `single` cell of small in bf16 against a bare CUDA loop timed by the
+# same CUDA events, in a fresh process and in-process, 3 rounds interleaved (bare/side ratios in OUTDIR/harness-cost).
+phase harness-cost 100 python3 scripts/harness_cost.py --device cuda --rounds 3 --sides bare,here,cell \
+    --out "$OUT/harness-cost"
 # Issue 45: fp8 on FP8 tensor cores, llama3 1b: bf16 against fp8 tensorwise and rowwise (speedup and MFU in
 # summary.md; parity against the bf16 single device; converted linears against the model's list).
 phase fp8-llama3-1b 150 $H bench $COMMON --strategies single --arch llama3 --sizes 1b --batch 2 --precision bf16,fp8 \

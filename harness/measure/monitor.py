@@ -31,22 +31,34 @@ from harness.units import MIB
 
 
 class Monitor:
-    """Samples ``sampler`` every ``1 / rate_hz`` s on a background thread between start/stop.
+    """Samples ``sampler`` every ``1 / rate_hz`` s between start/stop: on a background thread, or, with
+    ``between_steps``, from the training loop's :meth:`tick` after each step's clock has stopped (at most at
+    ``rate_hz``; a step longer than the period gets one sample after it).
 
     A sample is also taken synchronously at ``start`` and at ``stop``, so counter
     differences cover exactly the monitored window and short windows still get 2 rows.
+
+    ``between_steps`` is the host sampler's mode (issue 62, docs/harness-cost.md: on a thread its psutil read woke
+    a core the rank computes on, inside a timed step): what it reads (RSS, CPU seconds) is as true between steps,
+    except a peak inside a step, which the CPU cell measures by its tensor bytes (``peak_tensor_bytes``).
+    NVML's gauges (utilisation, power, PCIe counters) describe the GPU while it works: the NVML sampler
+    keeps its thread.
     """
 
-    def __init__(self, sampler: Sampler, rate_hz: float = 10.0, note: str | None = None) -> None:
+    def __init__(self, sampler: Sampler, rate_hz: float = 10.0, note: str | None = None,
+                 between_steps: bool = False) -> None:
         if not rate_hz > 0 or math.isinf(rate_hz):
             raise ValueError(f"rate_hz ({rate_hz}) must be a positive finite rate; e.g. 10.0")
         self.sampler = sampler
         self.rate_hz = float(rate_hz)
         self.note = note
+        self.between_steps = between_steps
         self._rows: list[dict[str, float | None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._running = False
         self._t0 = 0.0
+        self._due = math.inf
         self._error: BaseException | None = None
 
     @property
@@ -55,12 +67,26 @@ class Monitor:
 
     def start(self) -> None:
         """Take the first sample and start the sampling thread (once per Monitor)."""
-        if self._thread is not None or self._rows:
+        if self._running or self._rows:
             raise RuntimeError("Monitor.start() called twice; a Monitor is single-use, make_monitor() anew")
         self._t0 = time.perf_counter()
         self._record()
+        self._running = True
+        if self.between_steps:
+            self._due = self._t0 + 1.0 / self.rate_hz
+            return
         self._thread = threading.Thread(target=self._run, name="harness-monitor", daemon=True)
         self._thread.start()
+
+    def tick(self) -> None:
+        """Between two steps (outside their clocks): a sample if one is due. A no-op on a thread's monitor."""
+        now = time.perf_counter()
+        if now < self._due:
+            return
+        self._record()
+        # A fixed schedule without drift: the next point of it after now (those a long step overran are skipped)
+        period = 1.0 / self.rate_hz
+        self._due += period * (1 + (now - self._due) // period)
 
     def _record(self) -> None:
         # Stamp the start of the read: one NVML sample can take tens of ms (PCIe counters
@@ -84,11 +110,13 @@ class Monitor:
 
     def stop(self) -> MonitorResult:
         """Stop sampling, take the final sample and summarise the window."""
-        if self._thread is None:
+        if not self._running:
             raise RuntimeError("Monitor.stop() without start(); call start() first")
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
+        self._running, self._due = False, math.inf
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
         try:
             if self._error is not None:
                 raise RuntimeError(f"{self.kind} monitor sampling thread failed: {self._error!r}") from self._error
@@ -104,6 +132,7 @@ class Monitor:
         duration_s = float(samples["t_s"].iloc[-1])
         summary = {
             "rate_hz": self.rate_hz,
+            "sampled": "between steps" if self.between_steps else "on a thread",
             "n_samples": len(samples),
             "duration_s": duration_s,
             "achieved_rate_hz": (len(samples) - 1) / duration_s if duration_s > 0 else None,
@@ -188,12 +217,14 @@ def make_monitor(
         device_kind: ``"cuda"`` or ``"cpu"`` (the cell's device kind).
         local_device_indices: local CUDA indices of this node's ranks, e.g. ``[0, 1, 2, 3]``.
         rate_hz: sampling rate.
-        pids: processes for the host sampler (default: this process).
+        pids: processes for the host sampler (default: this process), which samples between steps
+            (:meth:`Monitor.tick`); the NVML sampler samples on its thread.
     """
     if device_kind != "cuda":
-        return Monitor(HostSampler(pids), rate_hz, note=f"host sampler: device_kind is {device_kind!r}")
+        return Monitor(HostSampler(pids), rate_hz, note=f"host sampler: device_kind is {device_kind!r}",
+                       between_steps=True)
     try:
         sampler, note = open_nvml_sampler(local_device_indices)
     except NvmlUnavailable as exc:
-        return Monitor(HostSampler(pids), rate_hz, note=f"n/a: {exc}; host sampler used")
+        return Monitor(HostSampler(pids), rate_hz, note=f"n/a: {exc}; host sampler used", between_steps=True)
     return Monitor(sampler, rate_hz, note=note)

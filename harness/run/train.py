@@ -57,16 +57,26 @@ def _forward_backward(ctx: StepContext, x: torch.Tensor, y: torch.Tensor) -> tor
             # The schedule interleaves forward and backward of microbatches inside one call.
             losses = par.pipeline.step(x, y)
         return torch.stack([_value(l).float() for l in losses]).mean() if losses else None
+    if ctx.grad_accum == 1:  # one microbatch: no chunks, no division by 1 and no running sum (3 kernels a step)
+        return _microbatch(ctx, x, y, sync=True)
     total = torch.zeros((), device=x.device)
     for i, (xc, yc) in enumerate(zip(x.chunk(ctx.grad_accum), y.chunk(ctx.grad_accum))):
-        with _sync_context(par, i == ctx.grad_accum - 1), par.loss_context():
-            with r.range("forward"), ctx.precision.autocast(ctx.device_kind):
-                assert par.model is not None, "a model without a pipeline is callable"
-                loss = lm_loss(par.model(xc), yc) / ctx.grad_accum
-            with r.range("backward"):
-                (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
-        total += _value(loss)
+        total += _microbatch(ctx, xc, yc, sync=i == ctx.grad_accum - 1)
     return total
+
+
+def _microbatch(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
+    """Forward and backward of one microbatch, its loss scaled by ``1 / grad_accum``; the loss, detached."""
+    par, r = ctx.par, ctx.ranges
+    assert par.model is not None, "a model without a pipeline is callable"
+    with _sync_context(par, sync), par.loss_context():
+        with r.range("forward"), ctx.precision.autocast(ctx.device_kind):
+            loss = lm_loss(par.model(x), y)
+            if ctx.grad_accum > 1:
+                loss = loss / ctx.grad_accum
+        with r.range("backward"):
+            (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
+    return _value(loss)
 
 
 def train_step(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[torch.Tensor | None, bool]:

@@ -196,6 +196,8 @@ def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, 
             loss, was_skipped = train.train_step(ctx, x, y, batches.lr(step))
             w.times.append(timer.stop())
             w.cpu_times.append(time.process_time() - cpu0)
+        if w.monitor is not None:  # the host sampler's read, between steps (the NVML sampler's thread: a no-op)
+            w.monitor.tick()
         if ctx.par.step_parts is not None:
             w.step_parts.append(ctx.par.step_parts())
         if step >= cfg.warmup:

@@ -15,7 +15,7 @@ from harness.parallel.parallelized import Parallelized
 from harness.precision import PrecisionPlan
 from harness.run import train
 from workloads.data import MarkovData
-from workloads.model import Decoder, lm_loss
+from workloads.model import Decoder
 from workloads.sizes import get_size
 
 
@@ -29,15 +29,6 @@ def make_context(size_name: str, seq_len: int, batch: int, nvtx: bool, seed: int
                             grad_accum=1, ranges=Ranges(enabled=nvtx))
     x, y = MarkovData(size.vocab_size, seq_len, seed=seed).batch(0, batch)
     return ctx, model, opt, x, y
-
-
-def bare_step(model, opt, x, y) -> torch.Tensor:
-    """The plainest correct training step: what the harness's step must not be slower than."""
-    opt.zero_grad(set_to_none=True)
-    loss = lm_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
 
 
 def interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:

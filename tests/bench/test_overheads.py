@@ -29,7 +29,8 @@ import torch
 from harness.run import train
 from harness.spec import threads_per_rank
 from tests.bench import bare_loop
-from tests.bench.conftest import bare_step, interleaved, make_context
+from tests.bench.bare_loop import bare_step
+from tests.bench.conftest import interleaved, make_context
 
 pytestmark = [pytest.mark.slow, pytest.mark.timing]  # statistical benchmarks: make test-slow, alone
 

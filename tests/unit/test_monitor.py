@@ -341,3 +341,37 @@ def test_sampler_thread_failure_is_raised() -> None:
     time.sleep(0.05)
     with pytest.raises(RuntimeError, match="host monitor sampling thread failed: OSError"):
         mon.stop()
+
+
+def test_host_monitor_samples_between_steps_never_on_a_thread(monkeypatch) -> None:
+    """Issue 62: the host sampler reads between steps (``tick``, after a step's clock stopped), at most at its rate,
+    on no thread of its own: a clock that only the test moves decides exactly which ticks sample."""
+    now = [100.0]
+    monkeypatch.setattr(monitor_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    mon = make_monitor("cpu", [], rate_hz=10.0, pids=[os.getpid()])
+    assert mon.between_steps
+    threads = {t.name for t in monitor_mod.threading.enumerate()}
+    mon.start()
+    assert "harness-monitor" not in {t.name for t in monitor_mod.threading.enumerate()} - threads
+    for t in (100.05, 100.099, 100.1, 100.15, 100.35, 100.38, 100.41, 100.44):  # steps ending at these times
+        now[0] = t
+        mon.tick()
+    now[0] = 100.5
+    result = mon.stop()
+    # start at 0; due at .1: sampled at .1; due at .2, a long step: sampled at .35; due at .4 (the schedule's next
+    # point, no burst): sampled at .41; stop at .5
+    assert [round(t, 3) for t in result.samples["t_s"]] == [0.0, 0.1, 0.35, 0.41, 0.5]
+    assert result.summary["sampled"] == "between steps"
+    mon.tick()  # after stop: nothing is due, nothing recorded
+    assert len(mon._rows) == 5
+
+
+def test_nvml_monitor_keeps_its_thread(monkeypatch: pytest.MonkeyPatch, no_torch_cuda: None) -> None:
+    """NVML's gauges (utilisation, power) describe the GPU while it works: sampled on a thread, ``tick`` a no-op."""
+    monkeypatch.setitem(sys.modules, "pynvml", make_fake_pynvml([FakeGpu(0, "GPU-aaa")]))
+    mon = make_monitor("cuda", [0], rate_hz=1e-3)
+    assert mon.kind == "nvml" and not mon.between_steps
+    mon.start()
+    mon.tick()
+    result = mon.stop()
+    assert len(result.samples) == 2 and result.summary["sampled"] == "on a thread"
