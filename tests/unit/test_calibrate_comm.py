@@ -153,6 +153,26 @@ def test_measure_reports_max_median_best_shape_and_the_reference_square(monkeypa
     assert len(out["shapes"]) == 27 and out["search"]["dims"] == [8, 16, 32]
 
 
+def test_a_timing_window_is_seconds_per_call_on_a_clock_only_the_calls_move(monkeypatch):
+    """``time_windows`` on a stubbed clock (issue 61: a calibration's unit checked by value, not as "positive"): each
+    call lasts 3 ms; a window of at least 10 ms needs 4 calls (1, 2, then 4: 3, 6, 12 ms), so each of the 3 windows is
+    12 ms / 4 = 3 ms a call exactly; 1 warmup call + 1 + 2 + 4 + 2 more windows of 4 = 16 calls."""
+    now, calls = [0.0], []
+
+    def call() -> None:
+        calls.append(now[0])
+        now[0] += 0.003
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    windows = calibrate.time_windows(call, cuda=False, min_time_s=0.010, repeats=3)
+    assert windows == pytest.approx([0.003] * 3, rel=1e-12) and len(calls) == 16
+    # a cap on the calls ends the growth: 2 calls a window (6 ms, short of 10 ms), still 3 ms a call
+    calls.clear()
+    assert calibrate.time_windows(call, cuda=False, min_time_s=0.010, repeats=2, max_reps=2) == pytest.approx(
+        [0.003, 0.003], rel=1e-12)
+    assert len(calls) == 1 + 1 + 2 + 2
+
+
 @pytest.mark.parametrize("args,message", [
     (["--comm-max-bytes", "12XB"], "--comm-max-bytes '12XB' is not a size; give a positive integer of bytes"),
     (["--comm-min-bytes", "0"], "--comm-min-bytes '0' is not a size"),

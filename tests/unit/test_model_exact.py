@@ -64,6 +64,24 @@ def test_activation_bytes_exact(strategy: str, world: int, kw: dict, expected: i
     assert memory.activation_bytes(shape(strategy, world, **kw)) == expected
 
 
+@pytest.mark.parametrize("strategy, world, kw, expected", [
+    # Context parallel 2 (issue 61: the gathered K/V held at cp > 1 by value): each rank holds S / cp = 64 of a
+    # sequence's tokens, but attention saves the whole sequence's k and v, gathered: 2 d x cp elements per local
+    # token in place of 2 d, so the 12 d compute elements become 12 d + 2 d (cp - 1) = 14 d.
+    ("fsdp+cp", 2, {}, 8 * 64 * 4 * (16 * 128 + 14 * 128 * 4)),  # fp32: 16 d + 56 d = 72 d bytes
+    ("fsdp+cp", 4, {}, 4 * 64 * 4 * (16 * 128 + 14 * 128 * 4)),  # dp_shard 2: 4 local rows
+    # selective recompute drops q (d) and the gathered k, v (2 d x cp = 4 d): 72 d - 5 d x 4 = 52 d bytes
+    ("fsdp+cp", 2, {"recompute": "selective"}, 8 * 64 * 4 * 52 * 128),
+    # bf16 under FSDP's mixed precision (the stream cast too): 4 d x 2 + 14 d x 2 = 36 d bytes
+    ("fsdp+cp", 2, {"precision": "bf16"}, 8 * 64 * 4 * (4 * 128 * 2 + 14 * 128 * 2)),
+    # tp 2 with sequence parallel (the tp-sp row's 36 d) and cp 2: the gathered k, v add 2 d (cp - 1) / tp
+    # elements = d, 4 d bytes: 40 d
+    ("fsdp+tp+cp", 4, {}, 8 * 64 * 4 * (2 * 128 * 4 // 2 + 2 * 128 * 4 + 12 * 128 * 4 // 2 + 128 * 4)),
+])
+def test_context_parallel_activation_bytes_exact(strategy: str, world: int, kw: dict, expected: int) -> None:
+    assert memory.activation_bytes(shape(strategy, world, **kw)) == expected
+
+
 def test_inflight_microbatches() -> None:
     assert memory.inflight_microbatches(shape("ddp", 2)) == 1
     assert memory.inflight_microbatches(shape("pp", 2, microbatches=4, pp_schedule="gpipe")) == 4

@@ -15,25 +15,44 @@ from harness.report.stage_actions import actions_frame, actions_section, wait_sa
 from harness.run.measurement import RankMeasurement
 from harness.run.record_metrics import _actions_ms
 
+COST_S = {"F": 1.0, "B": 3.0, "I": 4.0, "W": 8.0, "R": 16.0, "wait": 32.0}
+"""What each call lasts on :func:`lasting`'s clock: no two actions alike, so a label charged to the wrong action
+changes the split (a clock of equal durations could not see two labels swapped)."""
+
 
 class _Stage:
-    """The calls a schedule makes on a ``PipelineStage`` (torch 2.13's names and keywords)."""
+    """The calls a schedule makes on a ``PipelineStage`` (torch 2.13's names and keywords); each advances
+    ``clock`` (when given) by its :data:`COST_S`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: list[float] | None = None) -> None:
         self.calls: list[str] = []
+        self.clock = clock
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if self.clock is not None:
+            self.clock[0] += COST_S[name[0]]
 
     def forward_one_chunk(self, chunk, args, kwargs=None):
-        self.calls.append(f"F{chunk}")
+        self._call(f"F{chunk}")
         return chunk
 
     def backward_one_chunk(self, chunk, loss=None, full_backward=True, last_backward=False):
-        self.calls.append(f"{'B' if full_backward else 'I'}{chunk}")
+        self._call(f"{'B' if full_backward else 'I'}{chunk}")
 
     def backward_weight_one_chunk(self, chunk, last_backward=False):
-        self.calls.append(f"W{chunk}")
+        self._call(f"W{chunk}")
 
     def perform_reduce_grad(self, scale):
-        self.calls.append(f"R{scale}")
+        self._call(f"R{scale}")
+
+
+@pytest.fixture
+def lasting(monkeypatch) -> list[float]:
+    """A perf_counter that only the calls move, each by its own :data:`COST_S`."""
+    now = [0.0]
+    monkeypatch.setattr(pipeline_clock.time, "perf_counter", lambda: now[0])
+    return now
 
 
 @pytest.fixture
@@ -43,9 +62,13 @@ def ticks(monkeypatch):
     monkeypatch.setattr(pipeline_clock.time, "perf_counter", lambda: float(next(now)))
 
 
-def test_the_clock_charges_each_stage_call_and_wait_to_its_action(ticks, monkeypatch):
-    monkeypatch.setattr(torch_schedules, "_wait_batch_p2p", lambda works: len(works))  # restored after the test
-    a, b = _Stage(), _Stage()
+def test_the_clock_charges_each_stage_call_and_wait_to_its_action(lasting, monkeypatch):
+    def wait(works):
+        lasting[0] += COST_S["wait"]
+        return len(works)
+
+    monkeypatch.setattr(torch_schedules, "_wait_batch_p2p", wait)  # restored after the test
+    a, b = _Stage(lasting), _Stage(lasting)
     clock = pipeline_clock.attach([a, b])
     assert a.forward_one_chunk(0, ()) == 0  # the call's result is the stage's
     b.forward_one_chunk(1, ())
@@ -56,8 +79,9 @@ def test_the_clock_charges_each_stage_call_and_wait_to_its_action(ticks, monkeyp
     assert torch_schedules._wait_batch_p2p([1, 2]) == 2  # the schedules module's waits are charged too
     torch_schedules._wait_batch_p2p([])
     assert a.calls == ["F0", "I0", "W0"] and b.calls == ["F1", "B1", "R8"]
-    assert clock.lap() == {"forward": 2.0, "backward": 1.0, "backward_input": 1.0, "backward_weight": 1.0,
-                           "reduce_grad": 1.0, "p2p_wait": 2.0}
+    # F0 + F1 = 1 + 1; B1 = 3; I0 = 4; W0 = 8; R8 = 16; two waits = 32 + 32
+    assert clock.lap() == {"forward": 2.0, "backward": 3.0, "backward_input": 4.0, "backward_weight": 8.0,
+                           "reduce_grad": 16.0, "p2p_wait": 64.0}
     assert clock.lap() == dict.fromkeys(STAGE_ACTIONS, 0.0)  # a lap restarts the count
 
 
