@@ -63,6 +63,19 @@ def test_a_device_file_names_the_part(tmp_path):
     assert s.peak_tflops == 989.5
 
 
+def test_a_device_file_sets_the_node_and_its_links(tmp_path):
+    """Issue 61: the keys no test set (gpus_per_node, intra_gbps, inter_gbps), each held by value: the links take the
+    file's bandwidth and name it as their source; their latency stays the base's (a typical figure, not the file's)."""
+    f = tmp_path / "h100-pcie-node.toml"
+    f.write_text('base = "h100"\ngpus_per_node = 4\nintra_gbps = 64\ninter_gbps = 12.5\n')
+    dev, base = device_from_file(f), get_device("h100")
+    assert dev.gpus_per_node == 4 and base.gpus_per_node != 4
+    assert (dev.intra.gbps, dev.intra.latency_s, dev.intra.source) == (64.0, base.intra.latency_s, str(f))
+    assert (dev.inter.gbps, dev.inter.latency_s, dev.inter.source) == (12.5, base.inter.latency_s, str(f))
+    assert dev.intra.name == "in-node link 64 GB/s" and dev.inter.name == "NIC 12.5 GB/s"
+    assert dev.hbm_gbps == base.hbm_gbps and dev.peak_tflops == base.peak_tflops  # what the file left is the base's
+
+
 @pytest.mark.parametrize("body, message", [
     ('base = "h100"\nhbm_gb = 96\n', "unknown key 'hbm_gb'; did you mean 'hbm_gib'?"),
     ('base = "h100"\nhbm_gib = -1\n', "hbm_gib = -1 must be a finite number > 0"),
