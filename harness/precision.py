@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -178,6 +179,26 @@ def float8_tp_styles(device_kind: str) -> bool:
     cannot all-gather a float8 tensor (``RuntimeError: Invalid scalar type``, measured with torch 2.13), so CPU
     ranks keep torch's styles: bf16 activations gathered, then cast in each float8 linear."""
     return device_kind == "cuda"
+
+
+def fp8_observed(parts: list[torch.nn.Module]) -> dict[str, list]:
+    """What the float8 linears of ``parts`` were built with, read off the modules (a claim's evidence): the
+    recipes whose casts their configs carry (torchao's ``Float8LinearConfig.from_recipe_name``; ``unknown`` for a
+    config no recipe gives) and their float8 all-gather switch. Empty lists where no linear is float8."""
+    configs: list[Any] = [m.config for p in parts for m in p.modules() if type(m).__name__ == "Float8Linear"]
+    if not configs:
+        return {"recipes": [], "float8_all_gather": []}
+    from torchao.float8 import Float8LinearConfig  # noqa: PLC0415 (optional extra; only where a linear is float8)
+
+    casts = ("cast_config_input", "cast_config_input_for_grad_weight", "cast_config_weight",
+             "cast_config_weight_for_grad_input", "cast_config_grad_output", "cast_config_grad_output_for_grad_weight")
+
+    def recipe(c) -> str:
+        return next((r for r in FP8_RECIPES if all(getattr(c, k) == getattr(Float8LinearConfig.from_recipe_name(r), k)
+                                                   for k in casts)), "unknown")
+
+    return {"recipes": sorted({recipe(c) for c in configs}),
+            "float8_all_gather": sorted({bool(c.enable_fsdp_float8_all_gather) for c in configs})}
 
 
 def fp8_eligible(module: torch.nn.Module, fqn: str) -> bool:

@@ -8,6 +8,7 @@ window paid compile time in a timed step, and its record says so.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 COUNTED_STEPS_EAGER = ("the untimed steps that count collectives and (on CPU) live tensor bytes run under a "
@@ -35,6 +36,13 @@ def dynamo_counts() -> DynamoCounts:
 
     return DynamoCounts(frames=int(counters["frames"]["total"]), graphs=int(counters["stats"]["unique_graphs"]),
                         graph_breaks=int(sum(counters["graph_break"].values())))
+
+
+def frames_so_far() -> int:
+    """Frames dynamo has compiled in this process, without importing dynamo where nothing did (0 then): what an
+    eager cell's compile claim is checked against, at no cost to a process that never compiled."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["frames"]["total"]) if utils is not None else 0
 
 
 def compile_metrics(warmup_s: list[float], median_step_s: float, warmup: DynamoCounts,

@@ -11,7 +11,9 @@ from typing import Any
 from harness.records.fingerprint import digest
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "timeout", "crashed", "invalid")
+STATUSES = ("ok", "oom", "timeout", "crashed", "invalid", "contradicted")
+"""A cell's outcome. ``contradicted``: it ran, but something its record claims (a lever, a layout, a recipe) the
+run did not do (:mod:`harness.run.claims`); its metrics stay as the evidence, and no table shows it as measured."""
 
 # What makes two cells comparable: same work, same layout, same machine and software.
 FINGERPRINT_CONFIG = ("size", "strategy", "precision", "world_size", "nnodes", "global_batch", "seq_len",

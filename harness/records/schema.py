@@ -109,6 +109,13 @@ class InstrumentMetrics(TypedDict, total=False):
     (async), ``cost_per_step_pct``, ``bytes_written_by_rank``, ``write_gib_per_s`` and the ``restore`` check
     (``from_step``, ``steps_replayed``, ``load_s``, ``bytes_read_by_rank``, ``loss_max_abs_diff``)."""
 
+    observed: dict[str, Any]
+    """What the run did, by rank (``by_rank``: :func:`harness.run.worker._observed`): ``ops`` (the counted step's
+    ``forward_matmuls`` and ``backward_matmuls``, per block its forward ``calls``, ``matmuls``, ``every_other`` and
+    ``attn_core``, and watched ``ops`` such as ``fused_adamw``: :mod:`harness.measure.op_tally`),
+    ``frames_compiled`` (dynamo, over the cell's steps) and ``fp8`` (the float8 linears' ``recipes`` and
+    ``float8_all_gather``). The evidence ``claims`` is judged on."""
+
 
 class ProbeMetrics(TypedDict, total=False):
     """Step 1 in numbers (:mod:`harness.measure.parity_probe`); absent from records before they were added."""
@@ -143,6 +150,11 @@ class WorkerMetrics(TimingMetrics, ThroughputMetrics, MfuMetrics, MemoryMetrics,
 class RunMetrics(TypedDict, total=False):
     """What the sweep adds when the cell's record is written (failed cells carry only these)."""
 
+    claims: list[dict[str, Any]]
+    """Each claim the record makes, checked against the run (:func:`harness.run.claims.judge`): ``claim``,
+    ``value``, ``status`` (``checked``, ``contradicted``, ``n/a``) and ``compared`` (what was held to what) or
+    ``reason`` (why it cannot be checked here). A contradicted claim makes the cell's status ``contradicted``."""
+
     wall_s: float
     est_mem_gib: float | None
     parity_max_rel_diff: float | None
@@ -174,6 +186,7 @@ class RunMetrics(TypedDict, total=False):
 
 class CellMetrics(WorkerMetrics, CalibratedMfuMetrics, RunMetrics, total=False):
     """``record["metrics"]`` of a ``kind: "cell"`` record."""
+
 
 
 def metric_keys() -> frozenset[str]:

@@ -45,6 +45,9 @@ class RankMeasurement:
     """``--compile on``: dynamo's counts over the warmup and the measured window."""
     fp8_linears: list[str]
     """``fp8``: the linears this rank trained in float8 (torchao's ``Float8Linear``), by name in the model."""
+    observed: dict[str, Any] | None = None
+    """What this rank's run did, read off the counted step and the built modules: the claims' evidence
+    (:func:`harness.run.worker._observed`, judged by :mod:`harness.run.claims`)."""
     checkpoint: dict[str, Any] | None = None
     """``--checkpoint``: this rank's saves and restore check (:class:`harness.run.checkpoint.CheckpointLog`)."""
     step_parts: list[dict[str, float]] | None = None

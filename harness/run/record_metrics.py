@@ -228,6 +228,8 @@ def worker_metrics(cfg: CellConfig, gathered: list[RankMeasurement], run: CellRu
         m["checkpoint"] = checkpoint_metrics([g.checkpoint or {} for g in ranks], stats.median,
                                              [g.state_bytes["params"] + g.state_bytes["optimizer"] for g in ranks],
                                              replicas=cfg.layout.dims.dp_replicate)
+    if all(g.observed is not None for g in gathered):  # what each rank's run did: the claims' evidence
+        m["observed"] = {"by_rank": [g.observed for g in sorted(gathered, key=lambda g: g.rank)]}
     step1 = merge([g.probe for g in gathered])
     m["grad_norm_step1"] = step1["grad_norm"]
     m["param_norm_step1"] = step1["param_norm"]

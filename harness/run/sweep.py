@@ -22,7 +22,7 @@ from harness.precision import PrecisionPlan
 from harness.records.env import capture
 from harness.records.reader import RECORDS_FILENAME, append_record, latest_per_cell
 from harness.records.record import make_record, pulled_levers
-from harness.run import batch_search
+from harness.run import batch_search, claims
 from harness.run.batch_search import BatchSearch
 from harness.run.fork_client import ForkServer
 from harness.run.launch import Outcome, Rendezvous, run_cell_job
@@ -304,6 +304,8 @@ def _record(cell: PlannedCell, outcome: Outcome, facts: RunFacts, run_id: str, e
                            calibrated_tflops=cell.calibrated_tflops, device_name=res["env"]["device_name"],
                            compute_dtype=PrecisionPlan(cell.config.precision).compute_dtype,
                            reference=references.get(parity_key(cfg)), predicted=cell.predicted)
-    return make_record(run_id=run_id, cell_id=cell.cell_id, status="ok", config=cfg, env=res["env"],
-                       degrees=res["degrees"], workload=res["workload"], metrics=metrics, samples=res["samples"],
-                       predicted=cell.predicted)
+    metrics["claims"] = claims.judge(cell.config, res["metrics"])
+    lie = claims.contradicted(metrics["claims"])
+    return make_record(run_id=run_id, cell_id=cell.cell_id, status="ok" if lie is None else "contradicted",
+                       config=cfg, env=res["env"], degrees=res["degrees"], workload=res["workload"], metrics=metrics,
+                       samples=res["samples"], predicted=cell.predicted, error=lie)

@@ -8,6 +8,7 @@ with its classified status (``oom`` or ``crashed``) before exiting non-zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -21,13 +22,15 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from harness.measure import gns
 from harness.measure.comm_counter import CommCounter
-from harness.measure.compile_stats import dynamo_counts
+from harness.measure.compile_stats import dynamo_counts, frames_so_far
 from harness.measure.monitor import make_monitor
 from harness.measure.nvtx_ranges import PhaseAnnotations
+from harness.measure.op_tally import OpTally
 from harness.measure.parity_probe import tensor_sq_norms
 from harness.measure.phases import PhaseMarks
 from harness.measure.rank_memory import model_state_bytes, peak_memory, reset_peak
@@ -35,7 +38,9 @@ from harness.measure.step_composition import PHASE_PREFIX, composition_from_fram
 from harness.measure.tensor_bytes import holding_tracker
 from harness.measure.timer import StepTimer
 from harness.measure.trace_analysis import analyse_frames, load_trace
+from harness.parallel.activation_checkpoint import MATMULS
 from harness.parallel.cp import CP_LABEL
+from harness.precision import fp8_observed
 from harness.records.atomic import write_json_atomic
 from harness.records.env import capture
 from harness.records.record import clean
@@ -137,6 +142,8 @@ class Window:
     monitor: Any = None
     dynamo: dict | None = None
     moe_load: dict | None = None
+    frames_compiled: int = 0
+    """Frames dynamo compiled over this attempt's steps (any cell: a compile claim's evidence)."""
     resumed_at: float = 0.0
     end: float = 0.0
     """When the first step this attempt ran began, and the measured window ended (seconds since the epoch)."""
@@ -176,6 +183,7 @@ def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, 
     timer = StepTimer(cfg.device_kind)
     reset_peak(cfg.device_kind)
     dynamo = {"start": dynamo_counts()} if cfg.compile else {}
+    frames0 = frames_so_far()
     beat = Heartbeat(out_dir, where.rank)
     w.resumed_at = time.time()
     for step in range(start.first_step, cfg.warmup + cfg.steps):
@@ -215,6 +223,7 @@ def _measure(cfg: CellConfig, cell: BuiltCell, batches: Batches, out_dir: Path, 
             cell.gns_state.take(scale=scale)
             w.g_big.append(gns.grad_sq_norm(cell.params) if not was_skipped else float("nan"))
     w.end = time.time()
+    w.frames_compiled = frames_so_far() - frames0
     ranges.window_stop()
     w.moe_load = {**moe.summary(), "per_step": moe.per_step()} if moe is not None else None
     marks.mark("measured")
@@ -232,15 +241,17 @@ def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, 
     Communication is counted on one extra step (collectives are the same every step, and a dispatch-mode counter
     would tax every op of the timed ones); on CPU the live tensor bytes on one more; ``--profile`` last."""
     ctx, total = cell.ctx, w.total
-    counter = CommCounter()
-    with counter:
+    counter, tally = CommCounter(), OpTally(MATMULS, ctx.par.parts)
+    with counter, (tally if cfg.ac == "none" else contextlib.nullcontext()):
         train.train_step(ctx, *batches(total), batches.lr(total))
     ep_rows = cell.moe.ep_rows() if cell.moe is not None else None  # its last step is the counted one
     mem = peak_memory(cfg.device_kind)
     if cfg.device_kind == "cpu":  # RSS cannot tell a shard from the whole: count tensor bytes on one more step
         mem["peak_tensor_bytes"] = _tensor_peak_bytes(ctx, *batches(total + 1), batches.lr(total + 1))
+    if cfg.ac != "none":
+        _recompute_step(ctx, tally, batches, total + 2)
     marks.mark("extra_steps")
-    trace_paths, profiled = _profile(cfg, ctx, batches, total + 2, out_dir, where.rank) if cfg.profile else ({}, [])
+    trace_paths, profiled = _profile(cfg, ctx, batches, total + 3, out_dir, where.rank) if cfg.profile else ({}, [])
     if cfg.profile:
         marks.mark("profile")
     return RankMeasurement(
@@ -249,7 +260,24 @@ def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, 
         state_bytes=model_state_bytes(ctx.par.parts, ctx.optimizer), comm=counter.per_step(1),
         comm_cp=counter.per_step_labelled(CP_LABEL, 1), moe_ep_rows=ep_rows, trace=trace_paths,
         profiled_times=profiled, probe=w.probe, dynamo=w.dynamo, fp8_linears=ctx.par.fp8_linears,
+        observed=_observed(tally, ctx, w),
         step_parts=w.step_parts if w.step_parts and cfg.device_kind == "cpu" else None)
+
+
+def _recompute_step(ctx: train.StepContext, tally: OpTally, batches: Batches, step: int) -> None:
+    """One more untimed step under ``tally`` for a checkpointing cell, with torch's early stop off: a checkpointed
+    region's recomputation then runs every op its policy recomputes (by default it stops once the last tensor the
+    backward needs is back, so a block's trailing matmul whose inputs alone are saved is never run again), and the
+    matmuls counted are the policy's exactly. The collectives are counted on the step before, as the cell runs."""
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False), tally:
+        train.train_step(ctx, *batches(step), batches.lr(step))
+
+
+def _observed(tally: OpTally, ctx: train.StepContext, w: Window) -> dict[str, Any]:
+    """The claims' evidence from this rank (:mod:`harness.run.claims` judges it): the counted step's matmuls and
+    watched ops (:class:`OpTally`), the frames dynamo compiled in this cell's steps, the float8 linears' configs."""
+    return {"ops": tally.tally.to_json(), "frames_compiled": w.frames_compiled,
+            "fp8": fp8_observed(ctx.par.parts)}
 
 
 def _tensor_peak_bytes(ctx: train.StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) -> int:

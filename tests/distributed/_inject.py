@@ -79,3 +79,105 @@ def fp8_converted_head(rank: int) -> None:
     original = precision.fp8_eligible
     precision.fp8_eligible = lambda module, fqn: original(module, fqn) or (
         isinstance(module, torch.nn.Linear) and fqn == "head")
+
+
+# Levers recorded but not applied (issue 61): each leaves the record's claim standing while the run does otherwise;
+# harness.run.claims must find every one (tests/distributed/test_claims_planted.py).
+
+def ac_not_applied(rank: int) -> None:
+    """Activation checkpointing skipped (a policy that maps to nothing): the record says ``ac op``."""
+    import harness.parallel.parallelize as parallelize  # noqa: PLC0415
+
+    parallelize.apply_ac = lambda part, mode: None
+
+
+def ac_full_for_op(rank: int) -> None:
+    """Every policy applied as ``full`` (a lookup that falls through to the default)."""
+    import harness.parallel.parallelize as parallelize  # noqa: PLC0415
+
+    original = parallelize.apply_ac
+    parallelize.apply_ac = lambda part, mode: original(part, "full" if mode != "none" else mode)
+
+
+def fused_not_applied(rank: int) -> None:
+    """``adamw-fused`` built as torch's default AdamW (a flag dropped on its way to the constructor)."""
+    import harness.run.cell_build as cell_build  # noqa: PLC0415
+
+    original = cell_build.build_optimizer
+    cell_build.build_optimizer = lambda params, kind, lr: original(params, "adamw", lr)
+
+
+def compile_not_applied(rank: int) -> None:
+    """``compile on`` recorded, every block left eager."""
+    import harness.parallel.parallelize as parallelize  # noqa: PLC0415
+
+    parallelize.apply_compile = lambda part: None
+
+
+def sp_not_applied(rank: int) -> None:
+    """Tensor parallel built without sequence parallel while the record says it is on."""
+    import harness.parallel.parallelize as parallelize  # noqa: PLC0415
+
+    original = parallelize.apply_tp
+    parallelize.apply_tp = lambda part, mesh, sequence_parallel, *a, **kw: original(part, mesh, False, *a, **kw)
+
+
+def fp8_tensorwise_for_rowwise(rank: int) -> None:
+    """Every fp8 recipe built as tensorwise (the recipe's name lost), the record saying rowwise."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
+
+    import harness.precision as precision  # noqa: PLC0415
+
+    def convert(self, module):
+        config = replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=self.fp8.emulate,
+                         enable_fsdp_float8_all_gather=self.fp8.all_gather)
+        convert_to_float8_training(module, config=config, module_filter_fn=precision.fp8_eligible)
+        return [name for name, m in module.named_modules() if type(m).__name__ == "Float8Linear"]
+
+    precision.PrecisionPlan.convert_linears = convert
+
+
+def zb_as_interleaved(rank: int) -> None:
+    """The zero-bubble schedule built as interleaved 1F1B (same stages per rank, same sends: a whole backward)."""
+    import harness.parallel.pipeline as pipeline  # noqa: PLC0415
+
+    pipeline.ScheduleInterleavedZeroBubble = pipeline.ScheduleInterleaved1F1B
+
+
+def balanced_routing_not_applied(rank: int) -> None:
+    """``moe_routing balanced`` recorded, every router left learned."""
+    import workloads.moe as moe  # noqa: PLC0415
+
+    original = moe.Router.forward
+
+    def learned(self, x, positions):
+        self.routing = "learned"
+        return original(self, x, positions)
+
+    moe.Router.forward = learned
+
+
+def checkpoint_not_saved(rank: int) -> None:
+    """``--checkpoint sync`` recorded, the saves never made (a due check that never fires)."""
+    import harness.run.checkpoint as checkpoint  # noqa: PLC0415
+
+    checkpoint.Checkpointer.due = lambda self, measured: False
+
+
+def fp8_all_gather_not_applied(rank: int) -> None:
+    """``--fp8-all-gather on`` recorded, FSDP left gathering bf16 weights (the switch lost on its way to torchao)."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
+
+    import harness.precision as precision  # noqa: PLC0415
+
+    def convert(self, module):
+        config = replace(Float8LinearConfig.from_recipe_name(self.fp8.recipe), emulate=self.fp8.emulate,
+                         enable_fsdp_float8_all_gather=False)
+        convert_to_float8_training(module, config=config, module_filter_fn=precision.fp8_eligible)
+        return [name for name, m in module.named_modules() if type(m).__name__ == "Float8Linear"]
+
+    precision.PrecisionPlan.convert_linears = convert

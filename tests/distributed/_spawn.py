@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from harness.run import claims
+from harness.spec import CellConfig
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -66,7 +69,12 @@ def run_cells(cells: list[dict], world: int, out: Path, inject: str | None = Non
             raise
         warnings.warn(f"rank {e.error_index} aborted (SIGABRT) at world {world}; the group ran once more", stacklevel=2)
         _spawn(world, cells, out, inject)
-    return json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    if inject is None:  # an honest run: every claim its records would make holds (harness.run.claims)
+        for cid, r in results.items():
+            lie = claims.contradicted(claims.judge(CellConfig.from_dict(r["config"]), r["metrics"]))
+            assert lie is None, f"{cid}: {lie}"
+    return results
 
 
 PRELOAD = ("torch", "torch.distributed", "harness.run.worker", "harness.fit.role_process")

@@ -68,7 +68,7 @@ CASES = [
          "harness record", {"run/records.jsonl": lines(record(), {"hello": "world"})}),
     Case("damaged records", ("report", "run"), "(schema_version 2: this harness reads version 1; read the run with "
          "the harness version that wrote it)", {"run/records.jsonl": lines(record(schema_version=2))}),
-    Case("damaged records", ("diff", "good", "run"), "(status 'fine' is not one of ok, oom, timeout, crashed, invalid)",
+    Case("damaged records", ("diff", "good", "run"), "(status 'fine' is not one of ok, oom, timeout, crashed, invalid, contradicted)",
          {"run/records.jsonl": lines(record(status="fine")), "good/records.jsonl": GOOD}),
     Case("damaged records", ("bench", "--resume", "run"), "(schema_version 0: this harness reads version 1",
          {"run/records.jsonl": lines(record(schema_version=0)), "run/sweep_args.json": SWEEP_ARGS}),

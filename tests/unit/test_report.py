@@ -306,3 +306,17 @@ def test_rounds_show_their_spread_and_overlapping_cells_are_a_tie_not_a_winner()
     md = summary.summary_markdown(RunFrames.of(apart))
     assert "tied with" not in md
     assert not any("(tie)" in c for r in table_rows(md, "tiny") for c in r)
+
+
+def test_a_contradicted_cell_is_a_failed_row_with_its_reason(records: list[dict[str, Any]]) -> None:
+    """A cell whose run contradicts a claim (harness.run.claims) keeps its metrics as evidence, and the table shows
+    it as a failure with the claim, never as a measured row."""
+    ok = next(r for r in records if r["status"] == "ok" and r["config"]["strategy"] == "ddp"
+              and r["config"]["precision"] == "bf16" and r["config"]["world_size"] == 2)
+    lie = "claim contradicted by the run: optimizer adamw-fused: torch's fused AdamW kernel dispatched [0, 0]"
+    bad = {**ok, "status": "contradicted", "error": lie}
+    md = summary.summary_markdown(RunFrames.of([r for r in records if r is not ok] + [bad]))
+    header, _, *rows = table_rows(md, "tiny")
+    row = {tuple(r[:3]): dict(zip(header, r)) for r in rows}[("ddp", "bf16", "2")]
+    assert row["status"].startswith("contradicted: claim contradicted by the run: optimizer adamw-fused")
+    assert row["tokens/s/dev"] == summary.FAILED_CELL
