@@ -74,6 +74,9 @@ cp "$R"/fit-8b/*.md "$OUT/" 2>/dev/null
 # staging): llama3 1b, each mode, a save every 4 steps; the restore check, blocking and write seconds in summary.md.
 phase checkpoints 90 $H bench $COMMON --strategies single --arch llama3 --sizes 1b --precision bf16 --batch 2 \
     --checkpoint sync,async,async-pinned --checkpoint-every 4 --out "$R/checkpoints"; keep checkpoints
+# Issue 61: every claim of every record above, judged on CUDA (the counted step's matmuls in autograd's device
+# threads, the fused kernel, NCCL's collectives against the model): a contradicted cell is a failure in its summary.
+phase claims 20 python3 scripts/claims_table.py "$OUT"/records-*.jsonl
 if [ "${PHASES:-open}" != all ]; then
     tar -C "$OUT" -czf "$OUT/runs.tar.gz" runs && rm -rf "$R"
     exit 0
