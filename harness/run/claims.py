@@ -110,7 +110,7 @@ def layout_levers(cfg: CellConfig) -> list[str]:
     dims = cfg.layout.dims
     out = [f"{cfg.strategy} ({', '.join(f'{k} {v}' for k, v in dims.degrees().items())})"]
     if dims.tp_enabled:
-        out.append(f"sequence parallel {'on' if cfg.sequence_parallel else 'off'}")
+        out.append(f"sequence parallel {'on' if dims.sequence_parallel else 'off'}")
         out.append(f"loss parallel {'on' if dims.loss_parallel else 'off'}")
     if cfg.precision == "fp8" and dims.fsdp_enabled:
         out.append(f"float8 all-gather {'on' if cfg.fp8_all_gather else 'off'}")
@@ -120,6 +120,8 @@ def layout_levers(cfg: CellConfig) -> list[str]:
 
 
 def _first_difference(counted: list[dict], model: list[dict]) -> str:
+    if len(counted) != len(model):
+        return f"{len(counted)} rank(s) counted, the model has {len(model)}"
     for rank, (c, m) in enumerate(zip(counted, model, strict=True)):
         for kind in sorted(set(c) | set(m)):
             a, b = c.get(kind, {}), m.get(kind, {})
@@ -127,7 +129,7 @@ def _first_difference(counted: list[dict], model: list[dict]) -> str:
                 return (f"rank {rank}'s {kind}: counted {a.get('calls_per_step', 0):g} call(s), "
                         f"{a.get('bytes_per_step', 0):,.0f} bytes; the model {b.get('calls_per_step', 0):g}, "
                         f"{b.get('bytes_per_step', 0):,.0f}")
-    return "the ranks differ in number"
+    return "the counts differ only below a byte"
 
 
 def _layout(cfg: CellConfig, worker: Mapping[str, Any]) -> dict[str, Any]:

@@ -143,3 +143,55 @@ def test_the_models_bytes_are_what_the_cpu_reference_wrote():
         ratios[r["cell_id"]] = sum(r["metrics"]["checkpoint"]["bytes_written_by_rank"]) / predicted
     assert len(ratios) == 28
     assert all(0.95 < x < 1.15 for x in ratios.values()), ratios
+
+
+def test_the_records_checkpoint_metrics_whole_by_hand():
+    """Issue 61: every key held by value, two ranks whose saves differ. Rank 0 blocked 0.1 and 0.3 s, rank 1 0.2 and
+    0.1 (the slower per save: 0.2, 0.3; median 0.25), written 100 and 300 B, states 200 B each on one replica:
+    400 / 400; a sync save's write is its blocking (0.25 s); 0.25 s every 5 steps of 0.5 s is 10% of a step."""
+    logs = [{**_log("sync", [0.1, 0.3], [None, None], 100, None), "start": None},
+            _log("sync", [0.2, 0.1], [None, None], 300, None)]
+    assert checkpoint_metrics(logs, step_median_s=0.5, states_by_rank=[200, 200]) == {
+        "mode": "sync", "every": 5, "saves": 2, "blocking_s": [0.2, 0.3], "blocking_s_median": 0.25,
+        "background_s_median": None, "cost_per_step_pct": pytest.approx(10.0), "bytes_written_by_rank": [100, 300],
+        "state_bytes_by_rank": [200, 200], "written_over_states": 1.0, "write_gib_per_s": 400 / 0.25 / 2**30,
+        "restore": None, "start": None}
+    # a rank that saved once fewer: the saves every rank made; a step of 0 s prices nothing; no states, no ratio
+    short = checkpoint_metrics([_log("sync", [0.1], [None], 0, None), logs[1]], step_median_s=0.0,
+                               states_by_rank=[0, 0])
+    assert (short["saves"], short["blocking_s"], short["cost_per_step_pct"], short["written_over_states"]) == \
+        (1, [0.2], None, None)
+    assert short["bytes_written_by_rank"] == [0, 300] and short["write_gib_per_s"] == 300 / 0.2 / 2**30
+
+
+def test_a_cell_that_took_no_save_of_its_own_says_where_it_started():
+    """Restored from another run's save, checkpoints off: the mode, the interval, 0 saves and the start (the
+    slowest rank's load, every rank's bytes read, the source)."""
+    starts = [{"kind": "restore", "from_step": 8, "load_s": 0.5, "bytes_read": 10, "source": "/runs/a/step8"},
+              {"kind": "restore", "from_step": 8, "load_s": 0.7, "bytes_read": 12, "source": "/runs/a/step8"}]
+    logs = [{"mode": "off", "every": 0, "saves": [], "start": s} for s in starts]
+    assert checkpoint_metrics(logs, 0.5, [100, 100]) == {
+        "mode": "off", "every": 0, "saves": 0,
+        "start": {"kind": "restore", "from_step": 8, "load_s": 0.7, "bytes_read_by_rank": [10, 12],
+                  "source": "/runs/a/step8"}}
+    assert checkpoint_metrics([{**log, "start": None} for log in logs], 0.5, [100, 100])["start"] is None
+
+
+def test_a_resumes_restart_cost_is_the_rank_with_the_lowest_goodput():
+    from harness.run.checkpoint_metrics import start_summary  # noqa: PLC0415
+
+    def start(goodput):
+        return {"kind": "resume", "from_step": 10, "attempt": 2, "lost_s": 1.0, "restart_s": 2.0,
+                "productive_s": 8.0, "wall_s": 11.0 if goodput else 12.0, "goodput": goodput}
+
+    s = start_summary([start(0.8), start(None), start(0.7)])
+    assert s == {"kind": "resume", "from_step": 10, "attempt": 2, "lost_s": 1.0, "restart_s": 2.0,
+                 "productive_s": 8.0, "wall_s": 11.0, "goodput": 0.7}
+    assert start_summary([start(None), start(None)])["goodput"] is None
+
+
+def test_a_restore_check_without_a_loss_to_compare_says_none():
+    restore = {"from_step": 5, "steps_replayed": 0, "load_s": 0.1, "bytes_read": 10, "loss_max_abs_diff": None}
+    m = checkpoint_metrics([_log("sync", [0.1], [None], 10, restore)], 1.0, [10])
+    assert m["restore"] == {"from_step": 5, "steps_replayed": 0, "load_s": 0.1, "bytes_read_by_rank": [10],
+                            "loss_max_abs_diff": None}

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
 
 from harness.measure.op_tally import OpTally
 from harness.parallel.activation_checkpoint import MATMULS, apply_ac
+from harness.precision import fp8_observed
 from harness.run import claims
 from harness.spec import CellConfig
 
@@ -187,3 +190,148 @@ def test_the_tally_sees_the_fused_adamw_kernel():
     with OpTally(MATMULS, []) as mode:
         torch.optim.AdamW([p], lr=0.1, fused=True).step()
     assert mode.tally.ops == {"fused_adamw": 1}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                    reason="n/a: torchao is not installed (pip install '.[fp8]'; make setup installs it)")
+@pytest.mark.parametrize(("recipe", "all_gather"), [("tensorwise", False), ("tensorwise", True), ("rowwise", False),
+                                                    ("rowwise_with_gw_hp", False)])
+def test_the_float8_linears_say_which_recipe_built_them(recipe, all_gather):
+    from dataclasses import replace  # noqa: PLC0415
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 8))
+    config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True,
+                     enable_fsdp_float8_all_gather=all_gather)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "2")
+    assert fp8_observed([model]) == {"recipes": [recipe], "float8_all_gather": [all_gather]}
+    assert fp8_observed([nn.Linear(4, 4)]) == {"recipes": [], "float8_all_gather": []}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                    reason="n/a: torchao is not installed (pip install '.[fp8]'; make setup installs it)")
+def test_a_float8_config_no_recipe_gives_is_unknown():
+    from dataclasses import replace  # noqa: PLC0415
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
+
+    rowwise, tensorwise = (Float8LinearConfig.from_recipe_name(r) for r in ("rowwise", "tensorwise"))
+    mixed = replace(rowwise, cast_config_weight=tensorwise.cast_config_weight, emulate=True)
+    model = nn.Sequential(nn.Linear(16, 32))
+    convert_to_float8_training(model, config=mixed)
+    assert fp8_observed([model])["recipes"] == ["unknown"]
+
+
+def test_the_layout_claim_names_every_lever_its_collectives_vouch_for():
+    fp8 = _cfg(strategy="fsdp+tp", world_size=4, precision="fp8", fp8_emulate=True, fp8_all_gather=True)
+    assert claims.layout_levers(fp8) == ["fsdp+tp (dp_replicate 1, dp_shard 2, tp 2, pp 1, sp 1)",
+                                         "sequence parallel on", "loss parallel on", "float8 all-gather on"]
+    assert claims.layout_levers(_cfg(strategy="pp", world_size=2, microbatches=4)) == \
+        ["pp (dp_replicate 1, dp_shard 1, tp 1, pp 2)", "4 microbatches"]
+    assert claims.layout_levers(_cfg(strategy="tp", world_size=2)) == \
+        ["tp (dp_replicate 1, dp_shard 1, tp 2, pp 1)", "sequence parallel off", "loss parallel off"]
+    assert claims.layout_levers(_cfg(strategy="fsdp", world_size=2, precision="fp8", fp8_emulate=True)) == \
+        ["fsdp (dp_replicate 1, dp_shard 2, tp 1, pp 1)", "float8 all-gather off"]
+
+
+# tp over 2 ranks (no sequence parallel), gpt2 tiny at 8 x 64, as the comm counter counted it on the honest cell and
+# the model has it: the logits gathered once (512 tokens x 256 vocab x 4 B = 524,288 B) and 25 all-reduces of the
+# residual stream (512 x 128 x 4 B = 262,144 B each)
+TP2 = [{"all_gather": {"calls_per_step": 1, "bytes_per_step": 524288},
+        "all_reduce": {"calls_per_step": 25, "bytes_per_step": 6553600}}] * 2
+
+
+def test_the_layout_claim_holds_every_ranks_collectives_to_the_models():
+    tp = _cfg(strategy="tp", world_size=2, sequence_parallel=False)
+    ok = claims._layout(tp, {"comm_by_rank": [dict(r) for r in TP2]})
+    assert ok["status"] == "checked" and ok["compared"] == ("every rank's collectives (calls and bytes per kind) "
+                                                            "equal the model's for this layout")
+    off = [TP2[0], {**TP2[1], "all_reduce": {"calls_per_step": 25, "bytes_per_step": 6553601}}]
+    bad = claims._layout(tp, {"comm_by_rank": off})
+    assert bad["status"] == "contradicted"
+    assert bad["compared"] == ("rank 1's all_reduce: counted 25 call(s), 6,553,601 bytes; the model 25, 6,553,600")
+    sp = claims._layout(_cfg(strategy="tp-sp", world_size=2), {"comm_by_rank": TP2})  # sp: gathers and scatters
+    assert sp["status"] == "contradicted" and sp["compared"].startswith("rank 0's all_gather: counted 1 call(s)")
+    assert claims._layout(tp, {"comm_by_rank": TP2[:1]})["compared"] == "1 rank(s) counted, the model has 2"
+    missing = claims._layout(tp, {})
+    assert missing["status"] == "n/a" and missing["reason"] == "n/a: the record has no collectives counted per rank"
+
+
+def _pipeline(*actions) -> dict:
+    return {"pipeline": {"actions_ms_by_rank": list(actions)}}
+
+
+WHOLE = {"forward": 1.0, "backward": 2.0, "backward_input": 0.0, "backward_weight": 0.0}
+SPLIT = {"forward": 1.0, "backward": 0.0, "backward_input": 1.0, "backward_weight": 1.0}
+
+
+@pytest.mark.parametrize(("schedule", "actions", "status"), [
+    ("zb", (SPLIT, SPLIT), "checked"), ("zb", (SPLIT, WHOLE), "contradicted"), ("1f1b", (WHOLE, WHOLE), "checked"),
+    ("interleaved1f1b", (WHOLE, SPLIT), "contradicted"), ("gpipe", ({**WHOLE, "backward": 0.0}, WHOLE), "contradicted")])
+def test_the_schedule_claim_reads_the_stage_actions(schedule, actions, status):
+    c = claims._schedule(_cfg(strategy="pp", world_size=2, microbatches=4, pp_schedule=schedule), _pipeline(*actions))
+    assert c["status"] == status, c
+
+
+def test_the_schedule_claim_says_what_it_compared_and_why_a_gpu_cannot():
+    zb = _cfg(strategy="pp", world_size=2, microbatches=4, pp_schedule="zb")
+    c = claims._schedule(zb, _pipeline(SPLIT, WHOLE))
+    assert c["compared"] == ("the stage actions each rank timed: a split backward (input, then weight) on ranks [0], "
+                             "a whole backward on [1]; zb splits every rank's backward (gpipe and 1f1b differ in "
+                             "order only, which the clock does not keep)")
+    gpu = claims._schedule(zb, {"pipeline": {"actions_ms_by_rank": None}})
+    assert gpu["status"] == "n/a" and gpu["reason"].startswith("n/a: the stage actions are timed on CPU ranks only")
+    assert claims._schedule(zb, _pipeline(SPLIT, None))["status"] == "n/a"
+
+
+def _fp8_seen(recipes, gathers) -> list[dict]:
+    return [{"fp8": {"recipes": recipes, "float8_all_gather": gathers}}]
+
+
+@pytest.mark.parametrize(("recipes", "gathers", "status"), [
+    (["rowwise"], [False], "checked"), (["tensorwise"], [False], "contradicted"), (["rowwise"], [True], "contradicted"),
+    (["rowwise", "tensorwise"], [False], "contradicted"), ([], [], "contradicted")])
+def test_the_fp8_claim_reads_the_linears_configs(recipes, gathers, status):
+    cfg = _cfg(precision="fp8", fp8_emulate=True, fp8_recipe="rowwise")
+    c = claims._fp8(cfg, _fp8_seen(recipes, gathers))
+    assert c["status"] == status, c
+    assert c["value"] == {"recipe": "rowwise", "float8_all_gather": False}
+
+
+def test_the_fp8_claim_says_what_the_linears_carried():
+    c = claims._fp8(_cfg(precision="fp8", fp8_emulate=True), _fp8_seen([], []))
+    assert c["compared"] == "the float8 linears' configs on every rank: recipe(s) none, float8 all-gather none"
+
+
+def test_each_claim_says_what_it_compared():
+    blocks = {str(i): {"calls": 1, "matmuls": 6, "every_other": 3, "attn_core": 3} for i in range(4)}
+    by = _by_claim(_cfg(ac="full", optimizer="adamw-fused", compile=True),
+                   _worker(backward=74, blocks=blocks, ops={"fused_adamw": 1}, frames=5, compile={"frames_compiled": 4}))
+    assert by["ac"]["compared"] == ("matmuls recomputed on the counted step equal the policy's on every rank "
+                                    "(rank 0: 24 of 25 forward)")
+    assert by["optimizer"]["compared"] == ("torch's fused AdamW kernel (aten._fused_adamw_) dispatched [1] time(s) by "
+                                           "rank on the counted step; each rank must run it")
+    assert by["compile"]["compared"] == ("dynamo compiled [5] frame(s) by rank over the cell's steps (4 in warmup); "
+                                         "compile on compiles each block's forward")
+    assert by["checkpoint"]["compared"] == "0 save(s) logged; checkpoints off saves none"
+    eager = _by_claim(_cfg(), _worker())
+    assert eager["compile"]["compared"] == ("dynamo compiled [0] frame(s) by rank over the cell's steps; an eager cell "
+                                            "compiles none")
+    assert eager["optimizer"]["compared"].endswith("dispatched [0] time(s) by rank on the counted step; no rank may run it")
+    on = _by_claim(_cfg(checkpoint="sync", steps=4, checkpoint_every=2),
+                   _worker(checkpoint={"mode": "sync", "saves": 2, "bytes_written_by_rank": [7]}))
+    assert on["checkpoint"]["compared"] == ("2 save(s) logged in mode 'sync', bytes written by rank [7]; 4 measured "
+                                            "steps, a save every 2: 2 due")
+    moe = _by_claim(_cfg(arch="moe", moe_routing="balanced"), _worker(moe={"imbalance_max_over_mean_worst": 1.25}))
+    assert moe["moe_routing"]["compared"] == ("busiest expert over the mean, worst layer-step: 1.2500; balanced "
+                                              "routing gives 1")
+
+
+def test_a_contradicted_cell_names_each_claim_in_one_line():
+    judged = [{"claim": "ac", "value": "op", "status": "contradicted", "compared": "A"},
+              {"claim": "optimizer", "value": "adamw", "status": "checked", "compared": "B"},
+              {"claim": "compile", "value": "on", "status": "contradicted", "compared": "C"},
+              {"claim": "pp_schedule", "value": "zb", "status": "n/a", "reason": "D"}]
+    assert claims.contradicted(judged) == "claim contradicted by the run: ac op: A | compile on: C"
+    assert claims.contradicted(judged[1:2] + judged[3:]) is None

@@ -3,7 +3,7 @@ of every family, held to the matmul FLOPs a real step runs, counted by ``torch.u
 (the policy's step less the same step without checkpointing: what the backward ran again), torch's checkpoint
 early stop on as a cell runs it. Issue 61: a term held at every setting of the axes it branches on (policy x
 family; the tensor-parallel and expert-parallel splits are the same ``block_matmuls`` list, held in
-tests/unit/test_ac_policies.py)."""
+tests/unit/test_ac_policies.py); and the wrapper overhead at every strategy's branch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from harness.model.compute import early_stopped_flops, recompute_factor
+from harness.model.compute import ComputeRates, early_stopped_flops, rates_from_entry, recompute_factor, wrapper_of
 from harness.model.shape import CellShape
 from harness.parallel.activation_checkpoint import apply_ac, checkpointed_layer
 from harness.parallel.presets import degrees_for
@@ -74,3 +74,29 @@ def test_early_stop_skips_a_dense_blocks_mlp_output_only():
     assert early_stopped_flops(gpt2, 0) == 2 * gpt2.d_ff * gpt2.d_model == 2 * 512 * 128
     assert early_stopped_flops(llama3, 0) == 2 * llama3.d_ff * llama3.d_model
     assert early_stopped_flops(moe, 0) == 0.0
+
+
+# ---- the wrapper overhead term at every strategy branch (issue 61: "a strategy's branch never asserted") ----
+
+@pytest.mark.parametrize(("strategy", "world", "sp", "wrapper"), [
+    ("single", 1, True, None), ("ddp", 2, True, None), ("pp", 2, True, None), ("fsdp", 2, True, "fsdp"),
+    ("tp", 2, True, "tp"), ("tp-sp", 2, True, "tp-sp"), ("fsdp+tp", 4, True, "fsdp+tp"), ("fsdp+tp", 4, False, "fsdp+tp"),
+    ("hsdp", 4, True, "fsdp")])
+def test_each_strategy_pays_its_wrappers_calibrated_overhead(strategy, world, sp, wrapper):
+    c = CellShape(size=_size("gpt2"), dims=degrees_for(strategy, world, sequence_parallel=sp), strategy=strategy,
+                  precision="fp32", global_batch=8)
+    assert wrapper_of(c) == wrapper
+
+
+def test_a_workload_entry_gives_its_wrappers_costs_and_none_for_another():
+    entry = {"alpha_s": 0.5, "beta_s_per_row": 0.25, "optimizer_s_per_param": 1e-9, "base_gib": 0.75,
+             "wrapper_overhead_s": {"fsdp": 0.125, "tp": 0.0625}, "wrapper_optimizer_s": {"fsdp": 0.03125}}
+    fsdp = rates_from_entry(entry, "fsdp")
+    assert fsdp == ComputeRates(alpha_s=0.5, beta_s_per_row=0.25, optimizer_s_per_param=1e-9, basis="workload",
+                                base_gib=0.75, wrapper_overhead_s=0.125, wrapper_optimizer_s=0.03125)
+    assert (rates_from_entry(entry, "tp").wrapper_overhead_s, rates_from_entry(entry, "tp").wrapper_optimizer_s) == \
+        (0.0625, 0.0)
+    assert (rates_from_entry(entry, None).wrapper_overhead_s, rates_from_entry(entry, "tp-sp").wrapper_overhead_s) == \
+        (0.0, 0.0)
+    bare = rates_from_entry({"alpha_s": 1.0, "beta_s_per_row": 2.0, "optimizer_s_per_param": 3.0}, "fsdp")
+    assert (bare.base_gib, bare.wrapper_overhead_s, bare.wrapper_optimizer_s) == (None, 0.0, 0.0)

@@ -53,3 +53,51 @@ def test_the_prediction_prices_a_save_only_where_the_cell_saves_and_the_disk_was
     assert predict_cell(CellConfig(**CELL), cal)["checkpoint"]["write_gbps"] == 1.0
     assert "checkpoint" not in predict_cell(CellConfig(**{**CELL, "checkpoint": "off"}), cal)
     assert "checkpoint" not in predict_cell(CellConfig(**CELL), CalibrationInputs(dtype="fp32", threads=1))
+
+
+def test_a_probes_bandwidth_is_its_bytes_over_the_median_seconds_on_a_stubbed_clock(tmp_path, monkeypatch):
+    """Issue 61: the unit held by value. The clock reads 0, then after each write and read: writes of 0.5, 0.25
+    and 1.0 s (median 0.5), reads of 0.125 s: 8 MiB / 0.5 s = 0.016777216 GB/s written, / 0.125 s read."""
+    ticks = iter([0.0, 0.5, 1.0, 1.125, 2.0, 2.25, 3.0, 3.125, 4.0, 5.0, 6.0, 6.125])
+    monkeypatch.setattr(storage.time, "perf_counter", lambda: next(ticks))
+    e = storage.measure(tmp_path / "a" / "b", nbytes=2 * storage.CHUNK_BYTES)  # parents made
+    assert e["repeats"] == {"write": [0.5, 0.25, 1.0], "read": [0.125, 0.125, 0.125]}
+    assert e["write_gbps"] == 8 * 2**20 / 0.5 / 1e9 == 0.016777216
+    assert e["read_gbps"] == 8 * 2**20 / 0.125 / 1e9
+    assert set(e) == {"measured_at", "bytes", "write_gbps", "read_gbps", "repeats"}
+    assert len(e["measured_at"]) == len("2026-12-06T20:00:00+0000") and e["measured_at"][10] == "T"
+    assert list((tmp_path / "a" / "b").iterdir()) == []
+
+
+class _Part:
+    def __init__(self, mountpoint: str, fstype: str) -> None:
+        self.mountpoint, self.fstype = mountpoint, fstype
+
+
+def test_the_filesystem_is_the_deepest_mount_holding_the_path(tmp_path, monkeypatch):
+    seen = {}
+
+    def parts(all):  # noqa: A002 (psutil's name)
+        seen["all"] = all
+        return [_Part("/", "ext4"), _Part(str(tmp_path), "xfs"), _Part(str(tmp_path / "elsewhere"), "tmpfs")]
+
+    monkeypatch.setattr(storage.psutil, "disk_partitions", parts)
+    monkeypatch.setattr(storage.socket, "gethostname", lambda: "node7")
+    assert storage.filesystem_of(tmp_path / "run") == {"host": "node7", "mount": str(tmp_path), "fstype": "xfs"}
+    assert seen["all"] is True  # every mount, a bind or tmpfs one included
+    monkeypatch.setattr(storage.psutil, "disk_partitions", lambda all: [])  # noqa: A006
+    assert storage.filesystem_of(tmp_path) == {"host": "node7", "mount": "/", "fstype": "unknown"}
+
+
+def test_a_calibration_measures_the_run_directory_under_its_filesystems_label(tmp_path, monkeypatch):
+    taken = {}
+
+    def steadily(fn, label):
+        taken["label"] = label
+        return fn()
+
+    monkeypatch.setattr(storage.steadiness, "measure_steadily", steadily)
+    monkeypatch.setattr(storage, "measure", lambda d: taken.setdefault("dir", d) and {"write_gbps": 1.0})
+    monkeypatch.setattr(storage, "filesystem_of", lambda p: {"host": "h", "mount": "/m", "fstype": "xfs"})
+    storage.calibrate(tmp_path / "run", cache=tmp_path / "cal.json")
+    assert taken["dir"] == tmp_path / "run" and taken["label"] is not None and "storage" in taken["label"]
