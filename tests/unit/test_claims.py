@@ -335,3 +335,177 @@ def test_a_contradicted_cell_names_each_claim_in_one_line():
               {"claim": "pp_schedule", "value": "zb", "status": "n/a", "reason": "D"}]
     assert claims.contradicted(judged) == "claim contradicted by the run: ac op: A | compile on: C"
     assert claims.contradicted(judged[1:2] + judged[3:]) is None
+
+
+def test_whole_entries_as_the_record_holds_them():
+    """Each entry whole (claim, value, status, and what was compared or why not), as ``metrics.claims`` holds it."""
+    blocks = {"0": {"calls": 4, "matmuls": 24, "every_other": 12, "attn_core": 12}}
+    zb = _cfg(strategy="pp", world_size=2, microbatches=4, pp_schedule="zb", ac="full")
+    assert claims._ac(zb, _worker(forward=24, backward=48 + 5 * 24, blocks=blocks)["observed"]["by_rank"]) == {
+        "claim": "ac", "value": "full", "status": "checked",
+        "compared": "matmuls recomputed on the counted step equal the policy's on every rank (rank 0: 120 of 24 "
+                    "forward); recomputed [5.0] times the policy's by rank (a split backward recomputes per pass)"}
+    assert claims._ac(zb, _worker(forward=24, backward=48 + 24, blocks=blocks)["observed"]["by_rank"])["compared"] == \
+        "matmuls recomputed on the counted step equal the policy's on every rank (rank 0: 24 of 24 forward)"
+    split_off = claims._ac(zb, _worker(forward=24, backward=48 + 7, blocks=blocks)["observed"]["by_rank"])
+    assert split_off == {"claim": "ac", "value": "full", "status": "contradicted",
+                         "compared": "rank 0's backward ran 55 matmuls for 24 in its forward: 7 recomputed, where ac "
+                                     "full recomputes 24 of what its blocks ran (or a whole multiple of it, under a "
+                                     "split backward)"}
+    one = {"0": {"calls": 1, "matmuls": 1, "every_other": 0, "attn_core": 0}}  # a whole multiple of 1
+    assert claims._ac(zb, _worker(forward=1, backward=2 + 2, blocks=one)["observed"]["by_rank"])["status"] == "checked"
+    none_zb = replace_ac(zb, "none")
+    assert claims._ac(none_zb, _worker(forward=1, backward=2 + 2, blocks=one)["observed"]["by_rank"])["status"] == \
+        "contradicted"  # nothing to recompute: no multiple of 0 but 0
+    two = [_worker(backward=50)["observed"]["by_rank"][0], _worker(backward=51)["observed"]["by_rank"][0]]
+    assert claims._ac(_cfg(), two)["compared"] == ("rank 1's backward ran 51 matmuls for 25 in its forward: 1 "
+                                                   "recomputed, where ac none recomputes 0 of what its blocks ran")
+    assert claims._routing(_cfg(arch="moe"), {"moe": {"imbalance_max_over_mean_worst": 1.5}}) == {
+        "claim": "moe_routing", "value": "learned", "status": "checked",
+        "compared": "busiest expert over the mean, worst layer-step: 1.5000 (the router's own choice; balanced "
+                    "routing gives 1)"}
+    assert claims._routing(_cfg(arch="moe"), {"moe": {"imbalance_max_over_mean_worst": 1.0}}) == {
+        "claim": "moe_routing", "value": "learned", "status": "n/a",
+        "reason": "n/a: every expert got the same rows on every step, which a learned router can also do"}
+    assert claims._routing(_cfg(arch="moe", moe_routing="balanced"), {}) == {
+        "claim": "moe_routing", "value": "balanced", "status": "n/a", "reason": "n/a: no expert loads were recorded"}
+    assert claims.judge(_cfg(), _worker(backward=50)) == [
+        {"claim": "layout", "value": ["single (dp_replicate 1, dp_shard 1, tp 1, pp 1)"], "status": "checked",
+         "compared": "every rank's collectives (calls and bytes per kind) equal the model's for this layout"},
+        {"claim": "checkpoint", "value": "off", "status": "checked", "compared": "0 save(s) logged; checkpoints off "
+                                                                                  "saves none"},
+        {"claim": "ac", "value": "none", "status": "checked", "compared": "matmuls recomputed on the counted step "
+                                                                           "equal the policy's on every rank (rank 0: 0 of 25 forward)"},
+        {"claim": "optimizer", "value": "adamw", "status": "checked",
+         "compared": "torch's fused AdamW kernel (aten._fused_adamw_) dispatched [0] time(s) by rank on the counted "
+                     "step; no rank may run it"},
+        {"claim": "compile", "value": "off", "status": "checked",
+         "compared": "dynamo compiled [0] frame(s) by rank over the cell's steps; an eager cell compiles none"}]
+
+
+def replace_ac(cfg: CellConfig, ac: str) -> CellConfig:
+    return CellConfig.from_dict({**cfg.to_dict(), "ac": ac})
+
+
+def test_expert_parallels_layout_is_held_at_the_rows_each_rank_routed():
+    ep = _cfg(arch="moe", strategy="fsdp+ep", world_size=2, global_batch=8)
+    routed = {"counted_step_rows_sent_by_rank": [10, 12], "counted_step_rows_received_by_rank": [12, 10]}
+    c = claims._layout(ep, {"comm_by_rank": [{}, {}], "moe": {"ep": routed}})
+    assert c == {"claim": "layout", "value": ["fsdp+ep (dp_replicate 1, dp_shard 2, tp 1, pp 1, ep 2)"],
+                 "status": "contradicted",
+                 "compared": "rank 0's all_gather: counted 0 call(s), 0 bytes; the model 9, 1,876,480 (the all-to-alls "
+                             "at the rows each rank recorded routing)"}
+
+
+@pytest.mark.parametrize(("warm", "frames", "status"), [(1, [1, 1], "checked"), (1, [1, 0], "contradicted"),
+                                                        (0, [1, 1], "contradicted"), (None, [3, 3], "contradicted")])
+def test_compile_on_needs_frames_in_warmup_and_on_every_rank(warm, frames, status):
+    observed = [{**_worker()["observed"]["by_rank"][0], "frames_compiled": f} for f in frames]
+    worker = {"compile": {"frames_compiled": warm}} if warm is not None else {}
+    c = claims._compile(_cfg(compile=True), worker, observed)
+    assert (c["claim"], c["value"], c["status"]) == ("compile", "on", status)
+    off = claims._compile(_cfg(), {}, observed)
+    assert (off["value"], off["status"]) == ("off", "contradicted")
+
+
+class _Odd(nn.Module):
+    """A block of 3 linears and no attention (every other: 1 a call)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+class _NoOut(nn.Module):
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d)  # an attention without an output projection: no core counted
+
+    def forward(self, x):
+        return self.attn(x)
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({"0": _Odd(), "1": _NoOut()})
+
+    def block_items(self):
+        return list(self.blocks.items())
+
+    def forward(self, x):
+        for _ in range(2):  # two microbatches through every block
+            x = self.blocks["1"](self.blocks["0"](x))
+        return x
+
+
+def test_the_tally_sums_each_blocks_calls_and_leaves_no_hook_behind():
+    model = _Twice()
+    with OpTally(MATMULS, [model, nn.Linear(4, 4)]) as mode:  # a part without blocks is counted whole, not by block
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert mode.tally.to_json() == {
+        "forward_matmuls": 8, "backward_matmuls": 16, "ops": {},
+        "blocks": {"0": {"calls": 2, "matmuls": 6, "every_other": 2, "attn_core": 0},
+                   "1": {"calls": 2, "matmuls": 2, "every_other": 0, "attn_core": 0}}}
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks, m
+    p = nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    with OpTally(MATMULS, []) as mode:
+        opt.step()
+        opt.step()
+    assert mode.tally.ops == {"fused_adamw": 2}
+
+
+def test_judge_adds_the_claims_a_cell_makes_by_its_layout_and_precision():
+    fp8 = claims.judge(_cfg(precision="fp8", fp8_emulate=True), _worker(backward=50))
+    assert [c["claim"] for c in fp8] == ["layout", "checkpoint", "ac", "optimizer", "compile", "fp8"]
+    assert fp8[-1] == {"claim": "fp8", "value": {"recipe": "tensorwise", "float8_all_gather": False},
+                       "status": "contradicted", "compared": "the float8 linears' configs on every rank: recipe(s) "
+                                                             "none, float8 all-gather none"}
+    pp = _cfg(strategy="pp", world_size=2, microbatches=4, pp_schedule="zb")
+    worker = {**_worker(backward=50), "observed": {"by_rank": [_worker(backward=50)["observed"]["by_rank"][0]] * 2},
+              "comm_by_rank": None}
+    judged = claims.judge(pp, worker)
+    assert [c["claim"] for c in judged] == ["layout", "checkpoint", "ac", "optimizer", "compile", "pp_schedule"]
+    assert judged[0] == {"claim": "layout", "value": ["pp (dp_replicate 1, dp_shard 1, tp 1, pp 2)", "4 microbatches"],
+                         "status": "n/a", "reason": "n/a: the record has no collectives counted per rank"}
+    assert judged[-1] == {"claim": "pp_schedule", "value": "zb", "status": "n/a",
+                          "reason": "n/a: the stage actions are timed on CPU ranks only (on a GPU the host's clock does "
+                                    "not time a stage's kernels); the layout's sends and receives are checked with "
+                                    "the collectives"}
+    old = claims.judge(_cfg(arch="moe", ac="op"), {"comm_by_rank": [{}]})
+    assert [c["claim"] for c in old] == ["layout", "checkpoint", "ac", "moe_routing"]
+    assert old[2] == {"claim": "ac", "value": "op", "status": "n/a",
+                      "reason": "n/a: the record has no counted step's ops (recorded before claims)"}
+
+
+@pytest.mark.parametrize(("schedule", "action", "status"), [
+    ("zb", {**SPLIT, "backward_weight": 0.0}, "contradicted"), ("zb", {**SPLIT, "backward_input": 0.0}, "contradicted"),
+    ("1f1b", {**WHOLE, "backward": 0.5}, "checked")])
+def test_a_split_backward_needs_both_passes_timed(schedule, action, status):
+    cfg = _cfg(strategy="pp", world_size=2, microbatches=4, pp_schedule=schedule)
+    c = claims._schedule(cfg, _pipeline(action, action))
+    assert (c["claim"], c["value"], c["status"]) == ("pp_schedule", schedule, status)
+    assert c["compared"].endswith("splits every rank's backward (gpipe and 1f1b differ in order only, which the clock "
+                                  "does not keep)" if schedule == "zb" else "splits none's backward (gpipe and 1f1b "
+                                  "differ in order only, which the clock does not keep)")
+
+
+def test_balanced_routing_is_exactly_one_and_a_resumed_attempt_says_so():
+    c = claims._routing(_cfg(arch="moe", moe_routing="balanced"), {"moe": {"imbalance_max_over_mean_worst": 1.0 + 1e-9}})
+    assert (c["claim"], c["value"], c["status"]) == ("moe_routing", "balanced", "contradicted")
+    on = _cfg(checkpoint="sync", steps=4, checkpoint_every=2)
+    resumed = {"mode": "sync", "saves": 1, "bytes_written_by_rank": [5], "start": {"kind": "resume"}}
+    c = _by_claim(on, _worker(checkpoint=resumed))["checkpoint"]
+    assert c == {"claim": "checkpoint", "value": "sync", "status": "checked",
+                 "compared": "1 save(s) logged in mode 'sync', bytes written by rank [5]; 4 measured steps, a save "
+                             "every 2: 2 due (an attempt resumed after some of them: at most)"}
+    full = _by_claim(on, _worker(checkpoint={**resumed, "saves": 2}))["checkpoint"]["status"]
+    assert full == "checked"  # at most as many as due: all of them, after a resume that saved none
+    assert _by_claim(on, _worker(checkpoint={**resumed, "saves": 0, "bytes_written_by_rank": []}))["checkpoint"][
+        "status"] == "checked"  # resumed after every due save: none of its own

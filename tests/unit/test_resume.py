@@ -17,12 +17,15 @@ from harness.run.resume import (
     CURVE,
     Progress,
     Start,
+    against_source,
     check_same_training,
     ended_attempts,
     find_start,
+    last_beat,
     losses_against,
     own_checkpoint,
     resume_metrics,
+    source_curve,
     source_error,
     start_metrics,
     write_curve,
@@ -148,3 +151,38 @@ def test_a_restored_cell_is_named_by_the_step_it_starts_after(tmp_path):
     with pytest.raises(UsageError, match="checkpoint_keep keeps the saves of a cell that checkpoints"):
         CellConfig.from_dict({**CELL, "checkpoint": "off", "checkpoint_keep": True})
     assert CURVE == "curve.json"
+
+
+def test_a_restored_cell_reads_the_sources_curve_and_says_where_it_came_from(tmp_path):
+    """Issue 61: the round trip held by value: rank 0 writes the curve beside the kept saves, a cell restored from
+    one of them reads it and holds its own losses against the source's from the step after the save."""
+    root = tmp_path / "source" / "checkpoints"
+    path = _save(root, 2, CELL, saved_at=50.0)
+    write_curve(root, [3.0, 2.5, 2.0, 1.5, 1.25])
+    assert json.loads((root / CURVE).read_text()) == {"losses": [3.0, 2.5, 2.0, 1.5, 1.25]}
+    start = find_start({**CELL, "restore_from": str(path)}, tmp_path / "cell", 2, 1, started_at=300.0)
+    assert (start.kind, start.path, start.started_at, start.progress.step) == ("restore", path, 300.0, 2)
+    assert start.progress == Progress.read(path, 0)  # the source's rank 0's, whichever rank reads it
+    assert against_source(start, [1.5 + 0.25, 1.25]) == {"steps_compared": 2, "loss_max_abs_diff": 0.25}
+    assert source_curve(tmp_path / "nowhere" / "step-000002") == []
+    m = start_metrics(Start("restore", path, start.progress, [], 300.0, {"load_s": 0.5}), [1.0], 301.0, 302.0)
+    assert m == {"kind": "restore", "load_s": 0.5, "from_step": 2, "source": str(path)}
+    assert start_metrics(Start(started_at=1.0), [1.0], 2.0, 3.0) == {"kind": "fresh"}
+
+
+def test_a_resumed_attempt_ends_at_the_last_beat_the_launcher_kept(tmp_path):
+    cell_dir = tmp_path / "cell"
+    _save(cell_dir / "checkpoints", 4, CELL, saved_at=120.0)
+    assert last_beat(cell_dir) is None
+    (cell_dir / heartbeat.LAST_BEAT).write_text(json.dumps({"epoch": 131.5}))
+    assert last_beat(cell_dir) == 131.5
+    start = find_start(CELL, cell_dir, 2, 0, started_at=200.0)
+    assert start.attempts == [{"started_at": 100.0, "ended_at": 131.5}] and start.started_at == 200.0
+    assert start.attempts_now() == [{"started_at": 100.0, "ended_at": 131.5}, {"started_at": 200.0, "ended_at": None}]
+    assert Progress.read(cell_dir / "checkpoints" / "step-000004", 7) is None  # no such rank's progress
+    p = Progress(4, CELL, [], [], [], {}, [{"started_at": 100.0, "ended_at": None}], saved_at=120.0)
+    equal = ended_attempts(p, beat=120.0)  # a beat at the save itself is the attempt's end
+    assert equal[-1]["ended_at"] == 120.0
+    none = resume_metrics(p, [{"started_at": None, "ended_at": None}], started_at=5.0, resumed_at=5.0,
+                          window_end=5.0, times=[])  # no wall time at all: goodput is not a number
+    assert none["goodput"] is None and none["lost_s"] == 0.0 and none["wall_s"] == 0.0
