@@ -23,21 +23,17 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from harness.measure import gns
 from harness.measure.comm_counter import CommCounter
 from harness.measure.compile_stats import dynamo_counts, frames_so_far
 from harness.measure.monitor import make_monitor
-from harness.measure.nvtx_ranges import PhaseAnnotations
 from harness.measure.op_tally import OpTally
 from harness.measure.parity_probe import tensor_sq_norms
 from harness.measure.phases import PhaseMarks
 from harness.measure.rank_memory import model_state_bytes, peak_memory, reset_peak
-from harness.measure.step_composition import PHASE_PREFIX, composition_from_frames
 from harness.measure.tensor_bytes import holding_tracker
 from harness.measure.timer import StepTimer
-from harness.measure.trace_analysis import analyse_frames, load_trace
 from harness.parallel.activation_checkpoint import MATMULS
 from harness.parallel.cp import CP_LABEL
 from harness.precision import fp8_observed
@@ -48,6 +44,7 @@ from harness.run import train
 from harness.run.cell_build import Batches, BuiltCell, Placement, build_cell, place
 from harness.run.heartbeat import Heartbeat
 from harness.run.measurement import CellRun, RankMeasurement
+from harness.run.profiled_steps import analyse_traces, profile_steps
 from harness.run.record_metrics import worker_metrics
 from harness.run.resume import Progress, Start, against_source, start_metrics, write_curve
 from harness.spec import CellConfig
@@ -55,10 +52,6 @@ from harness.units import GIB
 
 if TYPE_CHECKING:
     from harness.run.checkpoint import Checkpointer
-
-PROFILE_WARMUP = 1  # after the measured window: 1 profiler warmup step + 3 recorded steps
-PROFILE_STEPS = 4
-
 
 def _gather_json(obj, device: torch.device) -> list:
     """All-gather a JSON-serialisable object from every rank (no pickle)."""
@@ -112,7 +105,7 @@ def run_cell(cfg: CellConfig, out_dir: Path, marks: PhaseMarks | None = None) ->
     env = capture(cfg.device_kind)
     if window.monitor is not None:
         window.monitor.save_csv(out_dir / "monitor.csv")
-    trace = _analyse_traces(gathered, out_dir)
+    trace = analyse_traces(gathered, out_dir)
     marks.mark("result")
     run = CellRun(g_big=window.g_big, skipped=window.skipped,
                   final_scale=cell.ctx.scaler.get_scale() if cell.ctx.scaler is not None else None,
@@ -251,7 +244,7 @@ def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, 
     if cfg.ac != "none":
         _recompute_step(ctx, tally, batches, total + 2)
     marks.mark("extra_steps")
-    trace_paths, profiled = _profile(cfg, ctx, batches, total + 3, out_dir, where.rank) if cfg.profile else ({}, [])
+    trace_paths, profiled = profile_steps(cfg, ctx, batches, total + 3, out_dir, where.rank) if cfg.profile else ({}, [])
     if cfg.profile:
         marks.mark("profile")
     return RankMeasurement(
@@ -311,57 +304,6 @@ def _local_pids() -> list[int]:
         return [me.pid]
     return [c.pid for c in parent.children()
             if any(m in " ".join(c.cmdline()) for m in ("harness.run.worker", "harness.run.fork_server"))] or [me.pid]
-
-
-def _profile(cfg: CellConfig, ctx: train.StepContext, batches: Batches, first_step: int, out_dir: Path,
-             rank: int) -> tuple[dict, list[float]]:
-    """Extra steps after the measured window under torch.profiler, so profiling never taxes timed steps.
-
-    Returns this rank's trace path and the step timer's time of each recorded step (data included,
-    as in the profiler's ProfilerStep#N window), against which the step composition is checked."""
-    trace_dir = out_dir / "traces"
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    ranks = set(cfg.profile_ranks) if cfg.profile_ranks else set(range(cfg.world_size))
-    active = rank in ranks
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device_kind == "cuda" else [])
-    prof = profile(activities=acts, schedule=schedule(wait=0, warmup=PROFILE_WARMUP, active=PROFILE_STEPS - PROFILE_WARMUP),
-                   on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}", use_gzip=True)) \
-        if active else None
-    if prof is not None:
-        prof.start()
-    # harness:<phase> profiler annotations in these steps only: the step composition reads them.
-    annotated = replace(ctx, ranges=PhaseAnnotations(ctx.ranges))
-    timer = StepTimer(cfg.device_kind)
-    times = []
-    for i in range(PROFILE_STEPS):
-        timer.start()
-        with record_function(f"{PHASE_PREFIX}data"):
-            x, y = batches(first_step + i)
-        train.train_step(annotated, x, y, batches.lr(first_step + i))
-        times.append(timer.stop())
-        if prof is not None:
-            prof.step()
-    if prof is not None:
-        prof.stop()
-    dist.barrier()
-    if not active:
-        return {}, []
-    return ({str(rank): str(p) for p in sorted(trace_dir.glob(f"rank{rank}.*.json.gz"))[-1:]},
-            times[PROFILE_WARMUP:])
-
-
-def _analyse_traces(gathered: list[RankMeasurement], out_dir: Path) -> dict | None:
-    """The profiler traces' aggregate (``metrics.trace``), with the per-rank table beside the result."""
-    traces = {int(k): Path(v) for g in gathered for k, v in g.trace.items()}
-    if not traces:
-        return None
-    frames = {rank: load_trace(path) for rank, path in sorted(traces.items())}  # each trace read once
-    df, agg = analyse_frames(frames)
-    df.to_csv(out_dir / "trace_ranks.csv", index=False)
-    if agg["steps"]:  # else agg["reason"] says why there is no per-step split
-        timed = {g.rank: g.profiled_times for g in gathered if g.profiled_times}
-        agg.update(composition_from_frames(frames, timed))
-    return agg
 
 
 def _classify(exc: BaseException) -> str:
