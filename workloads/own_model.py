@@ -33,6 +33,7 @@ from torch import nn
 
 from workloads.architecture import MODULE_ARCH, ModelOrigin
 from workloads.config_file import ConfigError
+from workloads.meta import on_meta
 
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 REQUIRED = ("model", "block", "vocab_size", "seq_len")
@@ -180,7 +181,7 @@ def _digest(spec: str) -> str:
 @lru_cache(maxsize=16)
 def own_model(spec: str) -> OwnModel:
     """The factory's model, described and counted on the meta device (the factory runs there)."""
-    with torch.device("meta"):
+    with on_meta():
         built = build(spec)
     model, seq = built["model"], built["seq_len"]
     params = sum(p.numel() for p in model.parameters())

@@ -24,11 +24,10 @@ import math
 import re
 from dataclasses import dataclass
 
-import torch
-
 from harness.parallel.dims import ParallelDims
 from harness.parallel.schedules import layer_ranges, placement
 from harness.parallel.tp_plan import COLUMN_LINEARS, PROJ_NORMS, ROW_LINEARS
+from workloads.meta import on_meta
 from workloads.model import Decoder
 from workloads.moe import WIDTH_DIM
 from workloads.own_model import OwnModel
@@ -56,10 +55,10 @@ class ParamSpec:
 @functools.lru_cache(maxsize=64)
 def param_specs(size: ModelSize | OwnModel) -> tuple[ParamSpec, ...]:
     """Every parameter tensor, in the model's registration order: the module tree itself, built on the meta device
-    (no memory, milliseconds at any size), each tensor placed as tensor parallel places it (:func:`tp_of`)."""
+    (no memory, no initialiser run: milliseconds at any size, :func:`workloads.meta.on_meta`), each tensor placed as tensor parallel places it (:func:`tp_of`)."""
     if isinstance(size, OwnModel):
         return _own_specs(size)
-    with torch.device("meta"):
+    with on_meta():
         model = Decoder(size)
     out = []
     for name, p in model.named_parameters():
@@ -76,7 +75,7 @@ _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 def _own_specs(own: OwnModel) -> tuple[ParamSpec, ...]:
     """A module of your own's tensors, each in the block it sits in (FSDP's groups), on the meta device; all
     replicated under tensor parallel, whose plan is the factory's (a tp cell is not priced)."""
-    with torch.device("meta"):
+    with on_meta():
         module = own.module()
     blocks = [(f"inner.{name}.", i) for i, (name, _) in enumerate(module.block_items())]
     return tuple(ParamSpec(name, tuple(p.shape), next((i for prefix, i in blocks if name.startswith(prefix)), None),

@@ -26,7 +26,6 @@ import functools
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from harness.model.activations import (
@@ -54,6 +53,7 @@ from harness.model.shape import CellShape
 from harness.parallel.activation_checkpoint import checkpointed_layer
 from harness.parallel.dims import ParallelDims
 from harness.parallel.schedules import layer_ranges
+from workloads.meta import on_meta
 from workloads.model import Decoder
 from workloads.sizes import ModelSize
 
@@ -208,7 +208,7 @@ def autocast_casts_weights(c: CellShape) -> bool:
 def _linear_modules(size: ModelSize) -> frozenset[str]:
     """The model's ``nn.Linear`` modules by name (the module tree on the meta device, as :func:`param_specs`): the
     weights and biases autocast casts. Norms, embeddings and the loss run in fp32 and cast no weight."""
-    with torch.device("meta"):
+    with on_meta():
         model = Decoder(size)
     return frozenset(name for name, m in model.named_modules() if isinstance(m, nn.Linear))
 
