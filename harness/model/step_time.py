@@ -66,6 +66,12 @@ def _p2p_name(collective: str) -> str:
     return "send_recv" if collective in ("send", "recv") else collective
 
 
+def _known_s(p: StepPrediction) -> float:
+    """A rank's step time, or where a collective is not calibrated what is known of it (compute, optimizer, bubble):
+    the slowest rank is reported either way."""
+    return p.step_time_s if p.step_time_s is not None else p.compute_s + p.optimizer_s + p.bubble_s
+
+
 def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing: CoreSharing = NO_SHARING,
                  hide_overlappable: bool = True) -> StepPrediction:
     """The slowest rank's predicted step time (ranks wait for each other at every collective)."""
@@ -127,7 +133,7 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing
         cand = StepPrediction(step_time_s=step if comm_known else None, compute_s=compute, optimizer_s=optimizer,
                               comm_s=total if comm_known else None, exposed_comm_s=exposed if comm_known else None,
                               bubble_s=bubble, bubble_fraction=bubble_frac, basis=rates.basis, notes=tuple(notes))
-        if best is None or (cand.step_time_s or 0) > (best.step_time_s or 0):
+        if best is None or _known_s(cand) > _known_s(best):
             best = cand
     assert best is not None
     return best

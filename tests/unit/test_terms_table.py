@@ -138,17 +138,32 @@ STEP_TIME = [
     # (a block: 6 x 148,480 weights a token multiplies + 12 x 128 x 128 for attention; the head 6 x 128 x 256)
     ("ep-imbalance", shape(MOE, "fsdp+ep", 2, moe_imbalance=1.5), ComputeRates(0.0, 0.02, 0.0, "workload"),
      NO_SHARING, False, 0.08 * (1 + 0.5 * 2359296 / 4546560), 0.0, None, None, 0.0),
+    # the first stage the slower (0.05 s a pass): rank 0 is the step, its sends first and its 2 recvs exposed
+    ("pp-first-stage-slowest", shape(GPT2, "pp", 2, microbatches=2),
+     ComputeRates(0.0, 0.0, 0.0, "op", stage_pass_s=(0.05, 0.03)), NO_SHARING, True,
+     0.1, 0.0, 4 * P2P, 2 * P2P, 0.05),
+    # 2 accumulation micro-steps of 2 sequences: 2 x (0.01 + 2 x 0.02) = 0.1
+    ("ddp-accumulation", shape(GPT2, "ddp", 2, grad_accum=2), ComputeRates(0.01, 0.02, 0.0, "workload"), NO_SHARING,
+     False, 0.1, 0.0, None, None, 0.0),
+    # context parallel 2: the rank's 8 sequences (dp 1), each half its tokens: 8 x 0.02 / 2 = 0.08
+    ("cp-split", shape(GPT2, "fsdp+cp", 2), ComputeRates(0.0, 0.02, 0.0, "workload"), NO_SHARING, False,
+     0.08, 0.0, None, None, 0.0),
     # the same imbalance without expert parallel: each rank holds every expert, nothing waits on a busiest one
     ("imbalance-without-ep", shape(MOE, "fsdp", 2, moe_imbalance=1.5), ComputeRates(0.0, 0.02, 0.0, "workload"),
      NO_SHARING, False, 0.08, 0.0, None, None, 0.0),
 ]
 
 
+BUBBLE_FRACTION = {"pp-stage-passes": 1 / 2, "pp-first-stage-slowest": 1 / 2, "zb-stage-passes": 1 / 12}
+"""The schedule's simulated bubble a row's prediction carries: 1f1b's (p - 1) / m, zb's 1 over 12 (its row above)."""
+
+
 @pytest.mark.parametrize("row", STEP_TIME, ids=[r[0] for r in STEP_TIME])
 def test_every_branch_of_the_step_time_by_hand(row):
-    _, c, rates, sharing, hide, compute, optimizer, comm_s, exposed, bubble = row
+    name, c, rates, sharing, hide, compute, optimizer, comm_s, exposed, bubble = row
     fake = strict_comm if comm_s is not None else (lambda *call: 0.0)
     p = predict_step(c, rates, fake, sharing, hide_overlappable=hide)
+    assert (p.bubble_fraction, p.basis) == (pytest.approx(BUBBLE_FRACTION.get(name, 0.0)), rates.basis)
     assert p.compute_s == pytest.approx(compute, rel=1e-12)
     assert p.optimizer_s == pytest.approx(optimizer, rel=1e-12)
     assert p.bubble_s == pytest.approx(bubble, rel=1e-12, abs=1e-15)
@@ -156,6 +171,77 @@ def test_every_branch_of_the_step_time_by_hand(row):
         assert p.comm_s == pytest.approx(comm_s, rel=1e-12)
         assert p.exposed_comm_s == pytest.approx(exposed, rel=1e-12)
         assert p.step_time_s == pytest.approx(compute + optimizer + exposed + bubble, rel=1e-12)
+
+
+def test_the_step_time_hides_overlappable_calls_unless_told_not_to():
+    c, rates = shape(GPT2, "fsdp", 2), ComputeRates(0.01, 0.02, 0.0, "workload")
+    assert predict_step(c, rates, strict_comm).exposed_comm_s == pytest.approx(FSDP_EDGE, rel=1e-12)
+
+
+def test_each_call_is_priced_by_its_collective_size_group_and_mesh_dim():
+    asked: list[tuple] = []
+
+    def recording(*call):
+        asked.append(call)
+        return 0.0
+
+    predict_step(shape(GPT2, "fsdp", 2), ComputeRates(0.0, 0.0, 0.0, "workload"), recording)
+    predict_step(shape(GPT2, "pp", 2, microbatches=2), ComputeRates(0.0, 0.0, 0.0, "workload"), recording)
+    assert asked[0] == ("all_gather", 328_704, 2, "dp")  # fsdp's root gather (rank 0, the one rank priced)
+    assert asked[14:] == [("send_recv", 262_144, 2, "pp")] * 8  # both pp ranks: 2 sends and 2 recvs each
+
+
+def test_a_pipeline_with_data_parallel_ranks_prices_every_stage_and_adds_its_hidden_comm_to_its_recvs():
+    """pp+fsdp at 4 ranks (pp 2 x dp_shard 2): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1; one rank of each stage is
+    priced (rank 1 is rank 0's like), and the slower stage (rank 2's, 0.05 s a pass) is the step. Its exposed comm is
+    its 2 recvs (never overlappable) plus what of its 10 FSDP calls the compute cannot hide: the first and last."""
+    c = shape(GPT2, "pp+fsdp", 4, microbatches=2)
+    assert (c.dims.pp, c.dims.dp_shard) == (2, 2)
+    rates = ComputeRates(0.0, 0.0, 0.0, "op", stage_pass_s=(0.03, 0.05))
+    calls = comm.rank_calls(c, coords(c.dims)[2])
+    recvs = sum(strict_comm("send_recv", k.nbytes, 2, "pp") for k in calls if k.collective == "recv")
+    hidden = [strict_comm(k.collective, k.nbytes, k.group, k.dim) for k in calls if k.overlappable and k.dim == "dp"]
+    p = predict_step(c, rates, strict_comm)
+    assert p.compute_s == pytest.approx(2 * 0.05)
+    assert recvs == pytest.approx(2 * 5.131072 * MS) and len(hidden) == 10  # a microbatch of 2 rows: 131,072 B
+    assert p.exposed_comm_s == pytest.approx(recvs + max(hidden[0] + hidden[-1], sum(hidden) - 0.1), rel=1e-12)
+
+
+def test_an_uncalibrated_pipeline_still_reports_its_slowest_stage():
+    """No step time without comm, but the compute, bubble and optimizer known are the slowest rank's, whichever rank
+    it is (before, the first rank priced was kept)."""
+    for passes in ((0.03, 0.05), (0.05, 0.03)):
+        p = predict_step(shape(GPT2, "pp", 2, microbatches=2), ComputeRates(0.0, 0.0, 0.0, "op", stage_pass_s=passes),
+                         lambda *call: None)
+        assert p.step_time_s is None and p.compute_s == pytest.approx(0.1) and p.bubble_s == pytest.approx(0.05)
+
+
+def test_the_slowest_rank_is_chosen_by_all_it_pays():
+    """Each rank's whole: compute, bubble, optimizer and exposed comm. gpt2 tiny pp 2, 2 microbatches, no comm
+    calibration: the wrappers' optimizer cost 0.01 x the stage's share of the layers (rank 0: 2 of 5, 0.004; rank 1
+    with the head 3 of 5, 0.006). Equal passes (0.05 s): rank 1, 0.1 + 0.05 + 0.006 = 0.156 over 0.154. Rank 0's
+    pass 0.051: 0.102 + 0.051 + 0.004 = 0.157 over rank 1's 0.156, though its compute less its bubble (0.051) and
+    its compute less its optimizer (0.149) would rank it otherwise."""
+    pp = shape(GPT2, "pp", 2, microbatches=2)
+    for passes, compute, optimizer in (((0.05, 0.05), 0.1, 0.006), ((0.051, 0.05), 0.102, 0.004)):
+        rates = ComputeRates(0.0, 0.0, 0.0, "op", wrapper_optimizer_s=0.01, stage_pass_s=passes)
+        p = predict_step(pp, rates, lambda *call: None)
+        assert (p.compute_s, p.optimizer_s) == (pytest.approx(compute), pytest.approx(optimizer))
+    # with comm: pp+fsdp at 4 ranks, stage 0's rank exposes 16.25184 ms (2 recvs of 5.131072 ms, its first and last
+    # FSDP calls 2.196608 + 3.793088), stage 1's 16.187328 (5.131072 x 2 + 2.793088 + 3.132096). Stage 1's pass 20 us
+    # longer: its compute and bubble 3 x 0.05002 = 0.15006 over 0.15, its step 0.166247328 under stage 0's 0.16625184
+    rates = ComputeRates(0.0, 0.0, 0.0, "op", stage_pass_s=(0.05, 0.05002))
+    p = predict_step(shape(GPT2, "pp+fsdp", 4, microbatches=2), rates, strict_comm)
+    assert p.compute_s == pytest.approx(0.1) and p.step_time_s == pytest.approx(0.16625184, rel=1e-12)
+
+
+def test_the_prediction_as_a_record_holds_it_whole():
+    p = predict_step(shape(GPT2, "pp", 2, microbatches=2), ComputeRates(0.0, 0.0, 0.0, "op", stage_pass_s=(0.03, 0.05)),
+                     strict_comm)
+    assert p.as_dict() == {"step_time_s": p.step_time_s, "compute_s": p.compute_s, "optimizer_s": 0.0,
+                           "comm_s": p.comm_s, "exposed_comm_s": p.exposed_comm_s, "bubble_s": p.bubble_s,
+                           "bubble_fraction": 0.5, "basis": "op"}
+    assert p.as_dict()["step_time_s"] == pytest.approx(0.1 + 0.05 + 2 * P2P, rel=1e-12)
 
 
 def test_an_uncalibrated_collective_leaves_the_step_unknown_and_names_it():
@@ -167,6 +253,9 @@ def test_an_uncalibrated_collective_leaves_the_step_unknown_and_names_it():
     assert (p.step_time_s, p.comm_s, p.exposed_comm_s) == (None, None, None)
     assert p.compute_s == pytest.approx(0.09)
     assert p.notes == ("no comm calibration for reduce_scatter over 2 ranks; run harness calibrate --gpus N",)
+    p = predict_step(shape(GPT2, "fsdp", 2), ComputeRates(0.01, 0.02, 0.0, "workload"), lambda *call: None)
+    assert p.notes == ("no comm calibration for all_gather over 2 ranks, reduce_scatter over 2 ranks; run harness "
+                       "calibrate --gpus N",)
 
 
 # --- checkpoint bytes: 12 bytes a parameter (fp32 weights, AdamW's two moments) and AdamW's 4-byte step count per
