@@ -65,6 +65,9 @@ class BuiltCell:
     precision: PrecisionPlan
     ctx: train.StepContext
     params: list[torch.nn.Parameter]
+    built_params: int
+    """Parameters of the model as this rank built it, whole, before any parallelism split it (tied tensors once):
+    the ``model`` claim's evidence that the size the record names is the one that ran."""
     ranges: Ranges
     gns_state: gns.LocalGradNorm | None
     """DDP only: the local gradient's norm, for the gradient noise scale."""
@@ -85,6 +88,7 @@ def build_cell(cfg: CellConfig, device: torch.device) -> BuiltCell:
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = size.module() if isinstance(size, OwnModel) else Decoder(size)
+    built_params = sum(p.numel() for p in model.parameters())
     gns_state = gns.LocalGradNorm(process_group=dims.mesh("dp_replicate").get_group()) \
         if layout.data_parallel == "ddp" else None
     # An MoE's stages are static: runtime shape inference would route an uninitialised tensor on later
@@ -101,8 +105,8 @@ def build_cell(cfg: CellConfig, device: torch.device) -> BuiltCell:
                             scaler=precision.grad_scaler(cfg.device_kind), device_kind=cfg.device_kind,
                             grad_accum=1 if par.pipeline else cfg.grad_accum, ranges=ranges, moe=moe,
                             after_optimizer=precision.after_optimizer_step(par.parts))
-    return BuiltCell(size=size, layout=layout, precision=precision, ctx=ctx, params=params, ranges=ranges,
-                     gns_state=gns_state, moe=moe)
+    return BuiltCell(size=size, layout=layout, precision=precision, ctx=ctx, params=params,
+                     built_params=built_params, ranges=ranges, gns_state=gns_state, moe=moe)
 
 
 class Batches:

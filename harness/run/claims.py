@@ -15,7 +15,9 @@ checkpoint log; the expert loads), never to the config that made the claim:
 * ``fp8``: the recipe and the float8 all-gather read off the float8 linears' configs;
 * ``pp_schedule``: the stage actions the pipeline clock timed (a zero-bubble schedule splits its backward);
 * ``checkpoint``: saves logged with bytes written on every rank;
-* ``moe_routing``: the experts' loads (balanced routing gives every expert the same rows).
+* ``moe_routing``: the experts' loads (balanced routing gives every expert the same rows);
+* ``model``: the parameters each rank built, whole, before parallelism split them, against the workload's count of
+  the size the record names (a config model's: the shrunk size's on CPU ranks, the config's at full size).
 
 Each entry is ``{"claim", "value", "status", "compared" | "reason"}`` with status ``checked``, ``contradicted``
 or ``n/a`` (not checkable here, and why). A contradicted claim makes the cell ``contradicted``
@@ -210,12 +212,33 @@ def _routing(cfg: CellConfig, worker: Mapping[str, Any]) -> dict[str, Any]:
                   "router can also do")
 
 
+def model_label(size: Any) -> str:
+    """What a record says ran: a built-in size's name, a config model's with its shrink (or full size), a module's."""
+    origin = getattr(size, "origin", None)
+    if origin is None or isinstance(size, OwnModel):
+        return str(size.name)
+    return f"{origin.name} " + (f"shrunk by rules {origin.shrink}" if origin.shrink else "at full size")
+
+
+def _model(cfg: CellConfig, observed: list[dict]) -> dict[str, Any]:
+    """Every rank built the model whose parameters the record counts (``params_built``, before any sharding)."""
+    size = cfg.model_size
+    label = model_label(size)
+    built = [o.get("params_built") for o in observed]
+    if any(b is None for b in built):
+        return _entry("model", label, None, "n/a: the record has no count of the parameters built")
+    off = [f"rank {r} built {b:,}" for r, b in enumerate(built) if b != size.params]
+    if off:
+        return _entry("model", label, False, f"{', '.join(off)} parameters; {label} has {size.params:,}")
+    return _entry("model", label, True, f"every rank built {size.params:,} parameters, as {label} has")
+
+
 def judge(cfg: CellConfig, worker: Mapping[str, Any]) -> list[dict[str, Any]]:
     """``metrics.claims`` of an ok cell from its worker metrics (``observed``: each rank's evidence)."""
     observed = (worker.get("observed") or {}).get("by_rank")
     out = [_layout(cfg, worker), _checkpoint(cfg, worker)]
     if observed:
-        out += [_ac(cfg, observed), _optimizer(cfg, observed), _compile(cfg, worker, observed)]
+        out += [_ac(cfg, observed), _optimizer(cfg, observed), _compile(cfg, worker, observed), _model(cfg, observed)]
         if cfg.precision == "fp8":
             out.append(_fp8(cfg, observed))
     else:

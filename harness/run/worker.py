@@ -253,7 +253,7 @@ def _extra_steps(cfg: CellConfig, cell: BuiltCell, batches: Batches, w: Window, 
         state_bytes=model_state_bytes(ctx.par.parts, ctx.optimizer), comm=counter.per_step(1),
         comm_cp=counter.per_step_labelled(CP_LABEL, 1), moe_ep_rows=ep_rows, trace=trace_paths,
         profiled_times=profiled, probe=w.probe, dynamo=w.dynamo, fp8_linears=ctx.par.fp8_linears,
-        observed=_observed(tally, ctx, w),
+        observed=_observed(tally, cell, w),
         step_parts=w.step_parts if w.step_parts and cfg.device_kind == "cpu" else None)
 
 
@@ -266,11 +266,12 @@ def _recompute_step(ctx: train.StepContext, tally: OpTally, batches: Batches, st
         train.train_step(ctx, *batches(step), batches.lr(step))
 
 
-def _observed(tally: OpTally, ctx: train.StepContext, w: Window) -> dict[str, Any]:
+def _observed(tally: OpTally, cell: BuiltCell, w: Window) -> dict[str, Any]:
     """The claims' evidence from this rank (:mod:`harness.run.claims` judges it): the counted step's matmuls and
-    watched ops (:class:`OpTally`), the frames dynamo compiled in this cell's steps, the float8 linears' configs."""
+    watched ops (:class:`OpTally`), the frames dynamo compiled in this cell's steps, the float8 linears' configs, the
+    parameters of the model as built."""
     return {"ops": tally.tally.to_json(), "frames_compiled": w.frames_compiled,
-            "fp8": fp8_observed(ctx.par.parts)}
+            "fp8": fp8_observed(cell.ctx.par.parts), "params_built": cell.built_params}
 
 
 def _tensor_peak_bytes(ctx: train.StepContext, x: torch.Tensor, y: torch.Tensor, lr: float) -> int:

@@ -181,3 +181,21 @@ def fp8_all_gather_not_applied(rank: int) -> None:
         return [name for name, m in module.named_modules() if type(m).__name__ == "Float8Linear"]
 
     precision.PrecisionPlan.convert_linears = convert
+
+
+def shrink_layers_not_applied(rank: int) -> None:
+    """A config model recorded as shrunk (width, heads, vocabulary, layers) but built with every layer its config has:
+    the shrink's layer cap dropped on the way to the build (gpt2's config.json has 12 blocks, the shrink keeps 4)."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    import harness.run.cell_build as cell_build  # noqa: PLC0415
+    from workloads.hf_models import model_from_origin  # noqa: PLC0415
+
+    original = cell_build.Decoder
+
+    def built(size):
+        if size.origin is not None and size.origin.shrink:
+            size = replace(size, n_layers=model_from_origin({**size.origin.as_dict(), "shrink": None}).n_layers)
+        return original(size)
+
+    cell_build.Decoder = built

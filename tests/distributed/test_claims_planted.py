@@ -9,6 +9,7 @@ without a planted fault hands back), so a check that fails an honest layout fail
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,14 @@ def test_float8_all_gather_recorded_but_bf16_gathered(tmp_path_factory):
     j = _only(_planted(tmp_path_factory, "fp8_all_gather_not_applied", [cfg], 2))
     _contradicted(j, "fp8", "float8 all-gather [False]")
     assert j["by_claim"]["layout"]["status"] == "contradicted", j["by_claim"]["layout"]  # bf16 bytes gathered
+
+
+def test_a_config_model_recorded_shrunk_but_built_with_every_layer(tmp_path_factory):
+    from workloads.hf_models import config_model  # noqa: PLC0415
+
+    size = config_model(str(Path(__file__).resolve().parents[1] / "data" / "hf_configs" / "gpt2.json"), shrunk=True)
+    c = cell("single", 1, steps=2, size=size.name, arch=size.arch, model=size.origin.as_dict(), seq_len=size.seq_len)
+    j = _only(_planted(tmp_path_factory, "shrink_layers_not_applied", [c], 1))
+    # the shrunk gpt2: 4 blocks of 198,272 and 82,944 outside them (tokens 256 x 128, positions 128 x 128, the final
+    # norm, the head 128 x 256) = 875,264; built with the config's 12 blocks: 8 x 198,272 more = 2,461,440
+    _contradicted(j, "model", "rank 0 built 2,461,440 parameters; gpt2 shrunk by rules cpu2 has 875,264")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from harness.parallel.activation_checkpoint import MATMULS, apply_ac
 from harness.precision import fp8_observed
 from harness.run import claims
 from harness.spec import CellConfig
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Two blocks as a Tally holds them: block "0" ran 2 calls of 7 matmuls (every other: 3 a call), its attention's
 # core 3 a call; block "1" the same.
@@ -43,9 +46,12 @@ def _cfg(**kw) -> CellConfig:
     return CellConfig.from_dict({**base, **kw})
 
 
-def _worker(forward=25, backward=70, blocks=None, ops=None, frames=0, **extra) -> dict:
+def _worker(forward=25, backward=70, blocks=None, ops=None, frames=0, params=867_072, **extra) -> dict:
+    """One rank's evidence; ``params``: the model it built (by default gpt2 tiny's at :func:`_cfg`'s 64 positions:
+    875,264 - 64 x 128 = 867,072)."""
     observed = {"ops": {"forward_matmuls": forward, "backward_matmuls": backward, "blocks": blocks or {},
-                        "ops": ops or {}}, "frames_compiled": frames, "fp8": {"recipes": [], "float8_all_gather": []}}
+                        "ops": ops or {}}, "frames_compiled": frames, "fp8": {"recipes": [], "float8_all_gather": []},
+                "params_built": params}
     return {"observed": {"by_rank": [observed]}, "comm_by_rank": [{}], **extra}
 
 
@@ -58,7 +64,8 @@ def test_an_honest_checkpointed_cell_holds_every_claim():
     blocks = {str(i): {"calls": 1, "matmuls": 6, "every_other": 3, "attn_core": 3} for i in range(4)}
     judged = claims.judge(_cfg(ac="full"), _worker(backward=74, blocks=blocks))
     assert {c["claim"]: c["status"] for c in judged} == {"layout": "checked", "checkpoint": "checked",
-                                                         "ac": "checked", "optimizer": "checked", "compile": "checked"}
+                                                         "ac": "checked", "optimizer": "checked", "compile": "checked",
+                                                         "model": "checked"}
     assert claims.contradicted(judged) is None
 
 
@@ -380,7 +387,9 @@ def test_whole_entries_as_the_record_holds_them():
          "compared": "torch's fused AdamW kernel (aten._fused_adamw_) dispatched [0] time(s) by rank on the counted "
                      "step; no rank may run it"},
         {"claim": "compile", "value": "off", "status": "checked",
-         "compared": "dynamo compiled [0] frame(s) by rank over the cell's steps; an eager cell compiles none"}]
+         "compared": "dynamo compiled [0] frame(s) by rank over the cell's steps; an eager cell compiles none"},
+        {"claim": "model", "value": "tiny", "status": "checked",
+         "compared": "every rank built 867,072 parameters, as tiny has"}]
 
 
 def replace_ac(cfg: CellConfig, ac: str) -> CellConfig:
@@ -463,7 +472,7 @@ def test_the_tally_sums_each_blocks_calls_and_leaves_no_hook_behind():
 
 def test_judge_adds_the_claims_a_cell_makes_by_its_layout_and_precision():
     fp8 = claims.judge(_cfg(precision="fp8", fp8_emulate=True), _worker(backward=50))
-    assert [c["claim"] for c in fp8] == ["layout", "checkpoint", "ac", "optimizer", "compile", "fp8"]
+    assert [c["claim"] for c in fp8] == ["layout", "checkpoint", "ac", "optimizer", "compile", "model", "fp8"]
     assert fp8[-1] == {"claim": "fp8", "value": {"recipe": "tensorwise", "float8_all_gather": False},
                        "status": "contradicted", "compared": "the float8 linears' configs on every rank: recipe(s) "
                                                              "none, float8 all-gather none"}
@@ -471,7 +480,8 @@ def test_judge_adds_the_claims_a_cell_makes_by_its_layout_and_precision():
     worker = {**_worker(backward=50), "observed": {"by_rank": [_worker(backward=50)["observed"]["by_rank"][0]] * 2},
               "comm_by_rank": None}
     judged = claims.judge(pp, worker)
-    assert [c["claim"] for c in judged] == ["layout", "checkpoint", "ac", "optimizer", "compile", "pp_schedule"]
+    assert [c["claim"] for c in judged] == ["layout", "checkpoint", "ac", "optimizer", "compile", "model",
+                                            "pp_schedule"]
     assert judged[0] == {"claim": "layout", "value": ["pp (dp_replicate 1, dp_shard 1, tp 1, pp 2)", "4 microbatches"],
                          "status": "n/a", "reason": "n/a: the record has no collectives counted per rank"}
     assert judged[-1] == {"claim": "pp_schedule", "value": "zb", "status": "n/a",
@@ -509,3 +519,30 @@ def test_balanced_routing_is_exactly_one_and_a_resumed_attempt_says_so():
     assert full == "checked"  # at most as many as due: all of them, after a resume that saved none
     assert _by_claim(on, _worker(checkpoint={**resumed, "saves": 0, "bytes_written_by_rank": []}))["checkpoint"][
         "status"] == "checked"  # resumed after every due save: none of its own
+
+
+def test_the_model_claim_holds_every_rank_s_build_to_the_size_the_record_names():
+    """gpt2 tiny has 875,264 parameters at 128 positions (tests/unit/test_terms_table.py counts them tensor by
+    tensor), 867,072 at :func:`_cfg`'s 64; a rank that built another count contradicts the record, a record from
+    before the count cannot be checked."""
+    ok = _by_claim(_cfg(), _worker(backward=50))["model"]
+    assert ok == {"claim": "model", "value": "tiny", "status": "checked",
+                  "compared": "every rank built 867,072 parameters, as tiny has"}
+    two = {**_worker(backward=50), "observed": {"by_rank": [_worker(backward=50)["observed"]["by_rank"][0],
+                                                            _worker(backward=50, params=2_461_440)["observed"]
+                                                            ["by_rank"][0]]}}
+    off = _by_claim(_cfg(strategy="ddp", world_size=2), two)["model"]
+    assert off["status"] == "contradicted"
+    assert off["compared"] == "rank 1 built 2,461,440 parameters; tiny has 867,072"
+    old = {**_worker(backward=50)}
+    del old["observed"]["by_rank"][0]["params_built"]
+    assert _by_claim(_cfg(), old)["model"] == {"claim": "model", "value": "tiny", "status": "n/a",
+                                               "reason": "n/a: the record has no count of the parameters built"}
+
+
+def test_a_config_model_is_named_with_its_shrink():
+    from workloads.hf_models import config_model  # noqa: PLC0415
+
+    path = str(REPO / "tests" / "data" / "hf_configs" / "gpt2.json")
+    assert claims.model_label(config_model(path, shrunk=True)) == "gpt2 shrunk by rules cpu2"
+    assert claims.model_label(config_model(path)) == "gpt2 at full size"
