@@ -360,9 +360,18 @@ def default_device_kind() -> str:
     return "cuda" if torch.cuda.is_available() and os.environ.get("HARNESS_FORCE_CPU") != "1" else "cpu"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what Slurm's binding, ``taskset`` or a container's cpuset
+    leave it), not the machine's count (``os.cpu_count``), which would oversubscribe the cores it has."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS): the machine's count
+        return max(1, os.cpu_count() or 1)
+
+
 def threads_per_rank(local_world: int) -> int:
-    """CPU threads each of a node's ``local_world`` ranks runs with: the cores shared out, at least one.
+    """CPU threads each of a node's ``local_world`` ranks runs with: the usable cores shared out, at least one.
 
     The worker sets it, and calibrations are keyed by it, so predictions find the matching entry.
     """
-    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+    return max(1, usable_cores() // max(1, local_world))

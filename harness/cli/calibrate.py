@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
@@ -25,7 +24,7 @@ from harness.calibration.workload import calibrate_workload, lookup_workload
 from harness.cli.args import Settings, csv_list, int_arg, models_arg, path_arg
 from harness.errors import UsageError
 from harness.parallel.levers import check_levers
-from harness.spec import default_device_kind
+from harness.spec import default_device_kind, usable_cores
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
 
@@ -144,7 +143,7 @@ def _print_ops(e: dict, origin: str) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     device = default_device_kind() if args.device == "auto" else args.device
-    threads = args.threads or (os.cpu_count() or 1)
+    threads = args.threads or usable_cores()
     for dt in csv_list(args.dtype):
         if dt not in matmul.DTYPES or (dt == "tf32" and device != "cuda"):
             raise UsageError(f"--dtype {dt!r}: choose from fp32,bf16,fp16 (tf32 on GPU only)")
@@ -208,7 +207,7 @@ def register(sub) -> None:
                                          "bandwidth, and cache them")
     k.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     k.add_argument("--dtype", default="fp32")
-    k.add_argument("--threads", type=int, help="CPU threads for the matmul (default: all cores)")
+    k.add_argument("--threads", type=int, help="CPU threads for the matmul (default: the cores this process may use, its CPU affinity)")
     k.add_argument("--force", nargs="?", const="", metavar="KINDS",
                    help="re-measure even if cached: every kind, or only the listed ones (matmul,workload,comm)")
     k.add_argument("--gpus", help="ranks for the bus-bandwidth measurement (default: all GPUs; 2 on CPU; 1 skips it)")

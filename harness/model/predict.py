@@ -9,7 +9,6 @@ nothing can be measured (``harness plan --device``).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ from harness.model.memory import peak_bytes, state_bytes_by_rank
 from harness.model.pipeline_sim import simulate
 from harness.model.shape import CellShape
 from harness.model.step_time import CommTime, predict_step
+from harness.spec import usable_cores
 from harness.units import GIB
 from workloads.own_model import OwnModel
 
@@ -64,7 +64,7 @@ def core_sharing(device_kind: str, local_world: int, threads: int, calibrated_bu
     """How the node's CPU ranks share its cores, against rates measured with ``calibrated_busy`` busy."""
     if device_kind != "cpu":
         return NO_SHARING
-    return CoreSharing(cores=float(os.cpu_count() or 1), threads=threads, calibrated_busy=calibrated_busy,
+    return CoreSharing(cores=float(usable_cores()), threads=threads, calibrated_busy=calibrated_busy,
                        node_ranks=local_world)
 
 

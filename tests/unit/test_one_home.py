@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
+import os
 
 import pytest
 
@@ -159,6 +160,7 @@ def _spec(**kw) -> SweepSpec:
 
 def test_plan_attaches_predictions_from_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("HARNESS_CALIBRATION", str(tmp_path / "cal.json"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # 2 cores: ddp's 2 one-thread ranks one each
     cells = expand(_spec())
     valid = [c for c in cells if c.valid]
     assert {c.raw["strategy"] for c in valid} == {"single", "ddp", "tp"}
