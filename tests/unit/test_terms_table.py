@@ -384,3 +384,63 @@ def test_the_tables_cover_every_schedule_policy_and_layout():
     fixed = {p for p in AC_POLICIES if not p.startswith("layer")} | {"layer2"}
     assert {r[0] for r in CP_AC} == {r[0] for r in EP_AC} == fixed
     assert {r[0] for r in CHECKPOINT} == {"single", "ddp", "fsdp", "hsdp", "tp", "pp"}
+
+
+# --- compute: the pipeline stages' shares, the roofline, core sharing with threads ---------------------------------
+# gpt2 tiny, per token: a block 6 x 197,760 weights and biases its linears multiply and add (q, k, v, o 4 x (128 x 128
+# + 128); the MLP 128 x 512 + 512 and 512 x 128 + 128) + 12 x 128 x 128 for attention = 1,383,168; the head 6 x 128 x
+# 256 = 196,608; the model 4 x 1,383,168 + 196,608 = 5,729,280. Layers' shares count the head as a layer: 5 in all.
+BLOCK_FLOPS, HEAD_FLOPS, MODEL_FLOPS = 1_383_168, 196_608, 5_729_280
+STAGES = [
+    # 1f1b pp 2: rank 0 blocks 0-1, rank 1 blocks 2-3 and the head
+    ("1f1b", [(2 * BLOCK_FLOPS / MODEL_FLOPS, 2 / 5), ((2 * BLOCK_FLOPS + HEAD_FLOPS) / MODEL_FLOPS, 3 / 5)]),
+    # interleaved pp 2 x 2 stages of one block: rank 0 stages 0 and 2 (blocks 0, 2), rank 1 stages 1 and 3 (blocks
+    # 1, 3 and the head)
+    ("interleaved1f1b", [(2 * BLOCK_FLOPS / MODEL_FLOPS, 2 / 5), ((2 * BLOCK_FLOPS + HEAD_FLOPS) / MODEL_FLOPS, 3 / 5)]),
+    # zbv: the V, rank 0 stages 0 and 3 (blocks 0, 3 and the head), rank 1 stages 1 and 2
+    ("zbv", [((2 * BLOCK_FLOPS + HEAD_FLOPS) / MODEL_FLOPS, 3 / 5), (2 * BLOCK_FLOPS / MODEL_FLOPS, 2 / 5)]),
+]
+
+
+def test_stage_shares_of_a_dense_then_moe_model_count_each_block_as_it_is():
+    """moe tiny with its first block dense (d_ff 256): per token the dense block 6 x (attention 4 x 128 x 128 with 2 kv
+    heads: 49,152; SwiGLU 3 x 128 x 256) + 12 x 128 x 128 = 1,081,344, an MoE block 6 x 148,480 + 196,608 =
+    1,087,488, the head 196,608: 4,540,416 in all. zbv: rank 0 blocks 0 and 3 and the head (2,365,440), rank 1
+    blocks 1 and 2 (2,174,976); the mean block (1,085,952) would give rank 0 2,368,512."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from harness.model.compute import stage_shares  # noqa: PLC0415
+
+    size = replace(MOE, dense_layers=1, dense_d_ff=256)
+    got = stage_shares(shape(size, "pp", 2, microbatches=4, pp_schedule="zbv"))
+    assert got == [(pytest.approx(2_365_440 / 4_540_416, rel=1e-12), pytest.approx(3 / 5)),
+                   (pytest.approx(2_174_976 / 4_540_416, rel=1e-12), pytest.approx(2 / 5))]
+
+
+@pytest.mark.parametrize("schedule, shares", STAGES, ids=[r[0] for r in STAGES])
+def test_each_pipeline_rank_s_share_of_the_flops_and_layers(schedule, shares):
+    from harness.model.compute import stage_shares  # noqa: PLC0415
+
+    got = stage_shares(shape(GPT2, "pp", 2, microbatches=4, pp_schedule=schedule))
+    assert got == [(pytest.approx(f, rel=1e-12), pytest.approx(layers, rel=1e-12)) for f, layers in shares]
+
+
+def test_the_roofline_a_pass_core_sharing_and_the_experts_share_by_hand():
+    from harness.model.compute import expert_flop_share, pass_time_s, pipeline_time_s, roofline_rates  # noqa: PLC0415
+
+    c = shape(GPT2, "single", 1)
+    r = roofline_rates(c, 0.5, mem_gbps=20.0)
+    assert (r.alpha_s, r.basis) == (0.0, "matmul peak")
+    assert r.beta_s_per_row == GPT2.flops_per_token() * 128 / (0.5 * 1e12)  # the FLOPs of a row at the peak
+    assert r.optimizer_s_per_param == pytest.approx(28 / 20e9, rel=1e-12)  # 7 fp32 reads and writes a parameter
+    assert roofline_rates(c, 0.5).optimizer_s_per_param == 0.0  # no bandwidth known: no optimizer time
+    # a pass: (alpha + the wrappers' per-pass cost) x the layers' share + rows x beta x the FLOPs' share / split
+    wrapped = ComputeRates(0.01, 0.02, 0.0, "workload", wrapper_overhead_s=0.004)
+    assert pass_time_s(wrapped, 2, 0.5, 0.4, 2) == pytest.approx((0.01 + 0.004) * 0.4 + 2 * 0.02 * 0.5 / 2)
+    # 2 threads a rank on 4 cores: 4 ranks busy load 2, one alone 1 (max(1, 2 / 4)): twice as slow
+    assert CoreSharing(cores=4, threads=2, calibrated_busy=1).factor(4) == pytest.approx(2.0)
+    # 2 ranks a stage (dp 2 under pp 2) on 2 cores, calibrated with all 4 busy: the slots' stages 1, 2, 1 busy make
+    # 2, 4, 2 ranks busy: load 1, 2, 1 over 2: 0.5 + 1 + 0.5 passes of 0.1 s
+    sharing = CoreSharing(cores=2, threads=1, calibrated_busy=4, node_ranks=4)
+    assert pipeline_time_s(0.1, 2, 1, 2, 2, sharing) == pytest.approx(0.2)
+    assert expert_flop_share(c) == 0.0  # a dense model has no experts
