@@ -444,3 +444,21 @@ def test_the_roofline_a_pass_core_sharing_and_the_experts_share_by_hand():
     sharing = CoreSharing(cores=2, threads=1, calibrated_busy=4, node_ranks=4)
     assert pipeline_time_s(0.1, 2, 1, 2, 2, sharing) == pytest.approx(0.2)
     assert expert_flop_share(c) == 0.0  # a dense model has no experts
+
+
+# --- power: a cap's share of the compute peaks, (cap / board power) ** (1/3) --------------------------------------
+POWER = [
+    (None, 1.0),  # no cap: the datasheet's clocks
+    (700, 1.0),  # capped at the board power: nothing changes
+    (500, 0.893904),  # (5/7) ** (1/3): 0.714286 ** 0.333333
+    (350, 0.793701),  # (1/2) ** (1/3)
+]
+
+
+@pytest.mark.parametrize("cap, scale", POWER)
+def test_a_power_cap_s_share_of_the_compute_peaks(cap, scale):
+    from harness.model.hardware import get_device, with_overrides  # noqa: PLC0415
+
+    dev = with_overrides(get_device("h100"), power_cap_w=cap)  # h100 SXM: 700 W
+    assert dev.compute_scale == pytest.approx(scale, abs=1e-6)
+    assert dev.hbm_gbps == get_device("h100").hbm_gbps  # memory bandwidth is not scaled
