@@ -19,7 +19,6 @@ import json
 import math
 import multiprocessing
 import multiprocessing.connection
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import cast
@@ -42,6 +41,7 @@ from harness.parallel.presets import resolve
 from harness.precision import PrecisionPlan
 from harness.records.atomic import write_json_atomic
 from harness.run import train
+from harness.spec import usable_cores
 from workloads.model import Decoder, lm_loss
 from workloads.own_model import OwnModel
 from workloads.resolve import workload_of
@@ -191,7 +191,7 @@ def _finish(spec: RoleSpec, parent, proc) -> dict:
 def _forked_all(specs: list[RoleSpec]) -> list[dict]:
     """Every spec in a forked child of its own (:func:`_start`), as many at once as this process
     may use cores; the results in the specs' order."""
-    workers = max(1, len(os.sched_getaffinity(0)))
+    workers = usable_cores()
     results: list[dict] = [{} for _ in specs]
     pending = list(enumerate(specs))
     running: dict = {}  # the child's pipe -> (index, process)
