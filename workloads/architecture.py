@@ -10,8 +10,8 @@ MLP, arranged as the architecture says; the fields below name each choice, so on
 * **attention**: multi-head or grouped-query (``n_kv_heads``) with an optional head width (``attn_head_dim``), biases
   (``bias`` everywhere, or ``qkv_bias`` on q, k and v only: Qwen2), q/k norms per head (Qwen3) or over the whole
   projection (OLMo 2), positions by a learned table, RoPE on all or part of each head (``rotary_fraction``) or ALiBi
-  (Press et al. 2022); or DeepSeek's multi-head latent attention (:class:`MLASpec`);
-* **MLP**: GELU (``fc``, ``proj``) or SwiGLU (``gate``, ``up``, ``proj``); or a mixture of experts (:class:`MoESpec`),
+  (Press et al. 2022); or DeepSeek's multi-head latent attention (:class:`workloads.model_parts.MLASpec`);
+* **MLP**: GELU (``fc``, ``proj``) or SwiGLU (``gate``, ``up``, ``proj``); or a mixture of experts (:class:`workloads.model_parts.MoESpec`),
   after ``dense_layers`` dense blocks (DeepSeek-V3's ``first_k_dense_replace``).
 
 Counts are exact for the module tree the harness builds, whose LM head is always untied (tensor and pipeline parallel
@@ -30,8 +30,9 @@ computes with except the embedding tables (lookups), L layers, S the sequence, a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
+
+from workloads.model_parts import MLASpec, ModelOrigin, MoESpec
 
 ARCHS = ("gpt2", "llama3", "moe")
 """The built-in families (``--arch``)."""
@@ -49,113 +50,6 @@ MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope", "alibi")
 QK_NORMS = ("head", "proj")
 """q/k norms over each head's width (Qwen3) or over the whole projection (OLMo 2)."""
-SCORES = ("softmax", "sigmoid")
-BALANCING = ("bias", "aux")
-"""How an MoE keeps its experts loaded: ``bias`` (DeepSeek-V3's auxiliary-loss-free per-expert bias,
-added to the scores for the top-k choice only and nudged after each step towards the mean load) or
-``aux`` (Switch Transformer's auxiliary loss ``coef E sum_e f_e P_e``, whose gradient joins the
-model's; the reported loss is the language-model loss alone)."""
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """The MoE layer of an MoE block: replaces its MLP."""
-
-    n_experts: int
-    top_k: int
-    d_ff: int
-    """Hidden width of each routed expert (a SwiGLU: gate, up and down)."""
-    n_shared: int = 0
-    """Shared experts, always active, one SwiGLU ``n_shared x d_ff`` wide (DeepSeek's layout)."""
-    balancing: str = "bias"
-    aux_coef: float = 0.01
-    bias_rate: float = 1e-3
-    """The expert bias's step per update (DeepSeek-V3's gamma)."""
-    score: str = "softmax"
-    """The router's scores: a softmax over the experts (Mixtral, Qwen3) or each expert's sigmoid (DeepSeek-V3)."""
-    norm_topk: bool = True
-    """Weights renormalised over the k chosen (Mixtral; Qwen3-MoE's and DeepSeek's ``norm_topk_prob``)."""
-    n_group: int = 1
-    topk_group: int = 1
-    """Group-limited routing (DeepSeek-V3): the experts in ``n_group`` groups, a token chooses among the
-    ``topk_group`` groups whose two best scores sum highest."""
-    routed_scale: float = 1.0
-    """The routed experts' output scaled by this (DeepSeek-V3's ``routed_scaling_factor``)."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k ({self.top_k}) must be in 1..n_experts ({self.n_experts})")
-        if self.balancing not in BALANCING:
-            raise ValueError(f"balancing {self.balancing!r}: choose from {', '.join(BALANCING)}")
-        if self.score not in SCORES:
-            raise ValueError(f"score {self.score!r}: choose from {', '.join(SCORES)}")
-        if self.n_group < 1 or self.n_experts % self.n_group:
-            raise ValueError(f"n_group ({self.n_group}) must divide n_experts ({self.n_experts})")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})")
-        if self.top_k > self.topk_group * self.n_experts // self.n_group:
-            raise ValueError(f"top_k ({self.top_k}) exceeds the experts of the topk_group ({self.topk_group}) groups "
-                             f"of {self.n_experts // self.n_group}")
-
-    def expert_params(self, d_model: int) -> int:
-        return 3 * d_model * self.d_ff
-
-    def params(self, d_model: int) -> int:
-        """Router, routed and shared experts of one layer."""
-        return d_model * self.n_experts + (self.n_experts + self.n_shared) * self.expert_params(d_model)
-
-    def active_params(self, d_model: int) -> int:
-        """What one token computes with: the router's scores over every expert, k routed and the shared experts."""
-        return d_model * self.n_experts + (self.top_k + self.n_shared) * self.expert_params(d_model)
-
-
-@dataclass(frozen=True)
-class MLASpec:
-    """DeepSeek-V2/V3's multi-head latent attention (DeepSeek-AI 2024, section 2.1.2): q through a low-rank
-    ``q_rank`` bottleneck (or projected directly when 0), k and v from one ``kv_rank`` latent; each head's q and k
-    are a ``nope_dim`` part without positions and a ``rope_dim`` part rotated by RoPE, whose k is one shared head."""
-
-    q_rank: int
-    kv_rank: int
-    nope_dim: int
-    rope_dim: int
-    v_dim: int
-
-    @property
-    def qk_dim(self) -> int:
-        return self.nope_dim + self.rope_dim
-
-    def params(self, d: int, heads: int) -> int:
-        """q (a, its norm, b; or one projection), kv_a, its norm, kv_b and the output projection."""
-        q = d * self.q_rank + self.q_rank + self.q_rank * heads * self.qk_dim if self.q_rank else d * heads * self.qk_dim
-        kv = d * (self.kv_rank + self.rope_dim) + self.kv_rank + self.kv_rank * heads * (self.nope_dim + self.v_dim)
-        return q + kv + heads * self.v_dim * d
-
-    def norm_params(self) -> int:
-        """The two latent norms' weights: no matmul FLOPs."""
-        return self.kv_rank + self.q_rank
-
-
-@dataclass(frozen=True)
-class ModelOrigin:
-    """Where a model that is not a built-in size came from, with what rebuilds it (a record keeps it)."""
-
-    kind: str
-    """``config`` (a ``config.json``) or ``module`` (a factory)."""
-    name: str
-    """The file's stem (the folder's name for a ``config.json`` in a folder), or the factory's ``module:function``."""
-    digest: str
-    """sha256 of the content, 12 hex characters: two files of one name never share an id."""
-    content: str
-    """The config's JSON, canonical (sorted keys), or the factory's spec."""
-    shrink: str | None = None
-    """The shrink rules it runs under (:mod:`workloads.shrink`), None at full size."""
-    notes: tuple[str, ...] = ()
-    """What the mapping says of fields it models differently or leaves out (each a line shown once)."""
-
-    def as_dict(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "digest": self.digest, "shrink": self.shrink,
-                "notes": list(self.notes), "content": json.loads(self.content)}
 
 
 @dataclass(frozen=True)
@@ -479,71 +373,13 @@ class ModelSize:
                 "torchtitan": self.flops_per_token_torchtitan(seq_len)}
 
     def as_dict(self) -> dict:
-        out = {
-            "name": self.name,
-            "n_layers": self.n_layers,
-            "d_model": self.d_model,
-            "n_heads": self.n_heads,
-            "seq_len": self.seq_len,
-            "vocab_size": self.vocab_size,
-            "params": self.params,
-            "params_nonembedding": self.params_nonembedding,
-            "flops_per_token": self.flops_per_token(),
-            "flops_per_token_megatron": self.flops_per_token_megatron(),
-        }
-        if self.arch != DEFAULT_ARCH:  # gpt2 records keep the workload they always had
-            out.update(arch=self.arch, n_kv_heads=self.kv_heads, d_ff=self.d_ff, rope_theta=self.rope_theta,
-                       params_published=self.params_published,
-                       flops_per_token_torchtitan=self.flops_per_token_torchtitan())
-        if self.moe is not None:
-            m = self.moe
-            out.update(head_dim=self.head_dim, n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared,
-                       balancing=m.balancing, params_active=self.params_active,
-                       flops_per_token_total=self.flops_per_token_total())
-        if self.origin is not None:
-            out.update(block=self.block_summary(), model=self.origin.as_dict())
-        return out
+        """The record's ``workload`` (:func:`workloads.describe.workload_record`)."""
+        from workloads.describe import workload_record  # noqa: PLC0415  (it reads this module's names)
 
-    def block_summary(self) -> str:
-        """The block in one line: what a config model mapped onto (records, ``harness workloads``)."""
-        attn = (f"MLA (q rank {self.mla.q_rank}, kv rank {self.mla.kv_rank}, heads {self.n_heads} x "
-                f"{self.mla.nope_dim}+{self.mla.rope_dim}/{self.mla.v_dim})" if self.mla is not None
-                else f"{'MHA' if self.kv_heads == self.n_heads else 'GQA'} {self.n_heads}/{self.kv_heads} x "
-                     f"{self.head_dim}")
-        pos = {"learned": f"learned positions ({self.position_rows})", "alibi": "ALiBi",
-               "rope": f"RoPE theta {self.rope_theta:g}" + (f" on {self.rotary_dim} of {self.head_dim}"
-                                                            if self.rotary_dim != self.head_dim else "")}[self.positions]
-        parts = [f"{self.norm}{'' if self.norm_bias or self.norm == 'rmsnorm' else ' (no bias)'}"
-                 + (" after" if self.norm_after else ""), attn, pos]
-        if self.qk_norm:
-            parts.append(f"q/k norm per {'head' if self.qk_norm == 'head' else 'projection'}")
-        parts.append("biases" if self.bias else "qkv biases" if self.qkv_bias else "no biases")
-        if self.parallel_residual:
-            parts.append("parallel residual")
-        if self.moe is not None:
-            m = self.moe
-            route = f"{m.score} top-{m.top_k} of {m.n_experts}" + (
-                f" in {m.topk_group} of {m.n_group} groups" if m.n_group > 1 else "")
-            parts.append(f"MoE {route}, expert d_ff {m.d_ff}" + (f", {m.n_shared} shared" if m.n_shared else "")
-                         + (f", first {self.dense_layers} dense (d_ff {self.layer_ff(0)})" if self.dense_layers else ""))
-        else:
-            parts.append(f"{self.mlp} d_ff {self.dense_ff}")
-        return "; ".join(parts)
+        return workload_record(self)
 
 
 def size_key(arch: str, name: str) -> str:
     """A size's name unique over families: ``tiny`` (gpt2, as records always had it), ``llama3-tiny``; a config model
     or a module its own name (which carries its digest)."""
     return name if arch in (DEFAULT_ARCH, CONFIG_ARCH, MODULE_ARCH) else f"{arch}-{name}"
-
-
-def seq_len_error(size: ModelSize, seq_len: int) -> str | None:
-    """Why ``seq_len`` cannot run on ``size`` (None: it can). A learned position table caps the sequence; RoPE and
-    ALiBi have no table to cap it."""
-    if size.learned_positions and seq_len > size.position_rows:
-        return (f"seq_len ({seq_len}) exceeds {size.name}'s position table ({size.position_rows}); "
-                f"use --seq-len <= {size.position_rows}, or --arch llama3 (RoPE has no table)")
-    if size.sliding_window is not None and seq_len > size.sliding_window:
-        return (f"seq_len ({seq_len}) exceeds {size.name}'s sliding_window ({size.sliding_window}), which the harness "
-                f"does not build (it attends the whole causal window); use --seq-len <= {size.sliding_window}")
-    return None

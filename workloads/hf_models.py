@@ -24,8 +24,9 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
-from workloads.architecture import CONFIG_ARCH, MLASpec, ModelOrigin, ModelSize, MoESpec
+from workloads.architecture import CONFIG_ARCH, ModelSize
 from workloads.config_file import ConfigError, Fields, canonical, config_path, digest, model_name, read_json
+from workloads.model_parts import MLASpec, ModelOrigin, MoESpec
 from workloads.shrink import VERSION as SHRINK_VERSION
 from workloads.shrink import shrink
 

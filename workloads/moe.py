@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workloads.architecture import MoESpec
 from workloads.layers import SwiGLU, positions_of
+from workloads.model_parts import MoESpec
 
 ROUTINGS = ("learned", "balanced")
 WIDTH_DIM = {"gate": 1, "up": 1, "proj": 2}

@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from workloads.architecture import MODULE_ARCH, ModelOrigin
+from workloads.architecture import MODULE_ARCH
 from workloads.config_file import ConfigError
 from workloads.meta import on_meta
+from workloads.model_parts import ModelOrigin
 
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 REQUIRED = ("model", "block", "vocab_size", "seq_len")

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from workloads.architecture import MLASpec, ModelSize, MoESpec
+from workloads.architecture import ModelSize
+from workloads.model_parts import MLASpec, MoESpec
 
 VERSION = "cpu2"
 """The rules' version, kept in a record (``model.shrink``): a rule changed is a new version (``cpu1`` gave heads that

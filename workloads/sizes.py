@@ -23,17 +23,16 @@ from typing import Any
 
 from workloads.architecture import (
     ARCHS,
-    BALANCING,
     CONFIG_ARCH,
     DEFAULT_ARCH,
     FLOP_CONVENTION_LABEL,
     FLOP_CONVENTIONS,
     MODULE_ARCH,
     ModelSize,
-    MoESpec,
-    seq_len_error,
     size_key,
 )
+from workloads.describe import seq_len_error
+from workloads.model_parts import BALANCING, MoESpec
 
 __all__ = ["ARCHS", "BALANCING", "CONFIG_ARCH", "DEFAULT_ARCH", "FAMILIES", "FLOP_CONVENTIONS", "FLOP_CONVENTION_LABEL",
            "MODULE_ARCH", "SIZES", "ModelSize", "MoESpec", "check_arch", "get_size", "seq_len_error", "size_key",

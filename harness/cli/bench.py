@@ -12,7 +12,8 @@ from harness.calibration import store
 from harness.calibration.auto import ensure_calibrated
 from harness.calibration.normaliser import calibration_record
 from harness.calibration.provenance import misprediction_note
-from harness.cli.args import add_sweep_args, device_line, int_arg, path_arg, spec_from_args, sweep_arg_values
+from harness.cli.arg_values import int_arg, path_arg
+from harness.cli.args import add_sweep_args, device_line, spec_from_args, sweep_arg_values
 from harness.errors import UsageError
 from harness.jobs import Terminated, sigterm_as_interrupt
 from harness.planner import PlannedCell, expand, predict_cells

@@ -21,7 +21,8 @@ from harness.calibration.collectives import (
 )
 from harness.calibration.provenance import label_of
 from harness.calibration.workload import calibrate_workload, lookup_workload
-from harness.cli.args import Settings, csv_list, int_arg, models_arg, path_arg
+from harness.cli.arg_values import csv_list, int_arg, models_arg, path_arg
+from harness.cli.args import Settings
 from harness.errors import UsageError
 from harness.parallel.levers import check_levers
 from harness.spec import default_device_kind, usable_cores

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.cli.args import path_arg
+from harness.cli.arg_values import path_arg
 from harness.compare.run_diff import diff_markdown, diff_runs
 from harness.compare.stats import CompareOptions
 from harness.records.atomic import write_text_atomic

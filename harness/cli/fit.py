@@ -12,8 +12,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from harness.cli.args import (
-    Settings,
+from harness.cli.arg_values import (
     choices,
     csv_list,
     degrees_arg,
@@ -25,6 +24,7 @@ from harness.cli.args import (
     seq_lens_arg,
     workload_keys,
 )
+from harness.cli.args import Settings
 from harness.errors import UsageError
 from harness.fit.cell import plan_fit_cell
 from harness.fit.fit_cells import RECORDS, fit_all

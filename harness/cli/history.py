@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import cast
 
-from harness.cli.args import path_arg
+from harness.cli.arg_values import path_arg
 from harness.compare.run_history import Run, find_changes, history_frame, history_markdown
 from harness.errors import UsageError
 from harness.records.atomic import write_text_atomic

@@ -6,26 +6,21 @@ import argparse
 from pathlib import Path
 
 from harness.calibration.ops import with_measured
-from harness.cli.args import (
-    RUN_DEVICES,
-    SP_MODES,
-    add_sweep_args,
+from harness.cli.arg_values import (
     choices,
     csv_list,
     degrees_arg,
-    device_line,
     fraction,
     int_arg,
     ints,
-    merged,
     model_notes,
     models_arg,
     path_arg,
     positive_float,
     seq_lens_arg,
-    spec_from_args,
     workload_keys,
 )
+from harness.cli.args import RUN_DEVICES, SP_MODES, add_sweep_args, device_line, merged, spec_from_args
 from harness.errors import UsageError
 from harness.fit.measured_peaks import load_fit_records, with_measured_peaks
 from harness.model.checkpoint_cost import DEFAULT_WRITE_GBPS

@@ -6,11 +6,13 @@ import argparse
 
 from tabulate import tabulate
 
-from harness.cli.args import Settings, choices, model_notes, models_arg, path_arg
+from harness.cli.arg_values import choices, model_notes, models_arg, path_arg
+from harness.cli.args import Settings
 from harness.errors import UsageError
 from harness.records.reader import load_run, records_file
 from harness.report import write_report
 from workloads.data import MarkovData
+from workloads.describe import block_summary
 from workloads.own_model import OwnModel
 from workloads.shrink import shrink
 from workloads.sizes import ARCHS, FAMILIES, FLOP_CONVENTION_LABEL, FLOP_CONVENTIONS, ModelSize
@@ -68,8 +70,8 @@ def _model_section(models: tuple[ModelSize | OwnModel, ...]) -> list[str]:
         assert m.origin is not None
         out += [f"## {m.name} ({m.origin.name}, sha256 {m.origin.digest})", "",
                 tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True), "",
-                f"block: {m.block_summary()}", f"shrunk for CPU ranks ({shrunk.origin.shrink if shrunk.origin else ''}; "
-                f"docs/models.md): {shrunk.block_summary()}", *(f"note: {n}" for n in m.origin.notes), ""]
+                f"block: {block_summary(m)}", f"shrunk for CPU ranks ({shrunk.origin.shrink if shrunk.origin else ''}; "
+                f"docs/models.md): {block_summary(shrunk)}", *(f"note: {n}" for n in m.origin.notes), ""]
     return out
 
 

@@ -25,7 +25,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from harness.cli.args import actions_of, add_sweep_args, path_arg, spec_from_args, sweep_actions, sweep_arg_values
+from harness.cli.arg_values import path_arg
+from harness.cli.args import actions_of, add_sweep_args, spec_from_args, sweep_actions, sweep_arg_values
 from harness.cli.bench import add_run_args
 from harness.errors import UsageError
 from harness.planner import expand

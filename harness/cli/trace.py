@@ -8,7 +8,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from harness.cli.args import add_sweep_args, device_line, path_arg, spec_from_args
+from harness.cli.arg_values import path_arg
+from harness.cli.args import add_sweep_args, device_line, spec_from_args
 from harness.errors import UsageError
 from harness.jobs import sigterm_as_interrupt
 from harness.measure import nsys as nsys_mod

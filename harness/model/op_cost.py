@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from harness.model.op_trace import ATTENTION, BACKWARD, FORWARD, GEMM, HOST, MEMORY, RECOMPUTE, SYNC, Op
+from harness.model.op_record import ATTENTION, BACKWARD, FORWARD, GEMM, HOST, MEMORY, RECOMPUTE, SYNC, Op
 from harness.parallel.tp_plan import COLUMN_LINEARS, ROW_LINEARS
 
 KINDS = (GEMM, ATTENTION, MEMORY)

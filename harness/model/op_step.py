@@ -25,7 +25,8 @@ from dataclasses import replace
 from harness.model.block_ops import fp8_linears
 from harness.model.inventory import held_shape, rank_layer_ids, rank_params, stages_of_rank
 from harness.model.op_cost import Device, PassCost, fuse, price, split_for_tp
-from harness.model.op_trace import GEMM, MEMORY, Op, TraceSpec, optimizer_bytes_per_param, trace_block, trace_ends
+from harness.model.op_record import GEMM, MEMORY, Op
+from harness.model.op_trace import TraceSpec, optimizer_bytes_per_param, trace_block, trace_ends
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.parallel.activation_checkpoint import checkpointed_layer
 

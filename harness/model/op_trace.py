@@ -37,182 +37,29 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from harness.model.op_record import (
+    ATTENTION,
+    BACKWARD,
+    FORWARD,
+    MEMORY,
+    RECOMPUTE,
+    SYNC,
+    Op,
+    Recorder,
+    dtype_name,
+    storage_bytes,
+)
 from harness.parallel.activation_checkpoint import apply_ac
 from harness.precision import Fp8Options, PrecisionPlan
 from workloads.architecture import ModelSize
 from workloads.model import Block, Decoder, lm_loss
 
-GEMM, ATTENTION, MEMORY, HOST, SYNC = "gemm", "attention", "memory", "host", "sync"
-FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
-GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
-NO_KERNEL = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "lift_fresh",
-                       "detach", "alias", "_unsafe_view", "_local_scalar_dense", "set_", "resize_"})
-"""Ops that allocate or re-describe memory without a kernel."""
-GATHERS = frozenset({"embedding", "index_select", "index", "gather"})
-"""Ops that read only the rows they pick: their bytes read are their output's (and the indices)."""
-WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_"})
-"""In-place ops that do not read the tensor they write."""
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8",
-          torch.float8_e5m2: "fp8"}
-
-
-@dataclass(frozen=True)
-class Op:
-    """One kernel of a traced pass."""
-
-    name: str
-    """The aten op (``mm``, ``add``, ``_to_copy``), or ``attention`` / ``rms_norm`` for a stand-in."""
-    kind: str
-    """:data:`GEMM`, :data:`ATTENTION`, :data:`MEMORY` (every other kernel: bound by the bytes it moves),
-    :data:`HOST` (an op dispatched without a kernel: a view, an allocation: host time only) or :data:`SYNC` (the
-    host waits for the GPU: an MoE layer reads its routed counts)."""
-    phase: str
-    """:data:`FORWARD`, :data:`BACKWARD` or :data:`RECOMPUTE` (a checkpointing policy's forward again)."""
-    module: str
-    """The module that ran it, by its name under the traced root (``attn.q``; ``""``: the root itself)."""
-    flops: float
-    read: int
-    written: int
-    dtype: str = ""
-    """A GEMM's or attention's operand dtype (``bf16``, ``fp32``, ...)."""
-    gemm: tuple[int, int, int, int] = (0, 0, 0, 0)
-    """A GEMM's (batch, m, n, k)."""
-    attn: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
-    """Attention's (batch x heads, queries, keys, qk head width, v head width)."""
-    features: tuple[int, int] = (0, 0)
-    """A GEMM of an ``nn.Linear``: its (in, out) features (which of m, n, k tensor parallel splits)."""
-    reads: tuple[tuple[int, int], ...] = ()
-    """(storage, bytes) of each tensor read, storages by trace-local id: what compile's fusion rule follows."""
-    writes: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def bytes(self) -> int:
-        return self.read + self.written
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return DTYPES.get(t.dtype, str(t.dtype).removeprefix("torch."))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class _Recorder(TorchDispatchMode):
-    """Records every aten op with a kernel (see the module docstring); ``phase`` and ``module`` say where."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[Op] = []
-        self.phase = FORWARD
-        self.modules: list[str] = []
-        """The forward's module stack (hooks push and pop)."""
-        self.inputs: list[set] = []
-        """Beside it, the autograd nodes of each running module's inputs (where its own nodes end)."""
-        self.node_module: dict = {}
-        """Autograd node -> the module whose forward made it (the backward's attribution)."""
-        self.linears: dict[str, tuple[int, int]] = {}
-        """Each ``nn.Linear``'s (in, out) features, by module name."""
-        self.quiet = 0
-        self._ids: dict[int, int] = {}
-        self._keep: list = []
-        """Every storage seen, held so that an id is never reused within one trace (fake: they hold nothing)."""
-
-    @contextlib.contextmanager
-    def silent(self) -> Iterator[None]:
-        """Ops inside run unrecorded (a stand-in's own allocations)."""
-        self.quiet += 1
-        try:
-            yield
-        finally:
-            self.quiet -= 1
-
-    def module(self) -> str:
-        if self.phase == BACKWARD:
-            return self.node_module.get(torch._C._current_autograd_node(), "")
-        return self.modules[-1] if self.modules else ""
-
-    def sid(self, t: torch.Tensor) -> int:
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key not in self._ids:
-            self._ids[key] = len(self._ids)
-            self._keep.append(storage)
-        return self._ids[key]
-
-    def add(self, name: str, kind: str, flops: float, read: int, written: int, ins: list[torch.Tensor],
-            outs: list[torch.Tensor], **shape: Any) -> None:
-        module = self.module()
-        if kind == GEMM:
-            shape.setdefault("features", self.linears.get(module, (0, 0)))
-        self.ops.append(Op(name=name, kind=kind, phase=self.phase, module=module, flops=flops, read=read,
-                           written=written, reads=tuple((self.sid(t), _nbytes(t)) for t in ins),
-                           writes=tuple((self.sid(t), _nbytes(t)) for t in outs), **shape))
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.quiet and func.namespace == "aten":
-            self._record(func, args, kwargs, out)
-        return out
-
-    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        name = func.overloadpacket.__name__
-        if func.is_view or name in NO_KERNEL:
-            self.add(name, HOST, 0.0, 0, 0, [], [])
-            return
-        ins = _unique([a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)])
-        outs = _unique([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
-        if name in GEMMS:
-            self._gemm(name, args, ins, outs)
-            return
-        written = sum(_nbytes(t) for t in outs)
-        if func._schema.is_mutable:  # in-place and foreach ops: what they write is their mutated arguments
-            mutated = _unique([t for a, v in zip(func._schema.arguments, args, strict=False)
-                               if a.alias_info is not None and a.alias_info.is_write
-                               for t in tree_leaves(v) if isinstance(t, torch.Tensor)])
-            outs = _unique(outs + mutated)
-            written = sum(_nbytes(t) for t in outs)
-        if name in GATHERS:
-            read = written + sum(_nbytes(t) for t in ins if not t.is_floating_point())
-        else:
-            skip = args[0] if name in WRITE_ONLY and args else None
-            read = sum(min(_nbytes(t), t.untyped_storage().nbytes()) for t in ins if t is not skip)
-        self.add(name, MEMORY, 0.0, read, written, ins, outs)
-
-    def _gemm(self, name: str, args: tuple, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
-        batch = a.shape[0] if a.dim() == 3 else 1
-        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-        fp8 = _float8(a) or _float8(b)  # torchao's float8 tensors: the matmul is a float8 one at a byte an operand
-        read = sum(t.numel() if _float8(t) else _nbytes(t) for t in ins)
-        self.add(name, GEMM, 2.0 * batch * m * n * k, read, sum(_nbytes(t) for t in outs), ins, outs,
-                 dtype="fp8" if fp8 else _dtype(a), gemm=(batch, m, n, k))
-
-
-def _float8(t: torch.Tensor) -> bool:
-    """Whether ``t`` is torchao's float8 training tensor (a subclass holding float8 data and its scale)."""
-    return "Float8" in type(t).__name__
-
-
-def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One tensor per storage (an op reading two views of one storage reads it once)."""
-    seen: set[int] = set()
-    out = []
-    for t in tensors:
-        key = id(t.untyped_storage())
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
-
 
 @dataclass(frozen=True)
 class _AttentionCall:
-    rec: _Recorder
+    rec: Recorder
     kv_scale: int
     """Keys per query over the local ones (context parallel's gathered keys)."""
     causal: bool
@@ -238,25 +85,25 @@ class _Attention(torch.autograd.Function):
         ctx.mask = mask
         if not (rec.phase == RECOMPUTE and keep_in_recompute):
             lse = bh * tq * 4
-            read = _nbytes(q) + (_nbytes(k) + _nbytes(v)) * kv_scale + (_nbytes(mask) if mask is not None else 0)
-            rec.add("attention", ATTENTION, 2.0 * bh * tq * tk * (e_qk + e_v) * share, read, _nbytes(out) + lse,
-                    inputs, [out], dtype=_dtype(q), attn=(bh, tq, tk, e_qk, e_v))
+            read = storage_bytes(q) + (storage_bytes(k) + storage_bytes(v)) * kv_scale + (storage_bytes(mask) if mask is not None else 0)
+            rec.add("attention", ATTENTION, 2.0 * bh * tq * tk * (e_qk + e_v) * share, read, storage_bytes(out) + lse,
+                    inputs, [out], dtype=dtype_name(q), attn=(bh, tq, tk, e_qk, e_v))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        rec: _Recorder = ctx.rec
+        rec: Recorder = ctx.rec
         q, k, v, out = ctx.saved_tensors
         bh, tq, tk, e_qk, e_v = ctx.dims
         with rec.silent():
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kv = (_nbytes(k) + _nbytes(v)) * ctx.kv_scale
+        kv = (storage_bytes(k) + storage_bytes(v)) * ctx.kv_scale
         mask = ctx.mask
         lse = bh * tq * 4
-        read = _nbytes(q) + kv + _nbytes(out) + _nbytes(grad) + lse + (_nbytes(mask) if mask is not None else 0)
+        read = storage_bytes(q) + kv + storage_bytes(out) + storage_bytes(grad) + lse + (storage_bytes(mask) if mask is not None else 0)
         accum = 2 * bh * tq * e_qk * 4  # dq accumulated in fp32, written and read back
         rec.add("attention", ATTENTION, 2.0 * bh * tq * tk * (3 * e_qk + 2 * e_v) * ctx.share, read + accum,
-                _nbytes(dq) + kv + accum, [q, k, v, out, grad], [dq, dk, dv], dtype=_dtype(q),
+                storage_bytes(dq) + kv + accum, [q, k, v, out, grad], [dq, dk, dv], dtype=dtype_name(q),
                 attn=(bh, tq, tk, e_qk, e_v))
         return None, dq, dk, dv, None
 
@@ -265,30 +112,30 @@ class _FusedRMSNorm(torch.autograd.Function):
     """torch's fused RMSNorm (CUDA, input and weight of one dtype): one kernel each way."""
 
     @staticmethod
-    def forward(ctx: Any, rec: _Recorder, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, rec: Recorder, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         with rec.silent():
             y = torch.empty_like(x)
         ctx.rec, ctx.rows = rec, rows
         ctx.save_for_backward(x, weight)
         ins = [x] if weight is None else [x, weight]
-        rec.add("rms_norm", MEMORY, 0.0, sum(_nbytes(t) for t in ins), _nbytes(y) + rows * 4, ins, [y])
+        rec.add("rms_norm", MEMORY, 0.0, sum(storage_bytes(t) for t in ins), storage_bytes(y) + rows * 4, ins, [y])
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        rec: _Recorder = ctx.rec
+        rec: Recorder = ctx.rec
         x, weight = ctx.saved_tensors
         with rec.silent():
             dx = torch.empty_like(x)
             dw = torch.empty_like(weight) if weight is not None else None
-        w = _nbytes(weight) if weight is not None else 0
-        rec.add("rms_norm_backward", MEMORY, 0.0, _nbytes(grad) + _nbytes(x) + ctx.rows * 4 + w, _nbytes(dx) + w,
+        w = storage_bytes(weight) if weight is not None else 0
+        rec.add("rms_norm_backward", MEMORY, 0.0, storage_bytes(grad) + storage_bytes(x) + ctx.rows * 4 + w, storage_bytes(dx) + w,
                 [grad, x], [dx] + ([dw] if dw is not None else []))
         return None, dx, dw
 
 
-def _install_stand_ins(root: nn.Module, rec: _Recorder, kv_scale: int, fused_norm: bool, keep_attention: bool) -> None:
+def _install_stand_ins(root: nn.Module, rec: Recorder, kv_scale: int, fused_norm: bool, keep_attention: bool) -> None:
     """Attention, and RMSNorm on a GPU, as the kernels a GPU runs (the module docstring), set on the instances (a
     checkpointing policy's recomputation calls the same modules, so it runs them too)."""
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -310,7 +157,7 @@ def _install_stand_ins(root: nn.Module, rec: _Recorder, kv_scale: int, fused_nor
             setattr(mod, "forward", norm)  # noqa: B010  (on the instance: a recomputation calls it too)
 
 
-def _attach(rec: _Recorder, root: nn.Module) -> list:
+def _attach(rec: Recorder, root: nn.Module) -> list:
     """Forward hooks on every module: the stack names the module running each op; on the way out each autograd node
     the module made (those between its inputs and its outputs) is attributed to it unless an inner module claimed it
     first, so a node belongs to the innermost module that made it."""
@@ -338,7 +185,7 @@ def _attach(rec: _Recorder, root: nn.Module) -> list:
     return handles
 
 
-def _flag_recompute(rec: _Recorder, fn: Callable) -> Callable:
+def _flag_recompute(rec: Recorder, fn: Callable) -> Callable:
     """``fn`` that labels what it runs in the backward (a checkpointing policy's recomputation) as such."""
     def run(*args: Any, **kwargs: Any) -> Any:
         if rec.phase == FORWARD:
@@ -368,7 +215,7 @@ class _RoutedEvenly:
     (under expert parallel each rank receives what it sends; the all-to-all itself is the comm model's). The layer
     reads its routed counts on the host (``counts.tolist()``, the all-to-all's split sizes): a sync."""
 
-    def __init__(self, rec: _Recorder, local_experts: int) -> None:
+    def __init__(self, rec: Recorder, local_experts: int) -> None:
         self.rec, self.local = rec, local_experts
 
     def dispatch(self, grouped: torch.Tensor, counts: torch.Tensor, even: bool) -> tuple[torch.Tensor, list[int], None]:
@@ -434,7 +281,7 @@ def _param_dtype(spec: TraceSpec) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def _run(rec: _Recorder, root: nn.Module, spec: TraceSpec, forward: Callable[[], torch.Tensor],
+def _run(rec: Recorder, root: nn.Module, spec: TraceSpec, forward: Callable[[], torch.Tensor],
          keep_attention: bool) -> None:
     _install_stand_ins(root, rec, spec.cp, spec.fused_norm, keep_attention)
     with rec, _autocast(spec.precision):
@@ -448,7 +295,7 @@ def _run(rec: _Recorder, root: nn.Module, spec: TraceSpec, forward: Callable[[],
 def trace_block(size: ModelSize, layer: int, spec: TraceSpec) -> tuple[Op, ...]:
     """The kernels of block ``layer``'s forward and backward (and recomputation) over one microbatch on one rank, at
     tensor parallel 1: :mod:`harness.model.op_cost` splits them as tensor parallel would."""
-    rec = _Recorder()
+    rec = Recorder()
     with FakeTensorMode(allow_non_fake_inputs=True):
         with _param_dtype(spec):
             block = Block(size, layer)
@@ -473,7 +320,7 @@ def trace_block(size: ModelSize, layer: int, spec: TraceSpec) -> tuple[Op, ...]:
 def optimizer_bytes_per_param(kind: str = "adamw") -> float:
     """Bytes one AdamW step moves per parameter, traced on a fake fp32 parameter as a GPU runs it: torch's default
     multi-tensor (``foreach``) kernels, or the fused kernel (``adamw-fused``)."""
-    rec = _Recorder()
+    rec = Recorder()
     n = 1 << 20
     with FakeTensorMode(allow_non_fake_inputs=True):
         p = nn.Parameter(torch.empty(n))
@@ -490,7 +337,7 @@ def optimizer_bytes_per_param(kind: str = "adamw") -> float:
 def trace_ends(size: ModelSize, spec: TraceSpec) -> tuple[Op, ...]:
     """The kernels outside the blocks: the embedding (module ``embed``), the final norm (``norm``), the LM head
     (``head``) and the loss (``""``), forward and backward, over one microbatch at tensor parallel 1."""
-    rec = _Recorder()
+    rec = Recorder()
     with FakeTensorMode(allow_non_fake_inputs=True):
         with _param_dtype(spec):
             model = Decoder(replace(size, n_layers=1, dense_layers=min(size.dense_layers, 1)))

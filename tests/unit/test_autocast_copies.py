@@ -16,8 +16,8 @@ import torch
 from harness.measure.tensor_bytes import TensorBytes, _local, optimizer_tensors
 from harness.model import memory
 from harness.model.activations import kept_token_bytes, microbatch_tables
-from harness.model.memory import WeightCopies, autocast_copy_bytes, weight_copies
 from harness.model.shape import CellShape
+from harness.model.weight_copies import WeightCopies, autocast_copy_bytes, weight_copies
 from harness.parallel.activation_checkpoint import apply_ac
 from harness.parallel.presets import degrees_for
 from harness.precision import Fp8Options, PrecisionPlan

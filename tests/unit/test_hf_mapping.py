@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from workloads.architecture import seq_len_error
+from workloads.describe import seq_len_error
 from workloads.hf_models import config_model
 from workloads.shrink import shrink
 

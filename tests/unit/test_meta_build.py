@@ -54,7 +54,7 @@ def test_a_prediction_s_shapes_import_no_dynamo():
     is still not imported (it was, by the first ``normal_`` on the meta device)."""
     code = ("import sys\n"
             "from harness.model.inventory import param_specs\n"
-            "from harness.model.memory import _linear_modules\n"
+            "from harness.model.weight_copies import _linear_modules\n"
             "from workloads.sizes import get_size\n"
             "for arch in ('gpt2', 'llama3', 'moe'):\n"
             "    assert param_specs(get_size('mini', arch)) and _linear_modules(get_size('mini', arch))\n"

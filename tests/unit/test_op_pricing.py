@@ -20,19 +20,9 @@ from harness.model.op_cost import (
     split_for_tp,
     wave_efficiency,
 )
-from harness.model.op_trace import (
-    ATTENTION,
-    BACKWARD,
-    FORWARD,
-    GEMM,
-    MEMORY,
-    RECOMPUTE,
-    SYNC,
-    Op,
-    TraceSpec,
-    trace_block,
-)
-from workloads.architecture import MoESpec
+from harness.model.op_record import ATTENTION, BACKWARD, FORWARD, GEMM, MEMORY, RECOMPUTE, SYNC, Op
+from harness.model.op_trace import TraceSpec, trace_block
+from workloads.model_parts import MoESpec
 from workloads.sizes import get_size
 
 TABLE = AttentionTable(peak=1000.0, seq=(1024, 4096), fwd=((128, (300.0, 400.0)),), fwd_bwd=((128, (250.0, 350.0)),))
