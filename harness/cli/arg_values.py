@@ -194,8 +194,8 @@ def positive_float(name: str, v) -> float:
     return x
 
 
-def fraction(name: str, v) -> float:
-    x = _number(name, v, "a fraction in (0, 1], e.g. 0.4")
+def fraction(name: str, v, of: str = "the datasheet peak", e_g: str = "0.4") -> float:
+    x = _number(name, v, f"a fraction in (0, 1], e.g. {e_g}")
     if not 0 < x <= 1:
-        raise UsageError(f"{name} {v!r}: must be a fraction of the datasheet peak in (0, 1], e.g. 0.4")
+        raise UsageError(f"{name} {v!r}: must be a fraction of {of} in (0, 1], e.g. {e_g}")
     return x

@@ -61,6 +61,10 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rms-norm", choices=("fused", "composite"), default=None,
                    help="RMSNorm as torch's fused kernel (default; torch 2.8 onwards) or as the separate kernels "
                         "earlier torch ran (to price a run made on it)")
+    g.add_argument("--inductor-reductions", default=None,
+                   help="under --compile on, the share of the achievable bandwidth torch.compile's fused kernels with "
+                        "a norm, softmax or loss in them reach, in (0, 1]: 1 (default; torch 2.13's Inductor) or 0.5 "
+                        "to price a run on the torch of 2024 (docs/op-pricing.md)")
     g.add_argument("--error-from", type=path_arg, default=None,
                    help="run directory whose records carry predictions, for the model's measured error "
                         "(default results/reference/rounds-cpu-tiny-mini-w2-w4-C, the rounds reference)")
@@ -152,7 +156,10 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
                 if "checkpoint_every" in v else None,
                 checkpoint_gbps=positive_float(v.label("checkpoint_gbps"), v["checkpoint_gbps"])
                 if "checkpoint_gbps" in v else DEFAULT_WRITE_GBPS,
-                fused_rms_norm=v.get("rms_norm", "fused") == "fused", fp8_recipe=_one_recipe(v))
+                fused_rms_norm=v.get("rms_norm", "fused") == "fused", fp8_recipe=_one_recipe(v),
+                inductor_reductions=fraction(v.label("inductor_reductions"), v["inductor_reductions"],
+                                             of="the achievable bandwidth", e_g="0.5")
+                if "inductor_reductions" in v else 1.0)
     if v.get("explain") and efficiency is not None:
         raise UsageError("--explain with --efficiency: the breakdown is the op-by-op pricing's; drop --efficiency")
     sps = tuple(x == "on" for x in choices(v.label("sp"), v.get("sp", "on"), SP_MODES))
@@ -195,7 +202,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if merged(args).get("device", "auto") not in RUN_DEVICES:
         return cmd_plan_whatif(args)
     for flag in ("recompute", "efficiency", "error_from", "fit_from", "moe_imbalance", "device_mem", "power_cap",
-                 "compile_from", "checkpoint_gbps", "explain", "rms_norm"):
+                 "compile_from", "checkpoint_gbps", "explain", "rms_norm", "inductor_reductions"):
         if getattr(args, flag, None) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
                              f"(or {', '.join(d for d in DEVICES if d != 'h100')})")

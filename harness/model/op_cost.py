@@ -17,7 +17,13 @@
 **Compile as fusion**: under ``torch.compile`` each run of memory-bound kernels between two GEMMs or attentions
 becomes one kernel that reads what the run reads from outside it and writes what is read after it (by a later op,
 forward or backward, or saved for the backward: the trace holds both), its intermediates never written to memory
-(Inductor's pointwise and reduction fusion). GEMMs and attention stay as they are.
+(Inductor's pointwise and reduction fusion). GEMMs and attention stay as they are. A fused kernel with a row
+reduction in it (a norm, a softmax, the loss: :data:`REDUCTIONS`) runs at ``reduction_share`` of the streaming
+bandwidth: 1 on a torch whose Inductor generates them at the speed of light (its mix-order reductions, on by default
+in torch 2.13), 0.5 for the torch of 2024 (PyTorch's "SOTA Normalization Performance with torch.compile": before
+that work torch.compile's norm kernels ran at about 50% of Quack's, whose kernels reach the bandwidth a streaming
+copy does). Only the blocks are compiled (:func:`harness.parallel.levers.apply_compile`, as torchtitan does): the
+ends (embedding, final norm, LM head, loss) run eager.
 
 **Tensor parallel** splits each traced op as its module is split (:mod:`harness.parallel.tp_plan`): a column
 linear's output width, a row linear's input width, the heads of attention and everything between the two linears
@@ -35,6 +41,16 @@ from harness.model.op_record import ATTENTION, BACKWARD, FORWARD, GEMM, HOST, ME
 from harness.parallel.tp_plan import COLUMN_LINEARS, ROW_LINEARS
 
 KINDS = (GEMM, ATTENTION, MEMORY)
+REDUCTIONS = frozenset({"mean", "sum", "var_mean", "rms_norm", "rms_norm_backward", "_fused_rms_norm",
+                        "_fused_rms_norm_backward", "native_layer_norm", "native_layer_norm_backward", "_softmax",
+                        "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "nll_loss_forward",
+                        "nll_loss_backward"})
+"""The traced ops that reduce along a row (norms, softmax, the loss): a compiled kernel holding one is a reduction
+kernel (:func:`fuse`). An fp8 cast's amax (a whole-tensor ``max``) is not one of them."""
+INDUCTOR_2024_REDUCTION_SHARE = 0.5
+"""What torch.compile's norm kernels reached of Quack's on an H100 before Inductor's 2025-26 normalization work
+(PyTorch blog, "SOTA Normalization Performance with torch.compile": "torch.compile ~50% of Quack performance
+typically"); Quack's reach the bandwidth a streaming copy does."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +173,7 @@ def wave_efficiency(op: Op, rates: OpRates) -> float:
 def op_seconds(op: Op, dev: Device) -> float:
     """One kernel's GPU time, without the per-kernel floor (:class:`PassCost` adds it)."""
     bw = dev.hbm_gbps * 1e9 * dev.rates.bandwidth_efficiency
-    memory = op.bytes / bw
+    memory = op.bytes / (bw * op.bandwidth_share)
     if op.kind == GEMM:
         rate = dev.rates.gemm(op.dtype) * 1e12 * dev.compute_scale * wave_efficiency(op, dev.rates)
         return max(op.flops / rate, memory)
@@ -192,11 +208,14 @@ def price(ops: Iterable[Op], dev: Device) -> PassCost:
     return cost
 
 
-def fuse(ops: list[Op]) -> list[Op]:
+def fuse(ops: list[Op], reduction_share: float = 1.0) -> list[Op]:
     """The ops as ``torch.compile`` runs them (the module docstring): each run of memory-bound ops between two
     GEMMs or attentions, in one phase, becomes one op reading what the run reads from outside it and writing what
     it writes that an op outside it reads, or that no traced op reads (the pass's outputs: the block's output, the
-    gradients); a tensor read only inside the run is never written."""
+    gradients); a tensor read only inside the run is never written. A run holding a row reduction
+    (:data:`REDUCTIONS`) runs at ``reduction_share`` of the bandwidth."""
+    if not 0 < reduction_share <= 1:
+        raise ValueError(f"reduction_share {reduction_share}: must be in (0, 1], a share of the bandwidth")
     readers: dict[int, set[int]] = {}
     for i, op in enumerate(ops):
         for sid, _ in op.reads:
@@ -220,8 +239,9 @@ def fuse(ops: list[Op]) -> list[Op]:
                 writes[sid] = max(writes.get(sid, 0), nbytes)
         written = sum(nbytes for sid, nbytes in writes.items() if sid not in readers or readers[sid] - inside)
         first = ops[run[0]]
+        share = reduction_share if any(ops[i].name in REDUCTIONS for i in run) else 1.0
         out.append(replace(first, name=f"fused {len(run)}" if len(run) > 1 else first.name, read=read,
-                           written=written))
+                           written=written, bandwidth_share=share))
         run.clear()
 
     for i, op in enumerate(ops):

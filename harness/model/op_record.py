@@ -66,6 +66,9 @@ class Op:
     reads: tuple[tuple[int, int], ...] = ()
     """(storage, bytes) of each tensor read, storages by trace-local id: what compile's fusion rule follows."""
     writes: tuple[tuple[int, int], ...] = ()
+    bandwidth_share: float = 1.0
+    """The share of the device's achievable bandwidth a memory-bound kernel reaches: 1 but for a compiled kernel
+    with a reduction under an Inductor that ran them slower (:func:`harness.model.op_cost.fuse`)."""
 
     @property
     def bytes(self) -> int:

@@ -5,7 +5,8 @@ on the device (:mod:`harness.model.op_cost`).
 * **Blocks**: one trace per kind of block the rank holds (dense or MoE; checkpointed whole or not under ``layerN``),
   at the rank's microbatch rows and local sequence (context parallel: ``seq / cp`` queries over the gathered keys),
   its experts (expert parallel: ``E / ep`` experts over the rows routed to them), its policy.
-* **Ends**: the embedding on the first stage; the final norm, the LM head and the loss on the last.
+* **Ends**: the embedding on the first stage; the final norm, the LM head and the loss on the last; eager under
+  compile too (only the blocks are compiled: :func:`harness.parallel.levers.apply_compile`, as torchtitan does).
 * **FSDP's copies**, per microbatch: the all-gathered parameters copied out of the gather buffer in the forward and
   again in the backward (``2 x 2`` bytes of the parameter dtype per parameter: read and write), and each gradient
   copied into the reduce-scatter buffer in fp32 (read in the parameter dtype, written in fp32).
@@ -75,7 +76,8 @@ def _fused_fp8(ops: list[Op]) -> list[Op]:
     return out
 
 
-def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_recipe: str) -> list[Op]:
+def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_recipe: str,
+               reduction_share: float) -> list[Op]:
     size = c.size
     # one trace per kind of block: the first layer of the same kind stands for it
     kind = (size.is_moe_layer(layer), checkpointed_layer(c.recompute, layer))
@@ -88,18 +90,18 @@ def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_re
     if c.precision == "tf32":
         ops = [replace(o, dtype="tf32") if o.kind == GEMM else o for o in ops]
     if compile:
-        ops = fuse(_fused_fp8(ops))
+        ops = fuse(_fused_fp8(ops), reduction_share)
     return ops
 
 
-def _end_ops(c: CellShape, first: bool, last: bool, compile: bool, fused_norm: bool) -> list[Op]:
+def _end_ops(c: CellShape, first: bool, last: bool, fused_norm: bool) -> list[Op]:
     ops = []
     for o in trace_ends(c.size, trace_spec(c, fused_norm)):
         if (o.module.startswith("embed") and first) or (not o.module.startswith("embed") and last):
             ops.append(split_for_tp(o, c.dims.tp, c.dims.sequence_parallel))
     if c.precision == "tf32":
         ops = [replace(o, dtype="tf32") if o.kind == GEMM else o for o in ops]
-    return fuse(ops) if compile else ops
+    return ops
 
 
 def _fsdp_copy_bytes(c: CellShape, params: int) -> int:
@@ -112,9 +114,10 @@ def _fsdp_copy_bytes(c: CellShape, params: int) -> int:
 
 
 def rank_passes(c: CellShape, dev: Device, compile: bool = False, fused_norm: bool = True,
-                fp8_recipe: str = "tensorwise") -> list[PassCost]:
+                fp8_recipe: str = "tensorwise", reduction_share: float = 1.0) -> list[PassCost]:
     """Per pipeline rank: one microbatch's forward and backward (and recomputation), priced op by op; ``fused_norm``
-    False prices RMSNorm as the separate kernels torch ran before its fused kernel (torch 2.8, pytorch#153666)."""
+    False prices RMSNorm as the separate kernels torch ran before its fused kernel (torch 2.8, pytorch#153666);
+    ``reduction_share``: what compile's fused reduction kernels reach of the bandwidth (:func:`fuse`)."""
     n_stages = c.dims.pp * c.virtual
     bw = dev.hbm_gbps * 1e9 * dev.rates.bandwidth_efficiency
     out = []
@@ -122,8 +125,8 @@ def rank_passes(c: CellShape, dev: Device, compile: bool = False, fused_norm: bo
         stages = stages_of_rank(pp_rank, c.dims.pp, c.virtual, c.v_shape)
         ops: list[Op] = []
         for layer in rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape):
-            ops += _block_ops(c, layer, compile, fused_norm, fp8_recipe)
-        ops += _end_ops(c, first=0 in stages, last=n_stages - 1 in stages, compile=compile, fused_norm=fused_norm)
+            ops += _block_ops(c, layer, compile, fused_norm, fp8_recipe, reduction_share)
+        ops += _end_ops(c, first=0 in stages, last=n_stages - 1 in stages, fused_norm=fused_norm)
         cost = price(ops, dev)
         gathered = sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank,
                                                                              c.v_shape))

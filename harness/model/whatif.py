@@ -31,6 +31,8 @@ from harness.model.checkpoint_cost import DEFAULT_WRITE_GBPS, checkpoint_bytes_b
 from harness.model.compute import ComputeRates, roofline_rates, with_recompute
 from harness.model.hardware import GIB, Device, comm_time_fn, get_device, placement
 from harness.model.memory import peak_bytes, state_bytes_by_rank
+from harness.model.op_cost import Device as PricedDevice
+from harness.model.op_cost import PassCost
 from harness.model.op_step import optimizer_s_per_param, rank_passes
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import StepPrediction, predict_step
@@ -109,6 +111,10 @@ class Scenario:
     fused_rms_norm: bool = True
     """RMSNorm as torch's fused kernel (torch 2.8 onwards); False: as the separate kernels earlier torch ran
     (``--rms-norm composite``, a published run's software)."""
+    inductor_reductions: float = 1.0
+    """Under compile, the share of the achievable bandwidth Inductor's fused kernels with a norm, softmax or loss in
+    them reach (``--inductor-reductions``; :data:`harness.model.op_cost.INDUCTOR_2024_REDUCTION_SHARE` for the torch
+    of 2024)."""
 
     @property
     def peak_tflops(self) -> float:
@@ -140,7 +146,7 @@ def scenario(workload: str | ModelSize, device: str | Device, gpus: int, precisi
              grad_accum: int = 1, degrees: dict | None = None, moe_imbalance: float = 1.0,
              sequence_parallel: bool = True, compile: CompileGain | None = None, checkpoint_every: int | None = None,
              checkpoint_gbps: float = DEFAULT_WRITE_GBPS, fused_rms_norm: bool = True,
-             fp8_recipe: str = "tensorwise") -> Scenario:
+             fp8_recipe: str = "tensorwise", inductor_reductions: float = 1.0) -> Scenario:
     """Validate the inputs (UsageError naming the value and the fix) and fix the defaults. ``workload``: a size's
     key (``llama3-8b``) or the workload itself (a ``--model``'s, resolved where the user named it)."""
     dev = get_device(device) if isinstance(device, str) else device
@@ -176,11 +182,14 @@ def scenario(workload: str | ModelSize, device: str | Device, gpus: int, precisi
         raise UsageError(f"--checkpoint-every {checkpoint_every}: must be an integer >= 1 (steps between saves)")
     if not checkpoint_gbps > 0:
         raise UsageError(f"--checkpoint-gbps {checkpoint_gbps}: must be a write bandwidth per GPU in GB/s > 0, e.g. 2")
+    if not 0 < inductor_reductions <= 1:
+        raise UsageError(f"--inductor-reductions {inductor_reductions:g}: must be a share of the bandwidth in (0, 1], "
+                         f"e.g. 0.5 for the torch of 2024")
     return Scenario(size=size, device=dev, gpus=gpus, precision=precision, efficiency=eff, global_batch=global_batch,
                     recompute=recompute, microbatches=microbatches, pp_schedule=pp_schedule, grad_accum=grad_accum,
                     degrees=degrees, moe_imbalance=moe_imbalance, sequence_parallel=sequence_parallel, compile=compile,
                     checkpoint_every=checkpoint_every, checkpoint_gbps=checkpoint_gbps, fused_rms_norm=fused_rms_norm,
-                    fp8_recipe=Fp8Options(recipe=fp8_recipe).recipe)
+                    fp8_recipe=Fp8Options(recipe=fp8_recipe).recipe, inductor_reductions=inductor_reductions)
 
 
 def default_global_batch(seq_len: int, world: int, cp: int) -> int:
@@ -204,13 +213,19 @@ def shape_for(s: Scenario, strategy: str) -> CellShape:
                      recompute=s.recompute, moe_imbalance=s.moe_imbalance)
 
 
+def _op_passes(s: Scenario, c: CellShape, dev: PricedDevice) -> list[PassCost]:
+    """Each pipeline rank's microbatch priced op by op under the scenario's software (compile, RMSNorm's kernel,
+    fp8's recipe, Inductor's reductions)."""
+    return rank_passes(c, dev, compile=s.compile is not None, fused_norm=s.fused_rms_norm, fp8_recipe=s.fp8_recipe,
+                       reduction_share=s.inductor_reductions)
+
+
 def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
     """Each pipeline rank's microbatch priced op by op (:mod:`harness.model.op_step`); with ``--efficiency``, roofline
     rates at ``peak x efficiency`` and the HBM bandwidth, scaled for recomputation."""
     if s.efficiency is None:
         dev = s.device.priced()
-        passes = rank_passes(c, dev, compile=s.compile is not None, fused_norm=s.fused_rms_norm,
-                             fp8_recipe=s.fp8_recipe)
+        passes = _op_passes(s, c, dev)
         return ComputeRates(alpha_s=0.0, beta_s_per_row=0.0, optimizer_s_per_param=optimizer_s_per_param(c, dev),
                             basis="ops", stage_pass_s=tuple(p.total_s for p in passes))
     r = with_recompute(roofline_rates(c, s.compute_peak_tflops * s.device.compute_scale * s.efficiency,
@@ -274,8 +289,7 @@ EXPLAIN = ("gemm", "attention", "memory-bound", "host-bound", "optimizer", "expo
 def explain(s: Scenario, c: CellShape, p: StepPrediction) -> dict[str, float]:
     """The step's seconds by part (:data:`EXPLAIN`): the slowest pipeline rank's compute by kind of kernel (its
     passes of one microbatch), the optimizer, the exposed communication and the bubble."""
-    costs = rank_passes(c, s.device.priced(), compile=s.compile is not None, fused_norm=s.fused_rms_norm,
-                        fp8_recipe=s.fp8_recipe)
+    costs = _op_passes(s, c, s.device.priced())
     cost = max(costs, key=lambda k: k.total_s)
     passes = c.microbatches if c.dims.pp_enabled else c.grad_accum
     scale = p.compute_s / (passes * cost.total_s) if cost.total_s else 0.0  # an MoE's busiest rank, if any

@@ -52,6 +52,13 @@ class PublishedRow:
     assumed: str = ""
     rms_norm: str = "fused"
     """``fused`` or ``composite``: the run's torch ran RMSNorm as separate kernels (before torch 2.8's fused one)."""
+    pp_schedule: str = "1f1b"
+    """A pipelined row's schedule, as ``plan --pp-schedule`` takes it."""
+    microbatches: int | None = None
+    """A pipelined row's microbatches per step (None: ``plan``'s default)."""
+    inductor_reductions: float = 1.0
+    """Under compile, the share of the bandwidth its torch's Inductor reached in kernels with a norm, softmax or
+    loss (``plan --inductor-reductions``): 0.5 for torch of 2024."""
 
     @property
     def can_plan(self) -> bool:
@@ -66,7 +73,7 @@ def load_rows(path: Path) -> list[PublishedRow]:
     known = {f.name for f in fields(PublishedRow)}
     out = []
     for i, raw in enumerate(tomllib.loads(path.read_text())["row"]):
-        unknown = set(raw) - known - {"microbatches", "pp_schedule"}
+        unknown = set(raw) - known
         if unknown:
             raise UsageError(f"{path}: row {i + 1} ({raw.get('id')}): unknown keys {sorted(unknown)}")
         out.append(PublishedRow(**{k: v for k, v in raw.items() if k in known}))
@@ -80,9 +87,10 @@ def predict(row: PublishedRow, folder: Path) -> dict:
     device = device_arg(str(folder / row.device) if row.device.endswith(".toml") else row.device)
     (pred,) = plan_at_scale(f"{row.arch}-{row.size}", device, row.gpus, [row.strategy], precision=row.precision,
                             global_batch=row.global_batch, seq_len=row.seq_len, recompute=row.ac,
-                            grad_accum=row.grad_accum, degrees=row.degrees_dict(),
+                            grad_accum=row.grad_accum, degrees=row.degrees_dict(), pp_schedule=row.pp_schedule,
+                            microbatches=row.microbatches,
                             compile=CompileGain(None, NO_COMPILE_MEASUREMENT) if row.compile else None,
-                            fused_rms_norm=row.rms_norm == "fused")
+                            fused_rms_norm=row.rms_norm == "fused", inductor_reductions=row.inductor_reductions)
     if not pred["valid"]:
         raise UsageError(f"published row {row.id}: marked expressible, but plan refuses it: {pred['reason']}")
     return {"device_gib": device.hbm_gib, "fits": pred["fits"], "peak_gib": pred["peak_mem_gib_per_rank"],

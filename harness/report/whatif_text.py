@@ -49,6 +49,9 @@ def compute_lines(s: Scenario) -> list[str]:
         f"{d.hbm_gbps:,.0f} GB/s ({sources['bandwidth_efficiency']}); {r.launch_s * 1e6:g} us of host time per "
         f"eager op ({sources['launch_s']}); kernel floor {r.kernel_floor_s * 1e6:g} us ({sources['kernel_floor_s']})",
         f"kernels: RMSNorm {'fused (torch 2.8 onwards)' if s.fused_rms_norm else 'as separate kernels (--rms-norm composite: torch before 2.8)'}"
+        + (f"; compiled: the blocks, each run of memory-bound kernels between two matmuls one kernel, those with a "
+           f"norm, softmax or loss at {s.inductor_reductions:g} of the bandwidth (--inductor-reductions), the ends "
+           f"eager" if s.compile is not None else "")
         + ("; fp8: torchao's float8 GEMMs, each operand's amax and scaled cast as memory-bound kernels (two eager, "
            "one pass compiled)" if s.precision == "fp8" else ""),
     ]

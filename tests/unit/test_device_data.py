@@ -149,3 +149,24 @@ def test_compile_priced_op_by_op_is_fusion_and_never_unpriced(capsys):
                  "fsdp", "--compile", "on"]) == 0
     out = capsys.readouterr().out
     assert "compile: priced as fusion" in out and "not priced" not in out
+
+
+def test_the_inductor_of_2024_slows_a_compiled_row_and_leaves_an_eager_one(capsys):
+    """``--inductor-reductions 0.5`` prices compile's norm, softmax and loss kernels at half the bandwidth: a compiled
+    row's step grows, an eager row's does not; a share outside (0, 1] is refused before anything is priced."""
+    kw = dict(global_batch=16, recompute="op", compile=CompileGain(None, "op by op"))
+    now, then = (plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], inductor_reductions=r, **kw)[0] for r in (1.0, 0.5))
+    assert then["compute_s"] > now["compute_s"]
+    eager = [plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], global_batch=16, recompute="op",
+                           inductor_reductions=r)[0]["compute_s"] for r in (1.0, 0.5)]
+    assert eager[0] == eager[1]
+    args = ["plan", "--arch", "llama3", "--sizes", "8b", "--gpus", "8", "--device", "h100", "--strategies", "fsdp",
+            "--compile", "on"]
+    assert main([*args, "--inductor-reductions", "0.5"]) == 0
+    assert "those with a norm, softmax or loss at 0.5 of the bandwidth (--inductor-reductions), the ends eager" in \
+        capsys.readouterr().out
+    assert main([*args, "--inductor-reductions", "0"]) == 2
+    assert ("--inductor-reductions '0': must be a fraction of the achievable bandwidth in (0, 1], e.g. 0.5"
+            in capsys.readouterr().err)
+    assert main(["plan", "--arch", "llama3", "--sizes", "tiny", "--inductor-reductions", "0.5"]) == 2
+    assert "--inductor-reductions applies to a what-if only" in capsys.readouterr().err

