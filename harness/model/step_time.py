@@ -9,6 +9,9 @@
   what-if. What the strategy can overlap (DDP buckets, FSDP prefetch, async sends) is hidden
   behind compute up to the compute time, except the first and the last such call (the first
   FSDP all-gather precedes all compute, the last DDP bucket / reduce-scatter follows it) on GPUs; on CPU ranks nothing is hidden (gloo reduces on the same cores that compute);
+* interference (GPU what-ifs): a collective's kernels take SMs and memory bandwidth from the compute they run
+  beside, so the compute that hides a collective runs ``1 + overlap_slowdown`` times as long
+  (:data:`OVERLAP_SLOWDOWN`): ``overlap_slowdown x min(hidden comm, compute)`` is added;
 * expert load: under expert parallel the experts' share of the compute (:func:`expert_flop_share`) is
   scaled by the busiest expert's load over the mean (``CellShape.moe_imbalance``), the rank holding it
   being the one every other waits for at the combine (an upper bound when a rank holds several experts);
@@ -40,6 +43,12 @@ from harness.model.pipeline_sim import schedule_bubble
 from harness.model.shape import CellShape
 from harness.parallel.schedules import expected_bubble
 
+OVERLAP_SLOWDOWN = 0.189
+"""How much longer compute runs while a collective runs beside it, on GPUs: Lee et al. 2025, "Characterizing
+Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and Power Implications"
+(arXiv 2507.03114): "an average computational slowdown of 18.9%, with a maximum of 40.0%", GPT and Llama models on
+A100, H100, MI250 and MI210, against the same compute with no communication beside it."""
+
 CommTime = Callable[[str, int, int, str], float | None]
 """(collective, nbytes, group size, mesh dim) -> seconds per call, or None when not calibrated."""
 
@@ -55,6 +64,8 @@ class StepPrediction:
     bubble_fraction: float
     basis: str
     notes: tuple[str, ...] = ()
+    interference_s: float = 0.0
+    """What the collectives hidden behind compute slow it by (:data:`OVERLAP_SLOWDOWN`; 0 but in GPU what-ifs)."""
 
     def as_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "compute_s": self.compute_s, "optimizer_s": self.optimizer_s,
@@ -73,8 +84,9 @@ def _known_s(p: StepPrediction) -> float:
 
 
 def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing: CoreSharing = NO_SHARING,
-                 hide_overlappable: bool = True) -> StepPrediction:
-    """The slowest rank's predicted step time (ranks wait for each other at every collective)."""
+                 hide_overlappable: bool = True, overlap_slowdown: float = 0.0) -> StepPrediction:
+    """The slowest rank's predicted step time (ranks wait for each other at every collective); ``overlap_slowdown``:
+    what hidden collectives slow the compute beside them by (the module docstring)."""
     dims = c.dims
     all_busy = sharing.factor(sharing.node_ranks)  # data and tensor parallel ranks compute at once
     shares = stage_shares(c)
@@ -116,8 +128,11 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing
                 edge = [edge[0], t] if edge else [t]
             else:
                 exposed += t
+        interference = 0.0
         if hide_overlappable and hidden_ok:
-            exposed += max(sum(edge), hidden_ok - compute)
+            left_out = max(sum(edge), hidden_ok - compute)
+            exposed += left_out
+            interference = overlap_slowdown * min(hidden_ok - left_out, compute)
         bubble = 0.0
         if dims.pp_enabled:  # max(0, ...): only float rounding can make the schedule shorter than its work
             # the slot model's bubble is (p - 1) / (v m) of the compute, cores shared as the slots fill; a schedule
@@ -126,13 +141,14 @@ def predict_step(c: CellShape, rates: ComputeRates, comm_time: CommTime, sharing
             bubble = max(0.0, pipeline_time_s(one_pass, dims.pp, v, c.microbatches, max(1, sharing.node_ranks // dims.pp),
                                               sharing) - compute) * bubble_frac / expected_bubble(dims.pp, v, c.microbatches)
         comm_known = not missing
-        step = compute + optimizer + exposed + bubble
+        step = compute + optimizer + exposed + bubble + interference
         if missing:
             notes.append("no comm calibration for " + ", ".join(f"{c_} over {g} ranks" for c_, g in sorted(missing))
                          + "; run harness calibrate --gpus N")
         cand = StepPrediction(step_time_s=step if comm_known else None, compute_s=compute, optimizer_s=optimizer,
                               comm_s=total if comm_known else None, exposed_comm_s=exposed if comm_known else None,
-                              bubble_s=bubble, bubble_fraction=bubble_frac, basis=rates.basis, notes=tuple(notes))
+                              bubble_s=bubble, bubble_fraction=bubble_frac, basis=rates.basis, notes=tuple(notes),
+                              interference_s=interference if comm_known else 0.0)
         if best is None or _known_s(cand) > _known_s(best):
             best = cand
     assert best is not None

@@ -35,7 +35,7 @@ from harness.model.op_cost import Device as PricedDevice
 from harness.model.op_cost import PassCost
 from harness.model.op_step import optimizer_s_per_param, rank_passes
 from harness.model.shape import LOW_BYTES, CellShape
-from harness.model.step_time import StepPrediction, predict_step
+from harness.model.step_time import OVERLAP_SLOWDOWN, StepPrediction, predict_step
 from harness.parallel import presets
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
@@ -246,7 +246,8 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         return row
     dims = c.dims
     rates = rates_for(s, c)
-    p = predict_step(c, rates, comm_time_fn(s.device, dims), hide_overlappable=True)
+    p = predict_step(c, rates, comm_time_fn(s.device, dims), hide_overlappable=True,
+                     overlap_slowdown=OVERLAP_SLOWDOWN if s.efficiency is None else 0.0)
     step = p.step_time_s
     assert step is not None, "the hardware table prices every collective"
     tokens_per_device = c.global_batch * c.size.seq_len / step / dims.world_size
@@ -260,7 +261,8 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         mfu_pct=100.0 * c.size.flops_per_token() * tokens_per_device / (s.peak_tflops * 1e12),
         mfu_megatron_pct=100.0 * c.size.flops_per_token_megatron() * tokens_per_device / (s.peak_tflops * 1e12),
         compute_s=p.compute_s, optimizer_s=p.optimizer_s, comm_s=p.comm_s, exposed_comm_s=p.exposed_comm_s,
-        bubble_s=p.bubble_s, bubble_fraction=p.bubble_fraction, model_states_gib_per_rank=states,
+        bubble_s=p.bubble_s, bubble_fraction=p.bubble_fraction, interference_s=p.interference_s,
+        model_states_gib_per_rank=states,
         peak_mem_gib_per_rank=peak, fits=fits,
         spans_nodes=sorted(d for d, w in where.items() if w.spans_nodes),
     )
@@ -282,13 +284,15 @@ def predict_row(s: Scenario, strategy: str) -> dict:
     return row
 
 
-EXPLAIN = ("gemm", "attention", "memory-bound", "host-bound", "optimizer", "exposed comm", "bubble")
+EXPLAIN = ("gemm", "attention", "memory-bound", "host-bound", "optimizer", "exposed comm", "comm interference",
+           "bubble")
 """Where a step goes (``plan --explain``), the parts summing to the step time."""
 
 
 def explain(s: Scenario, c: CellShape, p: StepPrediction) -> dict[str, float]:
     """The step's seconds by part (:data:`EXPLAIN`): the slowest pipeline rank's compute by kind of kernel (its
-    passes of one microbatch), the optimizer, the exposed communication and the bubble."""
+    passes of one microbatch), the optimizer, the exposed communication, what the hidden communication slows the
+    compute by, and the bubble."""
     costs = _op_passes(s, c, s.device.priced())
     cost = max(costs, key=lambda k: k.total_s)
     passes = c.microbatches if c.dims.pp_enabled else c.grad_accum
@@ -296,7 +300,8 @@ def explain(s: Scenario, c: CellShape, p: StepPrediction) -> dict[str, float]:
     n = passes * scale
     return {"gemm": n * cost.seconds["gemm"], "attention": n * cost.seconds["attention"],
             "memory-bound": n * (cost.seconds["memory"] + cost.floor_s), "host-bound": n * cost.host_bound_s,
-            "optimizer": p.optimizer_s, "exposed comm": p.exposed_comm_s or 0.0, "bubble": p.bubble_s}
+            "optimizer": p.optimizer_s, "exposed comm": p.exposed_comm_s or 0.0, "comm interference": p.interference_s,
+            "bubble": p.bubble_s}
 
 
 def _same_size_dims(dims: ParallelDims, where: dict) -> list[str]:

@@ -178,6 +178,26 @@ def test_the_step_time_hides_overlappable_calls_unless_told_not_to():
     assert predict_step(c, rates, strict_comm).exposed_comm_s == pytest.approx(FSDP_EDGE, rel=1e-12)
 
 
+@pytest.mark.parametrize("compute_rates, hidden", [
+    # fsdp-hidden: 0.09 s of compute hides all but the edge: 43.174464 - 6.121792 = 37.052672 ms beside compute
+    (ComputeRates(0.01, 0.02, 0.0, "workload"), 37.052672 * MS),
+    # fsdp-past-compute: 0.02 s of compute hides 20 ms of the 43.174464 (the rest, 23.174464 ms, shows)
+    (ComputeRates(0.0, 0.005, 0.0, "workload"), 20.0 * MS),
+], ids=["hidden-behind-compute", "compute-shorter-than-comm"])
+def test_hidden_comm_slows_the_compute_beside_it_by_the_overlap_slowdown(compute_rates, hidden):
+    # the step gains 0.189 x the comm hidden behind compute; the exposed comm, compute and parts are unchanged
+    c = shape(GPT2, "fsdp", 2)
+    plain = predict_step(c, compute_rates, strict_comm)
+    slowed = predict_step(c, compute_rates, strict_comm, overlap_slowdown=0.189)
+    assert plain.interference_s == 0.0
+    assert slowed.interference_s == pytest.approx(0.189 * hidden, rel=1e-12)
+    assert slowed.step_time_s == pytest.approx(plain.step_time_s + 0.189 * hidden, rel=1e-12)
+    assert (slowed.exposed_comm_s, slowed.compute_s) == (plain.exposed_comm_s, plain.compute_s)
+    # nothing hidden, nothing slowed: CPU ranks (hide_overlappable False) pay none
+    assert predict_step(c, compute_rates, strict_comm, hide_overlappable=False,
+                        overlap_slowdown=0.189).interference_s == 0.0
+
+
 def test_each_call_is_priced_by_its_collective_size_group_and_mesh_dim():
     asked: list[tuple] = []
 
