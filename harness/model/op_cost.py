@@ -17,7 +17,9 @@
 **Compile as fusion**: under ``torch.compile`` each run of memory-bound kernels between two GEMMs or attentions
 becomes one kernel that reads what the run reads from outside it and writes what is read after it (by a later op,
 forward or backward, or saved for the backward: the trace holds both), its intermediates never written to memory
-(Inductor's pointwise and reduction fusion). GEMMs and attention stay as they are. A fused kernel with a row
+(Inductor's pointwise and reduction fusion). GEMMs and attention stay as they are. A reduction of a whole tensor
+to a scalar (fp8's tensorwise amax) ends a kernel: nothing may use the scalar before every block of the reduction
+is done, so the ops after it are a kernel of their own that reads again what they need. A fused kernel with a row
 reduction in it (a norm, a softmax, the loss: :data:`REDUCTIONS`) runs at ``reduction_share`` of the streaming
 bandwidth: 1 on a torch whose Inductor generates them at the speed of light (its mix-order reductions, on by default
 in torch 2.13), 0.5 for the torch of 2024 (PyTorch's "SOTA Normalization Performance with torch.compile": before
@@ -47,6 +49,9 @@ REDUCTIONS = frozenset({"mean", "sum", "var_mean", "rms_norm", "rms_norm_backwar
                         "nll_loss_backward"})
 """The traced ops that reduce along a row (norms, softmax, the loss): a compiled kernel holding one is a reduction
 kernel (:func:`fuse`). An fp8 cast's amax (a whole-tensor ``max``) is not one of them."""
+SCALAR_BYTES = 8
+"""An op that reads a tensor and writes at most this many bytes reduced the whole tensor to a scalar (fp8's amax): a
+compiled kernel ends there, since nothing may use the scalar until every block of the reduction is done."""
 INDUCTOR_2024_REDUCTION_SHARE = 0.5
 """What torch.compile's norm kernels reached of Quack's on an H100 before Inductor's 2025-26 normalization work
 (PyTorch blog, "SOTA Normalization Performance with torch.compile": "torch.compile ~50% of Quack performance
@@ -251,6 +256,8 @@ def fuse(ops: list[Op], reduction_share: float = 1.0) -> list[Op]:
             close()
         if op.kind == MEMORY:
             run.append(i)
+            if op.written <= SCALAR_BYTES < op.read:  # a whole-tensor reduction: what uses it is a kernel after
+                close()
         else:
             out.append(op)
     close()

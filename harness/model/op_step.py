@@ -10,10 +10,11 @@ on the device (:mod:`harness.model.op_cost`).
 * **FSDP's copies**, per microbatch: the all-gathered parameters copied out of the gather buffer in the forward and
   again in the backward (``2 x 2`` bytes of the parameter dtype per parameter: read and write), and each gradient
   copied into the reduce-scatter buffer in fp32 (read in the parameter dtype, written in fp32).
-* **fp8** (torchao's float8 linears, tensorwise): each GEMM of a converted linear (:func:`fp8_linear_names`) runs in
-  float8 (its operands at 1 byte), and each of its two operands is cast first: an amax (a read) and a scaled cast
-  (a read and a write at 1 byte) per operand, two kernels eager; compiled, one pass that reads the operand once and
-  writes it in float8, fused like any memory-bound op.
+* **fp8** (torchao's float8 linears, tensorwise): traced as torchao runs them where torchao is installed; without
+  it, each GEMM of a converted linear (:func:`fp8_linear_names`) runs in float8 (its operands at 1 byte), and each
+  of its two operands is cast first: an amax (a read) and a scaled cast (a read and a write at 1 byte). Compiled,
+  either way, the amax ends a kernel (no element is cast before it has seen them all) and the cast fuses with what
+  follows: two passes over the operand.
 * **The optimizer**: AdamW's bytes per parameter traced (:func:`harness.model.op_trace.optimizer_bytes_per_param`)
   over the parameters the rank holds, at the device's bandwidth.
 """
@@ -48,31 +49,28 @@ def fp8_linear_names(c: CellShape, layer: int) -> frozenset[str]:
 
 def _with_fp8(ops: list[Op], converted: frozenset[str]) -> list[Op]:
     """fp8's GEMMs and casts (the module docstring): each converted GEMM at 1 byte an operand, after the casts of
-    its two operands."""
+    its two operands, each an amax (the whole operand to a scalar) and a scaled cast, with the tensors each reads
+    and writes so that compile's fusion follows them (:func:`harness.model.op_cost.fuse`: the amax ends a kernel)."""
     out: list[Op] = []
+    fresh = -1  # storages the casts make: negative ids, apart from the trace's own
     for op in ops:
         if op.kind != GEMM or op.module not in converted:
             out.append(op)
             continue
         batch, m, n, k = op.gemm
-        for rows, cols in ((m, k), (k, n)):  # the two operands
+        operands = list(op.reads[:2]) + [(None, 0)] * (2 - len(op.reads[:2]))
+        fp8_reads = []
+        for (sid, _), (rows, cols) in zip(operands, ((m, k), (k, n)), strict=True):
             elems = batch * rows * cols
+            src = sid if sid is not None else fresh
+            scale, cast, fresh = fresh - 1, fresh - 2, fresh - 3
             out.append(replace(op, name="amax", kind=MEMORY, flops=0.0, read=2 * elems, written=4, dtype="",
-                               reads=(), writes=()))
-            out.append(replace(op, name="cast_to_fp8", kind=MEMORY, flops=0.0, read=2 * elems, written=elems,
-                               dtype="", reads=(), writes=()))
-        out.append(replace(op, dtype="fp8", read=op.read // 2, written=op.written))
-    return out
-
-
-def _fused_fp8(ops: list[Op]) -> list[Op]:
-    """Compiled fp8: each operand's amax and cast one pass (a read and a float8 write)."""
-    out: list[Op] = []
-    for op in ops:
-        if op.name == "cast_to_fp8" and out and out[-1].name == "amax":
-            out[-1] = replace(op, name="cast_to_fp8 (fused)")
-            continue
-        out.append(op)
+                               reads=((src, 2 * elems),), writes=((scale, 4),)))
+            out.append(replace(op, name="cast_to_fp8", kind=MEMORY, flops=0.0, read=2 * elems + 4, written=elems,
+                               dtype="", reads=((src, 2 * elems), (scale, 4)), writes=((cast, elems),)))
+            fp8_reads.append((cast, elems))
+        out.append(replace(op, dtype="fp8", read=op.read // 2, written=op.written,
+                           reads=tuple(fp8_reads) + op.reads[2:]))
     return out
 
 
@@ -90,7 +88,7 @@ def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_re
     if c.precision == "tf32":
         ops = [replace(o, dtype="tf32") if o.kind == GEMM else o for o in ops]
     if compile:
-        ops = fuse(_fused_fp8(ops), reduction_share)
+        ops = fuse(ops, reduction_share)
     return ops
 
 

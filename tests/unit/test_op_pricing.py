@@ -133,6 +133,23 @@ def test_a_compiled_kernel_with_a_norm_in_it_runs_at_the_inductor_share_of_the_b
         fuse(ops, reduction_share=0)
 
 
+def test_a_whole_tensor_reduction_ends_a_compiled_kernel():
+    # fp8's tensorwise cast: an add (reads A 400, writes B 400), the amax of B (writes a 2-byte scalar S), the cast of
+    # B by S (writes C 200). No element may be cast before the amax has seen every one, so the run is two kernels:
+    # add + amax reads A and writes B and S (400 + 400 + 2 = 802 bytes); the cast reads B and S and writes C
+    # (400 + 2 + 200 = 602). One kernel would be 400 + 200 = 600
+    g1 = replace(gemm(8, 8, 8), writes=((1, 400),))
+    g2 = replace(gemm(8, 8, 8), reads=((4, 200),))
+    ops = [g1, mem("add", [(1, 400)], [(2, 400)]), mem("max", [(2, 400)], [(3, 2)]),
+           mem("_to_copy", [(2, 400), (3, 2)], [(4, 200)]), g2]
+    fused = fuse(ops)
+    assert [o.kind for o in fused] == [GEMM, MEMORY, MEMORY, GEMM]
+    assert [o.bytes for o in fused[1:3]] == [802, 602]
+    # a row reduction (a norm's mean writes one value a row, 400 / 4 of them here) does not end the kernel
+    norm = [g1, mem("mean", [(1, 400)], [(2, 100)]), mem("mul", [(1, 400), (2, 100)], [(4, 200)]), g2]
+    assert [o.bytes for o in fuse(norm) if o.kind == MEMORY] == [600]
+
+
 def test_compile_fuses_the_blocks_and_leaves_the_ends_eager(llama_tiny):
     # the harness compiles each block's forward (harness.parallel.levers.apply_compile), as torchtitan does: a
     # compiled rank's memory-bound seconds are its blocks' fused kernels plus the ends' eager ones, kernel by kernel
@@ -219,3 +236,18 @@ def test_every_preset_names_a_source_for_each_rate():
         assert set(sources) == {"gemm_tflops", "attention", "bandwidth_efficiency", "launch_s", "kernel_floor_s"}, name
         assert all(sources.values()), name
         assert math.isfinite(dev.op_rates.bandwidth_efficiency) and 0 < dev.op_rates.bandwidth_efficiency <= 1, name
+
+
+def test_fp8_without_torchao_casts_each_operand_in_two_passes_compiled():
+    # a converted linear's GEMM of 64 rows x 32 from 16 (operands 64 x 16 and 16 x 32 in bf16): each operand's amax
+    # reads it (2 x elems) and writes a 4-byte scale; its cast reads it and the scale and writes 1 byte an element.
+    # Compiled, the amax ends a kernel, so each operand is two kernels: 2,048 + 4 = 2,052 and 2,048 + 4 + 1,024 =
+    # 3,076 bytes (x: 1,024 elements), 1,024 + 4 = 1,028 and 1,024 + 4 + 512 = 1,540 (w: 512); the GEMM at 1 byte.
+    # x's cast and w's amax are adjacent and independent: one kernel of 3,076 + 1,028 = 4,104 bytes
+    from harness.model.op_step import _with_fp8  # noqa: PLC0415
+
+    mm = replace(gemm(64, 32, 16), module="attn.q", reads=((1, 2 * 64 * 16), (2, 2 * 16 * 32)), writes=((3, 4096),))
+    ops = fuse(_with_fp8([mm], frozenset({"attn.q"})))
+    assert [(o.name, o.bytes) for o in ops] == [("amax", 2052), ("fused 2", 4104), ("cast_to_fp8", 1540),
+                                                ("mm", mm.read // 2 + mm.written)]
+    assert ops[-1].dtype == "fp8" and {sid for sid, _ in ops[-1].reads}.isdisjoint({1, 2})  # it reads the casts
