@@ -136,11 +136,12 @@ def device_from_file(path: Path) -> Device:
         raise UsageError(f"{path}: gpus_per_node = {gpn!r} must be an integer >= 1")
     template = base or Device("", "", 0, 0, 1, Interconnect("", 0, 0, ""), Interconnect("", 0, 0, ""), "")
     intra, inter = template.intra, template.inter
-    if "intra_gbps" in nums:
+    if "intra_gbps" in nums:  # a line rate: NCCL's share of it is the base's link's (the line rate without a base)
         intra = Interconnect(f"in-node link {nums['intra_gbps']:g} GB/s", nums["intra_gbps"], intra.latency_s or 5e-6,
-                             str(path))
+                             str(path), intra.nccl_share, intra.nccl_source)
     if "inter_gbps" in nums:
-        inter = Interconnect(f"NIC {nums['inter_gbps']:g} GB/s", nums["inter_gbps"], inter.latency_s or 10e-6, str(path))
+        inter = Interconnect(f"NIC {nums['inter_gbps']:g} GB/s", nums["inter_gbps"], inter.latency_s or 10e-6, str(path),
+                             inter.nccl_share, inter.nccl_source)
     rates = _rates(path, raw.get("op_rates", {}))
     overrides = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in rates.items()))
     dev = replace(template, name=str(raw.get("name", path.stem)), product=str(raw.get("product", template.product)),

@@ -10,8 +10,9 @@ as the bidirectional total, so 900 GB/s NVLink 4 is 450 GB/s each way.
 
     t = latency + nbytes * busbw_factor(collective, n) / link_bw
 
-``nbytes`` is the nccl-tests size of the call (:mod:`harness.model.comm`), ``n`` the group size.
-A group inside one node runs at the intra-node link (NVLink or PCIe). A group spanning nodes
+``nbytes`` is the nccl-tests size of the call (:mod:`harness.model.comm`), ``n`` the group size, and
+``link_bw`` the bus bandwidth NCCL reaches on the link: its line rate times :attr:`Interconnect.nccl_share`
+(NCCL's protocol overhead, from NVIDIA's statements of what nccl-tests shows on DGX H100). A group inside one node runs at the intra-node link (NVLink or PCIe). A group spanning nodes
 runs at ``min(intra, g * nic)`` where ``g`` is the group's ranks on one node: NCCL runs one
 ring (channel) per NIC, every GPU has its own NIC (DGX H100 / DGX A100 layout), and the
 inter-node traffic of a node is spread over the NICs of the group's GPUs there, so a group
@@ -62,18 +63,42 @@ DEFAULT_EFFICIENCY = MAMF_FRACTION * KERNEL_EFFICIENCY
 class Interconnect:
     name: str
     gbps: float
-    """GB/s per GPU per direction (for a network: the GPU's own NIC)."""
+    """GB/s per GPU per direction (for a network: the GPU's own NIC): the line rate."""
     latency_s: float
     """Per-call latency at NCCL level: a typical figure, not a datasheet one."""
     source: str
+    nccl_share: float = 1.0
+    """The share of :attr:`gbps` NCCL's bus bandwidth reaches on it (its protocol's overhead; nccl-tests' busbw)."""
+    nccl_source: str = "not stated: the line rate"
+
+    @property
+    def nccl_gbps(self) -> float:
+        """What a collective moves per GPU and direction on this link: the busbw nccl-tests would report."""
+        return self.gbps * self.nccl_share
+
+
+NCCL_NVLINK_SHARE = 370.0 / 450.0
+"""What NCCL reaches of NVLink's line rate: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can
+get an effective NVLink bandwidth of 370GB/s, which you can observe as 'BusBw' when running non-allreduce
+operations" (NCCL's maintainer on 8 H100s, nccl-tests issue #212; #326: "360 GB/s is exactly what we'd expect on
+H100"). The protocol's overhead is taken to be the same on NVLink 3 and 5. NVLink SHARP's all-reduce (480 GB/s busbw
+on H100) is not priced: all-reduces run at this share too."""
+NCCL_NDR_SHARE = 47.0 / 50.0
+"""What NCCL reaches of an NDR NIC: "expect 46-48 GB/s busbw per NDR NIC" (NVIDIA, nccl-tests issue #290), the
+middle; taken for HDR too."""
+NVLINK_NCCL = "nccl-tests #212: 370 of 450 GB/s on H100 (NCCL's protocol overhead)"
+IB_NCCL = "nccl-tests #290: 46-48 GB/s busbw per NDR NIC"
 
 
 # NVIDIA NVLink page and A100/H100 datasheets: NVLink 3 600 GB/s, NVLink 4 900 GB/s total
 # bidirectional per GPU. Latency: NCCL small-message all-reduce / sendrecv inside an NVLink node
 # is a few us (nccl issue #1259: ~6 us on 2 H100s with NVLS; nccl issue #1984: ~3.5 us on H800s).
-NVLINK3 = Interconnect("NVLink 3", 300.0, 5e-6, "A100 datasheet: 600 GB/s bidirectional")
-NVLINK4 = Interconnect("NVLink 4", 450.0, 5e-6, "H100/H200 datasheets: 900 GB/s bidirectional")
-NVLINK5 = Interconnect("NVLink 5", 900.0, 5e-6, "DGX B200 user guide: NVLink switches of 14.4 TB/s aggregate for 8 GPUs")
+NVLINK3 = Interconnect("NVLink 3", 300.0, 5e-6, "A100 datasheet: 600 GB/s bidirectional", NCCL_NVLINK_SHARE,
+                       NVLINK_NCCL)
+NVLINK4 = Interconnect("NVLink 4", 450.0, 5e-6, "H100/H200 datasheets: 900 GB/s bidirectional", NCCL_NVLINK_SHARE,
+                       NVLINK_NCCL)
+NVLINK5 = Interconnect("NVLink 5", 900.0, 5e-6, "DGX B200 user guide: NVLink switches of 14.4 TB/s aggregate for 8 GPUs",
+                       NCCL_NVLINK_SHARE, NVLINK_NCCL)
 # PCI-SIG: Gen4 x16 16 GT/s x 16 lanes ~ 32 GB/s per direction, Gen5 x16 ~ 64 GB/s (the datasheets'
 # "64 GB/s" for A100 and "128 GB/s" for H100 are bidirectional). Latency: assumed ~2x NVLink.
 PCIE4 = Interconnect("PCIe Gen4 x16", 32.0, 10e-6, "PCIe 4.0 x16: 64 GB/s bidirectional")
@@ -82,8 +107,10 @@ PCIE5 = Interconnect("PCIe Gen5 x16", 64.0, 10e-6, "PCIe 5.0 x16: 128 GB/s bidir
 # (nccl-tests issue #290, NVIDIA: expect 46-48 GB/s busbw per NDR NIC). One NIC per GPU as in
 # DGX A100 (8 x ConnectX-6 HDR) and DGX H100 (8 x ConnectX-7 NDR) user guides. Latency: typical
 # 5-10 us per inter-node NCCL hop; the upper end is used.
-IB_HDR = Interconnect("InfiniBand HDR 200 Gb/s", 25.0, 10e-6, "HDR line rate, one NIC per GPU (DGX A100)")
-IB_NDR = Interconnect("InfiniBand NDR 400 Gb/s", 50.0, 10e-6, "NDR line rate, one NIC per GPU (DGX H100)")
+IB_HDR = Interconnect("InfiniBand HDR 200 Gb/s", 25.0, 10e-6, "HDR line rate, one NIC per GPU (DGX A100)",
+                      NCCL_NDR_SHARE, IB_NCCL)
+IB_NDR = Interconnect("InfiniBand NDR 400 Gb/s", 50.0, 10e-6, "NDR line rate, one NIC per GPU (DGX H100)",
+                      NCCL_NDR_SHARE, IB_NCCL)
 
 
 @dataclass(frozen=True)
@@ -262,10 +289,10 @@ def placement(dims: ParallelDims, gpus_per_node: int) -> dict[str, GroupPlacemen
 
 
 def link_for(device: Device, where: GroupPlacement) -> tuple[float, float, str]:
-    """(GB/s, latency s, description) of the link a group's collective is limited by."""
+    """(GB/s NCCL reaches, latency s, description) of the link a group's collective is limited by."""
     if not where.spans_nodes:
-        return device.intra.gbps, device.intra.latency_s, device.intra.name
-    gbps = min(device.intra.gbps, where.ranks_per_node * device.inter.gbps)
+        return device.intra.nccl_gbps, device.intra.latency_s, device.intra.name
+    gbps = min(device.intra.nccl_gbps, where.ranks_per_node * device.inter.nccl_gbps)
     return gbps, device.inter.latency_s, f"{where.ranks_per_node} x {device.inter.name}"
 
 

@@ -75,8 +75,9 @@ def assumptions_lines(s: Scenario) -> list[str]:
         f"device: {d.product} (--device {d.name}), {nodes}; {d.hbm_gib:.1f} GiB HBM at {d.hbm_gbps:,.0f} GB/s" +
         (f"; overridden: {'; '.join(d.overrides)}" if d.overrides else ""),
         *compute_lines(s),
-        f"interconnect: {d.intra.name} {d.intra.gbps:g} GB/s/direction ({d.intra.latency_s * 1e6:g} us) in a node; "
-        f"{d.inter.name} {d.inter.gbps:g} GB/s per GPU NIC ({d.inter.latency_s * 1e6:g} us) across nodes; "
+        f"interconnect: {d.intra.name} {d.intra.gbps:g} GB/s/direction, NCCL at {d.intra.nccl_gbps:.0f} "
+        f"({d.intra.nccl_source}; {d.intra.latency_s * 1e6:g} us) in a node; {d.inter.name} {d.inter.gbps:g} GB/s per "
+        f"GPU NIC, NCCL at {d.inter.nccl_gbps:.0f} ({d.inter.nccl_source}; {d.inter.latency_s * 1e6:g} us) across nodes; "
         f"tp innermost on NVLink, a group spanning nodes at min(NVLink, its GPUs per node x NIC)",
         f"workload: {s.size.arch} {s.size.name} ({_params(s.size.params)} params{active}), seq {s.size.seq_len}, "
         f"{batch}, pp schedule {s.pp_schedule}, recompute {s.recompute}; peaks exclude the CUDA context and NCCL buffers",
