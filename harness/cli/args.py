@@ -35,7 +35,7 @@ from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
 from harness.parallel.levers import COMPILE_MODES, OPTIMIZERS
 from harness.parallel.presets import PP_PRESETS, STRATEGIES
-from harness.parallel.schedules import PP_SCHEDULES, check_schedule_compile
+from harness.parallel.schedules import PP_SCHEDULES, check_schedule_ac, check_schedule_compile
 from harness.precision import FP8_RECIPES, PRECISIONS
 from harness.spec import SweepSpec, default_device_kind
 from workloads.moe import ROUTINGS
@@ -242,6 +242,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     compiles = tuple(x == "on" for x in choices(v.label("compile"), v.get("compile", "off"), COMPILE_MODES))
     schedules = choices(v.label("pp_schedule"), v.get("pp_schedule", "1f1b"), PP_SCHEDULES)
     check_schedule_compile(schedules, compiles)
+    check_schedule_ac(schedules, policies_arg(v.label("ac"), v.get("ac", "none")))
     if v.get("checkpoint_keep") and checkpoints_arg(v, device) == ("off",):
         raise UsageError("--checkpoint-keep keeps saves, and --checkpoint is off: add --checkpoint sync (or async), "
                          "or drop --checkpoint-keep")

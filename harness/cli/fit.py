@@ -33,7 +33,7 @@ from harness.model.device_file import device_from_file
 from harness.model.hardware import DEVICES
 from harness.parallel.activation_checkpoint import policies_arg
 from harness.parallel.presets import degree_variants
-from harness.parallel.schedules import PP_SCHEDULES
+from harness.parallel.schedules import PP_SCHEDULES, check_schedule_ac
 from harness.records.atomic import write_text_atomic
 from harness.records.record import new_run_id
 from harness.report.fit_text import BANNER, fit_table, legend
@@ -122,6 +122,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     seq_lens = seq_lens_arg("--seq-len", args.seq_len) if args.seq_len is not None else (None,)
     mbs = int_arg("--microbatches", args.microbatches, 1) if args.microbatches else None
     acs = policies_arg("--ac", args.ac)
+    check_schedule_ac((args.pp_schedule,), acs)
     cells, compute = [], {}
     for size in sizes:  # every cell is validated before anything runs
         for seq in seq_lens:

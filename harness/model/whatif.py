@@ -40,7 +40,7 @@ from harness.parallel import presets
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import STRATEGIES, resolve, resolve_cell, world_for
-from harness.parallel.schedules import PP_SCHEDULES
+from harness.parallel.schedules import PP_SCHEDULES, check_schedule_ac
 from harness.precision import Fp8Options
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
@@ -334,6 +334,7 @@ def plan_at_scale(workload: str | ModelSize, device: str | Device, gpus: int,
     without sequence parallel; with ``pp_schedules`` a pipelined layout once per schedule, labelled with it
     where it is not 1F1B (``pp+fsdp+tp (zb)``), its bubble simulated from the schedule's action list."""
     s = scenario(workload, device, gpus, **options)
+    check_schedule_ac(pp_schedules or (s.pp_schedule,), (s.recompute,), flag="--recompute")
     names = tuple(strategies) if strategies else default_strategies(s.size)
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:

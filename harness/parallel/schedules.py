@@ -50,6 +50,18 @@ def check_schedule_compile(pp_schedules: tuple[str, ...], compiles: tuple[bool, 
                          f"1f1b or interleaved1f1b")
 
 
+def check_schedule_ac(pp_schedules: tuple[str, ...], policies: tuple[str, ...], flag: str = "--ac") -> None:
+    """torch's zero-bubble schedules split each backward into an input pass and a weight pass, and torch's selective
+    activation checkpointing (the ``op`` policy) allows one backward through a region: the second pass raises
+    "Trying to backward an extra time" (measured: pp at 2 ranks under zb, zbv and dualpipev, each crashed)."""
+    zb = [s for s in pp_schedules if s in ZERO_BUBBLE_SCHEDULES]
+    if zb and "op" in policies:
+        raise UsageError(f"--pp-schedule {','.join(zb)} with {flag} op: torch's zero-bubble schedules run each "
+                         f"backward twice (input, then weight) and its selective checkpointing allows one "
+                         f"(\"Trying to backward an extra time\"); use {flag} full, layerN or attn, or --pp-schedule "
+                         f"1f1b or interleaved1f1b")
+
+
 def min_microbatches(pp_schedule: str, pp: int) -> int:
     """1F1B-style schedules need at least one microbatch in flight per rank; the V schedules one per stage
     (torch's ``ScheduleDualPipeV`` checks it; ZBV's order assumes it)."""

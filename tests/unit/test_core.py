@@ -12,7 +12,13 @@ from harness.measure.peaks import datasheet_peak_tflops
 from harness.measure.step_stats import Stats, percentile
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import check_model_fit, degrees_for, resolve_cell
-from harness.parallel.schedules import check_schedule_compile, expected_bubble, layer_ranges, stage_ids
+from harness.parallel.schedules import (
+    check_schedule_ac,
+    check_schedule_compile,
+    expected_bubble,
+    layer_ranges,
+    stage_ids,
+)
 from harness.precision import PrecisionPlan, check_strategy
 from harness.run.formulas import global_loss, max_rel_diff, slowest_per_step, steps_to_target, throughput
 from harness.scaling import global_batch, lr_at, scaled_lr
@@ -81,6 +87,11 @@ def test_zero_bubble_refusals_name_the_value_and_the_fix():
     with pytest.raises(UsageError, match=r"--pp-schedule zb with --compile on: .*use --compile off"):
         check_schedule_compile(("zb",), (False, True))
     check_schedule_compile(("interleaved1f1b",), (True,))
+    # the split backward runs a selectively checkpointed region's backward twice: torch refuses the second
+    with pytest.raises(UsageError, match=r"--pp-schedule zbv,dualpipev with --recompute op: .*use --recompute full"):
+        check_schedule_ac(("1f1b", "zbv", "dualpipev"), ("none", "op"), flag="--recompute")
+    check_schedule_ac(("zb", "zbv"), ("full", "layer2", "attn", "none"))
+    check_schedule_ac(("1f1b", "interleaved1f1b"), ("op",))
     with pytest.raises(UsageError, match=r"--pp-schedule zbv,dualpipev with --compile on"):
         check_schedule_compile(("1f1b", "zbv", "dualpipev"), (True,))
     with pytest.raises(UsageError, match=r"schedule dualpipev with pp 2 needs >= 4 microbatches, got 2"):

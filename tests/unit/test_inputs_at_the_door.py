@@ -108,6 +108,9 @@ CASES = [
          "sweep.toml: compile = True: give a value or a flat list of values", {"sweep.toml": "compile = true\n"}),
     Case("empty or loose", ("plan", "--device", "cpu", "--gpus", "2", "--strategies", "ddp", "--pp-schedule",
                             "gpipe"), "--pp-schedule 'gpipe': no strategy of this sweep (ddp) has a pipeline"),
+    Case("empty or loose", ("plan", "--device", "cpu", "--gpus", "2", "--strategies", "pp", "--pp-schedule", "zb",
+                            "--ac", "op"), "--pp-schedule zb with --ac op: torch's zero-bubble schedules run each "
+         "backward twice (input, then weight) and its selective checkpointing allows one"),
     Case("empty or loose", ("plan", "--device", "cpu", "--gpus", "2", "--strategies", "fsdp", "--sp", "off"),
          "--sp 'off': no strategy of this sweep (fsdp) has tensor parallel"),
     Case("empty or loose", ("plan", "--device", "cpu", "--fp8-recipe", "rowwise"),
