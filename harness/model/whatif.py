@@ -40,7 +40,7 @@ from harness.parallel import presets
 from harness.parallel.activation_checkpoint import ac_policy
 from harness.parallel.dims import ParallelDims
 from harness.parallel.presets import STRATEGIES, resolve, resolve_cell, world_for
-from harness.parallel.schedules import PP_SCHEDULES, check_schedule_ac
+from harness.parallel.schedules import PP_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_schedule_ac
 from harness.precision import Fp8Options
 from workloads.sizes import ModelSize, get_size, seq_len_error
 
@@ -277,6 +277,10 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         row["explain"] = explain(s, c, p)
     elif s.compile is not None and not s.compile.speedup:
         row["notes"].append(f"compile: not priced ({s.compile.source})")
+    if dims.pp_enabled and s.pp_schedule in ZERO_BUBBLE_SCHEDULES and s.recompute != "none":
+        row["notes"].append(f"{s.pp_schedule} with recompute {s.recompute}: torch's split backward runs a checkpointed "
+                            f"region's forward again in each autograd pass (2.5-9x the policy's recompute measured at "
+                            f"2 ranks, docs/claims.md); priced once, so optimistic")
     same = _same_size_dims(dims, where)
     if same:
         row["notes"].append(f"{' and '.join(same)} have the same size: their collectives are priced at the "

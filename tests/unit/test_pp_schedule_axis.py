@@ -7,6 +7,7 @@ import pytest
 
 from harness.cli import build_parser
 from harness.cli.args import spec_from_args
+from harness.errors import UsageError
 from harness.model.whatif import plan_at_scale
 from harness.planner import expand
 from harness.report.frame import strategy_label
@@ -55,3 +56,17 @@ def test_the_whatif_ranks_each_schedule_with_its_simulated_bubble():
     assert by["pp (interleaved1f1b)"]["bubble_fraction"] == pytest.approx(7 / 32)
     assert 0 < by["pp (zb)"]["bubble_fraction"] == by["pp (zbv)"]["bubble_fraction"] < 7 / 64
     assert by["pp (zb)"]["tokens_per_s_per_device"] > by["pp (interleaved1f1b)"]["tokens_per_s_per_device"]
+
+
+def test_a_zero_bubble_row_with_recompute_says_its_recompute_is_priced_once():
+    """torch's split backward re-runs a checkpointed region in each autograd pass: the what-if prices it once and the
+    zero-bubble rows say so; 1F1B's rows and rows without recompute carry no such note; op is refused outright."""
+    kw = dict(pp_schedules=("1f1b", "zb"), microbatches=16, global_batch=16)
+    rows = {r["strategy"]: r for r in plan_at_scale("llama3-8b", "h100", 8, ["pp"], recompute="full", **kw)}
+    said = "zb with recompute full: torch's split backward runs a checkpointed region's forward again"
+    assert any(said in n for n in rows["pp (zb)"]["notes"])
+    assert not any("split backward" in n for n in rows["pp"]["notes"])
+    plain = {r["strategy"]: r for r in plan_at_scale("llama3-8b", "h100", 8, ["pp"], **kw)}
+    assert not any("split backward" in n for n in plain["pp (zb)"]["notes"])
+    with pytest.raises(UsageError, match=r"--pp-schedule zb with --recompute op"):
+        plan_at_scale("llama3-8b", "h100", 8, ["pp"], recompute="op", **kw)
