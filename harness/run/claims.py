@@ -62,21 +62,22 @@ def expected_recompute(policy: str, blocks: Mapping[str, Mapping[str, int]]) -> 
 
 
 def _ac(cfg: CellConfig, observed: list[dict]) -> dict[str, Any]:
-    """Recomputed matmuls equal to the policy's on every rank; under a zero-bubble schedule a whole multiple of
-    them (its backward runs as two autograd passes, input then weight, and each runs a checkpointed region's
-    forward again: measured 5x and 9x the policy's on the two ranks of ``pp`` zb with ``ac full``)."""
+    """Recomputed matmuls equal to the policy's on every rank; under a zero-bubble schedule at least the policy's
+    (its backward runs as several autograd passes, input then weight by parameter group, and each runs what it needs
+    of a checkpointed region's forward again: measured 5x and 9x the policy's on the two ranks of ``pp`` zb with
+    ``ac full``, 2.5x with ``ac attn``, so no whole multiple holds)."""
     split = cfg.layout.dims.pp_enabled and cfg.pp_schedule in ZERO_BUBBLE_SCHEDULES
     off, factors = [], []
     for rank, o in enumerate(observed):
         t = o["ops"]
         recomputed = t["backward_matmuls"] - 2 * t["forward_matmuls"]
         want = expected_recompute(cfg.ac, t["blocks"])
-        ok = recomputed == want or (split and want > 0 and recomputed >= want and recomputed % want == 0)
+        ok = recomputed == want or (split and want > 0 and recomputed >= want)
         factors.append(recomputed / want if want else None)
         if not ok:
             off.append(f"rank {rank}'s backward ran {t['backward_matmuls']} matmuls for {t['forward_matmuls']} in its "
                        f"forward: {recomputed} recomputed, where ac {cfg.ac} recomputes {want} of what its blocks ran"
-                       + (" (or a whole multiple of it, under a split backward)" if split else ""))
+                       + (" (or more, under a split backward: it recomputes per autograd pass)" if split else ""))
     if off:
         return _entry("ac", cfg.ac, False, "; ".join(off))
     t = observed[0]["ops"]
