@@ -65,7 +65,7 @@ def _ac(cfg: CellConfig, observed: list[dict]) -> dict[str, Any]:
     """Recomputed matmuls equal to the policy's on every rank; under a zero-bubble schedule at least the policy's
     (its backward runs as several autograd passes, input then weight by parameter group, and each runs what it needs
     of a checkpointed region's forward again: measured 5x and 9x the policy's on the two ranks of ``pp`` zb with
-    ``ac full``, 2.5x with ``ac attn``, so no whole multiple holds)."""
+    ``ac full``, 2.5x and 4x with ``ac attn``, so no whole multiple holds)."""
     split = cfg.layout.dims.pp_enabled and cfg.pp_schedule in ZERO_BUBBLE_SCHEDULES
     off, factors = [], []
     for rank, o in enumerate(observed):
