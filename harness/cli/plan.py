@@ -61,6 +61,10 @@ def add_whatif_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rms-norm", choices=("fused", "composite"), default=None,
                    help="RMSNorm as torch's fused kernel (default; torch 2.8 onwards) or as the separate kernels "
                         "earlier torch ran (to price a run made on it)")
+    g.add_argument("--attention-kernel", default=None,
+                   help="the attention kernel's measured rates, in place of the device's (fa2_hopper, cudnn_hopper, "
+                        "fa2_ampere: harness/model/device_rates.toml); e.g. cudnn_hopper for Transformer Engine on "
+                        "an H100")
     g.add_argument("--inductor-reductions", default=None,
                    help="under --compile on, the share of the achievable bandwidth torch.compile's fused kernels with "
                         "a norm, softmax or loss in them reach, in (0, 1]: 1 (default; torch 2.13's Inductor) or 0.5 "
@@ -130,7 +134,8 @@ def cmd_plan_whatif(args: argparse.Namespace) -> int:
     v = merged(args)
     device = with_measured(device_arg(
         str(v["device"]), mem_gib=positive_float(v.label("device_mem"), v["device_mem"]) if "device_mem" in v else None,
-        power_cap_w=positive_float(v.label("power_cap"), v["power_cap"]) if "power_cap" in v else None))
+        power_cap_w=positive_float(v.label("power_cap"), v["power_cap"]) if "power_cap" in v else None,
+        attention=str(v["attention_kernel"]) if "attention_kernel" in v else None))
     if "nnodes" in v:
         raise UsageError(f"--nnodes {v['nnodes']}: the what-if takes --gpus as the total and fills nodes of "
                          f"{device.gpus_per_node} ({device.name}); drop --nnodes")
@@ -202,7 +207,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if merged(args).get("device", "auto") not in RUN_DEVICES:
         return cmd_plan_whatif(args)
     for flag in ("recompute", "efficiency", "error_from", "fit_from", "moe_imbalance", "device_mem", "power_cap",
-                 "compile_from", "checkpoint_gbps", "explain", "rms_norm", "inductor_reductions"):
+                 "compile_from", "checkpoint_gbps", "explain", "rms_norm", "inductor_reductions",
+                 "attention_kernel"):
         if getattr(args, flag, None) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} applies to a what-if only: add --device h100 "
                              f"(or {', '.join(d for d in DEVICES if d != 'h100')})")

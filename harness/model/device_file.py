@@ -168,7 +168,8 @@ def device_from_file(path: Path) -> Device:
     return with_overrides(dev, power_cap_w=cap)
 
 
-def device_arg(value: str, mem_gib: float | None = None, power_cap_w: float | None = None) -> Device:
-    """``--device NAME|FILE.toml`` with ``--device-mem`` and ``--power-cap`` applied on top."""
+def device_arg(value: str, mem_gib: float | None = None, power_cap_w: float | None = None,
+               attention: str | None = None) -> Device:
+    """``--device NAME|FILE.toml`` with ``--device-mem``, ``--power-cap`` and ``--attention-kernel`` on top."""
     dev = device_from_file(Path(value)) if value.endswith(".toml") else get_device(value)
-    return with_overrides(dev, hbm_gib=mem_gib, power_cap_w=power_cap_w)
+    return with_overrides(dev, hbm_gib=mem_gib, power_cap_w=power_cap_w, attention=attention)

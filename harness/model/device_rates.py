@@ -46,6 +46,15 @@ def _table(name: str) -> AttentionTable:
         source=f"{name}: {t['source']}")
 
 
+def attention_names() -> tuple[str, ...]:
+    """The attention kernels the data file measures (a preset's ``attention``, or ``plan --attention-kernel``)."""
+    return tuple(_data()["attention"])
+
+
+def attention_source(name: str) -> str:
+    return str(_data()["attention"][name]["source"])
+
+
 def preset_names() -> tuple[str, ...]:
     return tuple(_data()["devices"])
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from harness.errors import UsageError
 from harness.measure.comm_counter import BUS_FACTOR
 from harness.measure.peaks import datasheet_peaks
-from harness.model.device_rates import calibrated, op_rates
+from harness.model.device_rates import attention_names, attention_source, calibrated, op_rates
 from harness.model.op_cost import Device as PricedDevice
 from harness.model.op_cost import OpRates
 from harness.parallel.dims import ParallelDims
@@ -179,12 +179,20 @@ class Device:
         return peaks
 
 
-def with_overrides(device: Device, *, hbm_gib: float | None = None, power_cap_w: float | None = None) -> Device:
-    """A preset with its memory or its power limit changed (``--device-mem``, ``--power-cap``); the header says
-    what changed. A cap above the board power changes nothing and is refused, as is a cap on a part whose
-    board power is not stated."""
+def with_overrides(device: Device, *, hbm_gib: float | None = None, power_cap_w: float | None = None,
+                   attention: str | None = None) -> Device:
+    """A preset with its memory, its power limit or its attention kernel changed (``--device-mem``, ``--power-cap``,
+    ``--attention-kernel``); the header says what changed. A cap above the board power changes nothing and is
+    refused, as is a cap on a part whose board power is not stated."""
     changes: dict = {}
     said = list(device.overrides)
+    if attention is not None:
+        tables = attention_names()
+        if attention not in tables:
+            raise UsageError(f"--attention-kernel {attention!r}: choose from {', '.join(tables)} "
+                             f"(harness/model/device_rates.toml's measured tables)")
+        changes["rate_overrides"] = (*device.rate_overrides, ("attention", attention))
+        said.append(f"attention kernel {attention} ({attention_source(attention)})")
     if hbm_gib is not None:
         if not 0 < hbm_gib < math.inf:
             raise UsageError(f"--device-mem {hbm_gib!r}: must be a finite number > 0 GiB, e.g. 96")

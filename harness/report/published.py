@@ -57,6 +57,9 @@ class PublishedRow:
     """A pipelined row's schedule, as ``plan --pp-schedule`` takes it."""
     microbatches: int | None = None
     """A pipelined row's microbatches per step (None: ``plan``'s default)."""
+    attention: str = ""
+    """The attention kernel's table (``plan --attention-kernel``) where the run's framework runs another than the
+    device's flash attention ("" : the device's)."""
     inductor_reductions: float = 1.0
     """Under compile, the share of the bandwidth its torch's Inductor reached in kernels with a norm, softmax or
     loss (``plan --inductor-reductions``): 0.5 for torch of 2024."""
@@ -85,7 +88,8 @@ def predict(row: PublishedRow, folder: Path) -> dict:
     """The planner's row for a published layout (its device from ``folder`` when a file), or {} when not expressible."""
     if not row.can_plan:
         return {}
-    device = device_arg(str(folder / row.device) if row.device.endswith(".toml") else row.device)
+    device = device_arg(str(folder / row.device) if row.device.endswith(".toml") else row.device,
+                        attention=row.attention or None)
     (pred,) = plan_at_scale(f"{row.arch}-{row.size}", device, row.gpus, [row.strategy], precision=row.precision,
                             global_batch=row.global_batch, seq_len=row.seq_len, recompute=row.ac,
                             grad_accum=row.grad_accum, degrees=row.degrees_dict(), pp_schedule=row.pp_schedule,

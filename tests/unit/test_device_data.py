@@ -170,3 +170,23 @@ def test_the_inductor_of_2024_slows_a_compiled_row_and_leaves_an_eager_one(capsy
             in capsys.readouterr().err)
     assert main(["plan", "--arch", "llama3", "--sizes", "tiny", "--inductor-reductions", "0.5"]) == 2
     assert "--inductor-reductions applies to a what-if only" in capsys.readouterr().err
+
+
+def test_the_attention_kernel_can_be_named_and_its_rates_are_the_table_s(capsys):
+    """``--attention-kernel cudnn_hopper`` prices attention at the FlashAttention-3 paper's cuDNN bars (forward, causal,
+    head width 128: 529 TFLOP/s at 8k against FlashAttention-2's 333), the backward at the forward's rate; the header
+    names it; a kernel the data file does not measure is refused."""
+    from harness.model.device_file import device_arg  # noqa: PLC0415
+
+    fa2, cudnn = device_arg("h100").op_rates.attention, device_arg("h100", attention="cudnn_hopper").op_rates.attention
+    assert cudnn.fraction(False, 128, 8192) == pytest.approx(529 / 989)
+    assert cudnn.fraction(True, 128, 8192) == pytest.approx(529 / 989)  # no backward bars: the forward's rate
+    assert fa2.fraction(False, 128, 8192) == pytest.approx(333 / 989)
+    kw = dict(global_batch=16, recompute="op")
+    fast = plan_at_scale("llama3-8b", device_arg("h100", attention="cudnn_hopper"), 8, ["fsdp"], **kw)[0]
+    assert fast["compute_s"] < plan_at_scale("llama3-8b", "h100", 8, ["fsdp"], **kw)[0]["compute_s"]
+    args = ["plan", "--arch", "llama3", "--sizes", "8b", "--gpus", "8", "--device", "h100", "--strategies", "fsdp"]
+    assert main([*args, "--attention-kernel", "cudnn_hopper"]) == 0
+    assert "overridden: attention kernel cudnn_hopper (fwd: fa3_paper, the cuDNN bars" in capsys.readouterr().out
+    assert main([*args, "--attention-kernel", "fa3"]) == 2
+    assert "--attention-kernel 'fa3': choose from fa2_hopper, cudnn_hopper, fa2_ampere" in capsys.readouterr().err
