@@ -52,6 +52,7 @@ def attention_names() -> tuple[str, ...]:
 
 
 def attention_source(name: str) -> str:
+    """A measured attention table's source, as the data file gives it."""
     return str(_data()["attention"][name]["source"])
 
 
@@ -91,7 +92,9 @@ def op_rates(preset: str | None, peaks: dict[str, float], hbm_gbps: float, overr
     if d["attention"] not in data["attention"]:
         raise ValueError(f"op rates: attention = {d['attention']!r}: choose from {', '.join(data['attention'])}")
     table = _table(d["attention"])
-    sources.append(("attention", d.get("attention_note", table.source)))
+    # the base's note on its table (a B200 runs Hopper's) holds only while that table is the one priced
+    note = d.get("attention_note") if "attention" not in given else None
+    sources.append(("attention", note or table.source))
     if "hbm_measured_tbps" in d:
         efficiency = float(d["hbm_measured_tbps"]) * 1000 / hbm_gbps
         sources.append(("bandwidth_efficiency", d.get("hbm_source", "the device file")))

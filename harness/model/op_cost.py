@@ -52,10 +52,6 @@ kernel (:func:`fuse`). An fp8 cast's amax (a whole-tensor ``max``) is not one of
 SCALAR_BYTES = 8
 """An op that reads a tensor and writes at most this many bytes reduced the whole tensor to a scalar (fp8's amax): a
 compiled kernel ends there, since nothing may use the scalar until every block of the reduction is done."""
-INDUCTOR_2024_REDUCTION_SHARE = 0.5
-"""What torch.compile's norm kernels reached of Quack's on an H100 before Inductor's 2025-26 normalization work
-(PyTorch blog, "SOTA Normalization Performance with torch.compile": "torch.compile ~50% of Quack performance
-typically"); Quack's reach the bandwidth a streaming copy does."""
 
 
 @dataclass(frozen=True)

@@ -113,8 +113,8 @@ class Scenario:
     (``--rms-norm composite``, a published run's software)."""
     inductor_reductions: float = 1.0
     """Under compile, the share of the achievable bandwidth Inductor's fused kernels with a norm, softmax or loss in
-    them reach (``--inductor-reductions``; :data:`harness.model.op_cost.INDUCTOR_2024_REDUCTION_SHARE` for the torch
-    of 2024)."""
+    them reach (``--inductor-reductions``; 0.5 for the torch of 2024, :mod:`harness.model.op_cost` gives the
+    source)."""
 
     @property
     def peak_tflops(self) -> float:

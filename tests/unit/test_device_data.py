@@ -190,3 +190,13 @@ def test_the_attention_kernel_can_be_named_and_its_rates_are_the_table_s(capsys)
     assert "overridden: attention kernel cudnn_hopper (fwd: fa3_paper, the cuDNN bars" in capsys.readouterr().out
     assert main([*args, "--attention-kernel", "fa3"]) == 2
     assert "--attention-kernel 'fa3': choose from fa2_hopper, cudnn_hopper, fa2_ampere" in capsys.readouterr().err
+
+
+def test_a_preset_s_note_on_its_attention_table_goes_when_another_table_is_named():
+    """The B200 runs Hopper's FlashAttention-2 table and its preset says so; with another kernel named, the compute
+    line names that kernel's source, not the B200's note on a table no longer priced."""
+    from harness.model.device_file import device_arg  # noqa: PLC0415
+
+    assert dict(device_arg("b200").op_rates.sources)["attention"].startswith("no flash attention measurement on a B200")
+    named = dict(device_arg("b200", attention="cudnn_hopper").op_rates.sources)["attention"]
+    assert named.startswith("cudnn_hopper: fwd: fa3_paper, the cuDNN bars")
