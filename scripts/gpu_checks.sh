@@ -54,6 +54,10 @@ phase harness-cost 100 python3 scripts/harness_cost.py --device cuda --rounds 3 
 # summary.md; parity against the bf16 single device; converted linears against the model's list).
 phase fp8-llama3-1b 150 $H bench $COMMON --strategies single --arch llama3 --sizes 1b --batch 2 --precision bf16,fp8 \
     --fp8-recipe tensorwise,rowwise --out "$R/fp8-llama3-1b"; keep fp8-llama3-1b
+# Context parallel's chunk attention on CUDA (one GPU: the attention of one rank's tail chunk at cp 4, 4,096 of 32,768
+# positions, Llama 3 8B's heads): the lower-right causal bias (flash, no mask tensor) against the additive view the GPU
+# path ran before, their extra peak, time and parity with causal SDPA (OUTDIR/cp-chunk-attention.md).
+phase cp-chunk-attention 60 python3 scripts/cp_chunk_attention.py --device cuda --out "$OUT"
 # The MoE block (grouped experts, router) on CUDA: mini, bf16, one device.
 phase moe-mini 60 $H bench $COMMON --strategies single --arch moe,llama3 --sizes mini --precision bf16 --out "$R/moe-mini"; keep moe-mini
 # The GPU test tier (tests/gpu), where pytest is on the image.

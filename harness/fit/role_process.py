@@ -135,7 +135,7 @@ def run_role(spec: RoleSpec, device: torch.device) -> dict:
 def _fused_attention(compute: str):
     """Under fake compute, SDPA as a fused kernel (its output and log-sum-exp, no score matrix): fake tensors
     make SDPA pick its math path, which keeps the ``S x S`` scores no GPU kernel holds (flash attention;
-    the memory-efficient kernel for context parallel's masked chunks)."""
+    flash attention too for context parallel's chunks on a GPU, with its lower-right causal mask)."""
     if compute != "fake":
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])

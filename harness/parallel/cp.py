@@ -13,7 +13,9 @@ for causal attention, pytorch issue #147793), so the harness shards and attends 
   backward the matching **reduce-scatter** (sum) of their gradients: each rank's keys are used by every
   rank's queries. Both are ``c10d`` calls the comm counter sees, labelled ``cp``.
 * Each local query chunk attends the gathered keys up to its own chunk's end, with the causal mask
-  inside that last chunk: a prefix, never the masked future, so the work is what the layout promises.
+  inside that last chunk: a prefix, never the masked future, so the work is what the layout promises. On a GPU
+  the mask is flash attention's own lower-right causal one (:func:`chunk_attention`), so the kernel is flash and
+  no mask tensor is made: what the what-if prices (flash attention over the gathered keys).
 * Positions: each rank's tokens keep their global positions (:meth:`SequenceShard.positions`), for
   RoPE's angles (llama3) and the learned position table (gpt2).
 
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.profiler import record_function
 
 from harness.comm_scope import comm_label
@@ -90,6 +93,25 @@ def causal_bias(c: int, end: int, dtype: torch.dtype, device) -> torch.Tensor:
     t = torch.zeros(c + end - 1, dtype=dtype, device=device)
     t[end:] = float("-inf")
     return t.as_strided((c, end), (1, 1))
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool, *, lower_right: bool) -> torch.Tensor:
+    """Causal attention of ``c`` queries (B, H, c, E), the last ``c`` of the ``end`` key positions of ``k`` and ``v``.
+
+    * ``lower_right`` (CUDA): torch's lower-right causal bias (``causal_lower_right``), which SDPA runs as flash
+      attention's own causal mask with no mask tensor. An additive bias would send SDPA to its memory-efficient
+      kernel, which copies a bias whose row stride is not a multiple of 8 into a padded ``(c, end)`` tensor
+      (aten's ``preprocess_mask``/``pad_bias``) kept for the backward: ``c x end x 2`` bytes per chunk and layer,
+      9 GB a layer at 256k tokens over cp 8, where the kernel it runs is slower than flash too.
+    * otherwise (CPU, meta): :func:`causal_bias`'s zero-copy view, whose rows are reversed (a view needs a positive
+      row stride), so the queries are too. SDPA on the CPU takes it as it is; ``causal_lower_right`` there would
+      materialise a boolean ``(c, end)`` mask."""
+    c, end = q.shape[2], k.shape[2]
+    if lower_right:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, end), enable_gqa=gqa)
+    y = F.scaled_dot_product_attention(q.flip(2), k, v, attn_mask=causal_bias(c, end, q.dtype, q.device),
+                                       enable_gqa=gqa)
+    return y.flip(2)
 
 
 class _GatherKV(torch.autograd.Function):
@@ -153,11 +175,8 @@ class SequenceShard:
                 outs.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], kf[:, :, :end], vf[:, :, :end],
                                                            attn_mask=mask, enable_gqa=gqa))
                 continue
-            bias = causal_bias(c, end, q.dtype, q.device)
-            # the bias is row-reversed (a zero-copy view needs a positive row stride): so are the queries
-            y = F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c].flip(2), kf[:, :, :end], vf[:, :, :end],
-                                               attn_mask=bias, enable_gqa=gqa)
-            outs.append(y.flip(2))
+            outs.append(chunk_attention(q[:, :, j * c:(j + 1) * c], kf[:, :, :end], vf[:, :, :end], gqa,
+                                        lower_right=q.device.type == "cuda"))
         return torch.cat(outs, dim=2)
 
 

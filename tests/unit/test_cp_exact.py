@@ -23,6 +23,7 @@ from harness.parallel.cp import (
     apply_cp,
     causal_bias,
     causal_work,
+    chunk_attention,
     head_tail_chunks,
     natural_order,
     shard_indices,
@@ -139,6 +140,52 @@ def test_the_gathers_are_named_for_the_step_composition(monkeypatch):
     assert {"cp_kv_all_gather", "cp_kv_reduce_scatter"} <= names, sorted(n for n in names if "cp" in n)
 
 
+@pytest.mark.parametrize("lower_right", [False, True])
+@pytest.mark.parametrize("c,end,kv_heads", [(3, 3, 2), (2, 6, 4), (4, 8, 2)])
+def test_chunk_attention_either_way_equals_the_last_rows_of_causal_attention(c, end, kv_heads, lower_right):
+    """Both masks (the GPU's lower-right causal bias, the CPU's reversed view) give the last ``c`` rows of torch's
+    causal SDPA over ``end`` positions, and their gradients; c = end is the diagonal chunk."""
+    g = torch.Generator().manual_seed(c * end)
+    q_full = torch.randn(1, 4, end, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, kv_heads, end, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, kv_heads, end, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 4, c, 8, generator=g, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q_full, k, v, is_causal=True, enable_gqa=kv_heads != 4)[:, :, end - c:]
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q_full, k, v))
+    q = q_full.detach()[:, :, end - c:].clone().requires_grad_()
+    out = chunk_attention(q, k, v, kv_heads != 4, lower_right=lower_right)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(grads[0], ref_grads[0][:, :, end - c:])
+    torch.testing.assert_close(grads[1:], ref_grads[1:])
+
+
+def test_the_lower_right_chunk_passes_a_causal_bias_and_no_mask_tensor(monkeypatch):
+    """The GPU's way: SDPA gets torch's lower-right ``CausalBias`` (flash attention's own causal mask, no tensor)
+    and the queries unflipped; a rank picks it by its queries' device (CPU and meta take the reversed view). SDPA is
+    spied on, so no GPU is needed to see what it is handed."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    seen: list = []
+
+    def spy(q, k, v, attn_mask=None, enable_gqa=False):
+        seen.append(attn_mask)
+        return q.new_zeros(q.shape)
+
+    monkeypatch.setattr(cp_mod.F, "scaled_dot_product_attention", spy)
+    q, k = torch.empty(1, 2, 2, 4, device="meta"), torch.empty(1, 2, 6, 4, device="meta")
+    chunk_attention(q, k, k, False, lower_right=True)
+    (mask,) = seen
+    assert isinstance(mask, CausalBias) and mask.variant == CausalVariant.LOWER_RIGHT
+    assert (mask.seq_len_q, mask.seq_len_kv) == (2, 6)
+    calls: list[bool] = []
+    monkeypatch.setattr(cp_mod, "chunk_attention", lambda q, k, v, gqa, *, lower_right: calls.append(lower_right) or q)
+    _Emulated(monkeypatch, 1, 2, torch.empty(1, 2, 8, 4, device="meta"), torch.empty(1, 2, 8, 4, device="meta"))
+    local = torch.empty(1, 2, 4, 4, device="meta")
+    SequenceShard(rank=1, size=2, group=GROUP).attention(local, local, local)
+    assert calls == [False, False]  # two chunks, neither on CUDA
+
+
 @pytest.mark.parametrize("c,end", [(3, 3), (2, 6), (4, 8)])
 def test_causal_bias_is_zero_up_to_each_reversed_query_and_minus_inf_after(c, end):
     """Row i is query end - 1 - i (rows reversed): it sees keys k <= end - 1 - i, by hand."""
@@ -218,3 +265,19 @@ def test_apply_cp_attaches_one_shard_to_every_module_that_takes_one():
     assert shard == SequenceShard(rank=2, size=4, group=GROUP)
     assert model[0].seq_shard is shard and model[2][0].seq_shard is shard
     assert not hasattr(model[1], "seq_shard")
+
+
+def test_the_gpu_checks_chunk_script_runs_both_ways_at_parity_on_the_cpu():
+    """scripts/cp_chunk_attention.py (scripts/gpu_checks.sh's CP phase) at a small size on the CPU: both ways, each
+    within rounding of torch's causal attention, and no allocator peak claimed without CUDA."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "cp_chunk_attention.py"
+    spec = importlib.util.spec_from_file_location("cp_chunk_attention", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.measure(torch.device("cpu"), 8, 32, 4, 2, 8, torch.float32, 1)
+    assert [r["way"] for r in rows] == ["lower-right causal bias (GPU)", "reversed additive view (CPU)"]
+    assert all(r["max_abs_diff"] < 1e-5 and r["extra_peak_gib"] is None and r["median_s"] > 0 for r in rows)
