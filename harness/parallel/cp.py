@@ -102,7 +102,9 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool
       attention's own causal mask with no mask tensor. An additive bias would send SDPA to its memory-efficient
       kernel, which copies a bias whose row stride is not a multiple of 8 into a padded ``(c, end)`` tensor
       (aten's ``preprocess_mask``/``pad_bias``) kept for the backward: ``c x end x 2`` bytes per chunk and layer,
-      9 GB a layer at 256k tokens over cp 8, where the kernel it runs is slower than flash too.
+      9 GB a layer at 256k tokens over cp 8, where the kernel it runs is slower than flash too (and where a
+      torch's memory-efficient kernel does not take grouped-query heads, SDPA falls to its math path, which
+      keeps the whole score matrix). scripts/cp_chunk_attention.py measures both ways on a GPU.
     * otherwise (CPU, meta): :func:`causal_bias`'s zero-copy view, whose rows are reversed (a view needs a positive
       row stride), so the queries are too. SDPA on the CPU takes it as it is; ``causal_lower_right`` there would
       materialise a boolean ``(c, end)`` mask."""
