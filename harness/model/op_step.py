@@ -15,6 +15,8 @@ on the device (:mod:`harness.model.op_cost`).
   of its two operands is cast first: an amax (a read) and a scaled cast (a read and a write at 1 byte). Compiled,
   either way, the amax ends a kernel (no element is cast before it has seen them all) and the cast fuses with what
   follows: two passes over the operand.
+* **A split backward** (the zero-bubble schedules) runs each recomputed op :data:`SPLIT_BACKWARD_RECOMPUTES` times,
+  at least: the input-gradient pass and the weight-gradient pass each recompute.
 * **The optimizer**: AdamW's bytes per parameter traced (:func:`harness.model.op_trace.optimizer_bytes_per_param`)
   over the parameters the rank holds, at the device's bandwidth.
 """
@@ -27,10 +29,11 @@ from dataclasses import replace
 from harness.model.block_ops import fp8_linears
 from harness.model.inventory import held_shape, rank_layer_ids, rank_params, stages_of_rank
 from harness.model.op_cost import Device, PassCost, fuse, price, split_for_tp
-from harness.model.op_record import GEMM, MEMORY, Op
+from harness.model.op_record import GEMM, MEMORY, RECOMPUTE, Op
 from harness.model.op_trace import TraceSpec, optimizer_bytes_per_param, trace_block, trace_ends
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.parallel.activation_checkpoint import checkpointed_layer
+from harness.parallel.schedules import ZERO_BUBBLE_SCHEDULES
 
 
 def trace_spec(c: CellShape, fused_norm: bool = True, fp8_recipe: str = "tensorwise") -> TraceSpec:
@@ -111,6 +114,14 @@ def _fsdp_copy_bytes(c: CellShape, params: int) -> int:
     return params * (gathers * 2 * pb + pb + 4)
 
 
+SPLIT_BACKWARD_RECOMPUTES = 2
+"""How many times a zero-bubble schedule's split backward runs a checkpointed region's forward again, at least. torch's
+``stage_backward_input`` and then ``stage_backward_weight`` (one ``autograd.grad`` per parameter group) are separate
+autograd passes, and non-reentrant checkpointing recomputes a region in each pass that unpacks what it saved; the
+weight gradients unpack the linears' inputs. A lower bound: 2.5x to 9x the policy's was measured at 2 ranks
+(docs/claims.md), by rank and policy, which pricing it needs the stage traced as torch's pipelining runs it for."""
+
+
 def rank_passes(c: CellShape, dev: Device, compile: bool = False, fused_norm: bool = True,
                 fp8_recipe: str = "tensorwise", reduction_share: float = 1.0) -> list[PassCost]:
     """Per pipeline rank: one microbatch's forward and backward (and recomputation), priced op by op; ``fused_norm``
@@ -125,6 +136,8 @@ def rank_passes(c: CellShape, dev: Device, compile: bool = False, fused_norm: bo
         for layer in rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape):
             ops += _block_ops(c, layer, compile, fused_norm, fp8_recipe, reduction_share)
         ops += _end_ops(c, first=0 in stages, last=n_stages - 1 in stages, fused_norm=fused_norm)
+        if c.dims.pp_enabled and c.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            ops += [op for op in ops if op.phase == RECOMPUTE] * (SPLIT_BACKWARD_RECOMPUTES - 1)
         cost = price(ops, dev)
         gathered = sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank,
                                                                              c.v_shape))

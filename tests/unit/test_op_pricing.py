@@ -251,3 +251,45 @@ def test_fp8_without_torchao_casts_each_operand_in_two_passes_compiled():
     assert [(o.name, o.bytes) for o in ops] == [("amax", 2052), ("fused 2", 4104), ("cast_to_fp8", 1540),
                                                 ("mm", mm.read // 2 + mm.written)]
     assert ops[-1].dtype == "fp8" and {sid for sid, _ in ops[-1].reads}.isdisjoint({1, 2})  # it reads the casts
+
+
+def test_a_split_backward_prices_each_recomputed_op_twice(llama_tiny):
+    """A zero-bubble schedule's input and weight passes each recompute (SPLIT_BACKWARD_RECOMPUTES, a lower bound):
+    zb's rank runs its GEMMs of interleaved 1F1B's (the same two looped stages per rank) plus one more recomputation,
+    what full recompute adds over none; without recompute the two are priced alike."""
+    from harness.model.op_step import SPLIT_BACKWARD_RECOMPUTES, rank_passes  # noqa: PLC0415
+    from harness.model.shape import CellShape  # noqa: PLC0415
+    from harness.parallel.presets import degrees_for  # noqa: PLC0415
+
+    def gemm_s(schedule: str, recompute: str) -> list[float]:
+        c = CellShape(size=llama_tiny, dims=degrees_for("pp", 2), strategy="pp", precision="bf16", global_batch=4,
+                      microbatches=4, pp_schedule=schedule, device_kind="cuda", recompute=recompute)
+        return [p.seconds[GEMM] for p in rank_passes(c, DEV)]
+
+    assert SPLIT_BACKWARD_RECOMPUTES == 2
+    assert gemm_s("zb", "none") == pytest.approx(gemm_s("interleaved1f1b", "none"))
+    for zb, ilv, plain in zip(gemm_s("zb", "full"), gemm_s("interleaved1f1b", "full"),
+                              gemm_s("interleaved1f1b", "none"), strict=True):
+        assert ilv > plain
+        assert zb == pytest.approx(ilv + (ilv - plain))
+
+
+@pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
+def test_every_split_backward_schedule_adds_its_recomputation_once_more(llama_tiny, monkeypatch, schedule):
+    """Full recompute over none costs each rank twice what it costs priced once, on every zero-bubble schedule (the
+    V schedules' ranks hold other layers than interleaved 1F1B's, so each is held against itself)."""
+    from harness.model import op_step  # noqa: PLC0415
+    from harness.model.shape import CellShape  # noqa: PLC0415
+    from harness.parallel.presets import degrees_for  # noqa: PLC0415
+
+    def gemm_s(recompute: str) -> list[float]:
+        c = CellShape(size=llama_tiny, dims=degrees_for("pp", 2), strategy="pp", precision="bf16", global_batch=4,
+                      microbatches=4, pp_schedule=schedule, device_kind="cuda", recompute=recompute)
+        return [p.seconds[GEMM] for p in op_step.rank_passes(c, DEV)]
+
+    plain, twice = gemm_s("none"), gemm_s("full")
+    monkeypatch.setattr(op_step, "SPLIT_BACKWARD_RECOMPUTES", 1)
+    once = gemm_s("full")
+    for p, t, o in zip(plain, twice, once, strict=True):
+        assert o > p
+        assert t - p == pytest.approx(2 * (o - p))
