@@ -15,8 +15,9 @@ on the device (:mod:`harness.model.op_cost`).
   of its two operands is cast first: an amax (a read) and a scaled cast (a read and a write at 1 byte). Compiled,
   either way, the amax ends a kernel (no element is cast before it has seen them all) and the cast fuses with what
   follows: two passes over the operand.
-* **A split backward** (the zero-bubble schedules) runs each recomputed op :data:`SPLIT_BACKWARD_RECOMPUTES` times,
-  at least: the input-gradient pass and the weight-gradient pass each recompute.
+* **A split backward** (the zero-bubble schedules) runs a checkpointed block's recomputation once per autograd pass
+  that unpacks it: ``1 + G`` times, G its weight groups inside the region, and once on the first stage
+  (:mod:`harness.model.split_backward`).
 * **The optimizer**: AdamW's bytes per parameter traced (:func:`harness.model.op_trace.optimizer_bytes_per_param`)
   over the parameters the rank holds, at the device's bandwidth.
 """
@@ -24,14 +25,16 @@ on the device (:mod:`harness.model.op_cost`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 
 from harness.model.block_ops import fp8_linears
-from harness.model.inventory import held_shape, rank_layer_ids, rank_params, stages_of_rank
+from harness.model.inventory import held_shape, param_specs, rank_layer_ids, rank_params, stage_of, stages_of_rank
 from harness.model.op_cost import Device, PassCost, fuse, price, split_for_tp
 from harness.model.op_record import GEMM, MEMORY, RECOMPUTE, Op
 from harness.model.op_trace import TraceSpec, optimizer_bytes_per_param, trace_block, trace_ends
 from harness.model.shape import LOW_BYTES, CellShape
+from harness.model.split_backward import block_recomputes
 from harness.parallel.activation_checkpoint import checkpointed_layer
 from harness.parallel.schedules import ZERO_BUBBLE_SCHEDULES
 
@@ -84,15 +87,27 @@ def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_re
     kind = (size.is_moe_layer(layer), checkpointed_layer(c.recompute, layer))
     same = next(i for i in range(size.n_layers)
                 if (size.is_moe_layer(i), checkpointed_layer(c.recompute, i)) == kind)
-    ops = [split_for_tp(o, c.dims.tp, c.dims.sequence_parallel, size.is_moe_layer(layer))
-           for o in trace_block(size, same, trace_spec(c, fused_norm, fp8_recipe))]
+    traced = trace_block(size, same, trace_spec(c, fused_norm, fp8_recipe))
+    ops = [split_for_tp(o, c.dims.tp, c.dims.sequence_parallel, size.is_moe_layer(layer)) for o in traced]
     if c.precision == "fp8" and not any(o.dtype == "fp8" for o in ops):  # torchao absent: the stated rule
         ops = _with_fp8(ops, fp8_linear_names(c, layer))
     if c.precision == "tf32":
         ops = [replace(o, dtype="tf32") if o.kind == GEMM else o for o in ops]
     if compile:
         ops = fuse(ops, reduction_share)
-    return ops
+    runs = recomputes(c, layer, traced)
+    return ops + [op for op in ops if op.phase == RECOMPUTE] * (runs - 1)
+
+
+def recomputes(c: CellShape, layer: int, traced: Iterable[Op]) -> int:
+    """How many times block ``layer`` runs its recomputation in a step: once, or under a zero-bubble schedule's split
+    backward once per autograd pass that unpacks it (:mod:`harness.model.split_backward`)."""
+    if not (c.dims.pp_enabled and c.pp_schedule in ZERO_BUBBLE_SCHEDULES):
+        return 1
+    params = [p for p in param_specs(c.size) if p.layer == layer]
+    first = stage_of(params[0], c.dims.pp * c.virtual, c.size.n_layers) == 0
+    prefix = f"blocks.{layer}."
+    return block_recomputes(traced, [p.name.removeprefix(prefix) for p in params], first_stage=first)
 
 
 def _end_ops(c: CellShape, first: bool, last: bool, fused_norm: bool) -> list[Op]:
@@ -114,14 +129,6 @@ def _fsdp_copy_bytes(c: CellShape, params: int) -> int:
     return params * (gathers * 2 * pb + pb + 4)
 
 
-SPLIT_BACKWARD_RECOMPUTES = 2
-"""How many times a zero-bubble schedule's split backward runs a checkpointed region's forward again, at least. torch's
-``stage_backward_input`` and then ``stage_backward_weight`` (one ``autograd.grad`` per parameter group) are separate
-autograd passes, and non-reentrant checkpointing recomputes a region in each pass that unpacks what it saved; the
-weight gradients unpack the linears' inputs. A lower bound: 2.5x to 9x the policy's was measured at 2 ranks
-(docs/claims.md), by rank and policy, which pricing it needs the stage traced as torch's pipelining runs it for."""
-
-
 def rank_passes(c: CellShape, dev: Device, compile: bool = False, fused_norm: bool = True,
                 fp8_recipe: str = "tensorwise", reduction_share: float = 1.0) -> list[PassCost]:
     """Per pipeline rank: one microbatch's forward and backward (and recomputation), priced op by op; ``fused_norm``
@@ -136,8 +143,6 @@ def rank_passes(c: CellShape, dev: Device, compile: bool = False, fused_norm: bo
         for layer in rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape):
             ops += _block_ops(c, layer, compile, fused_norm, fp8_recipe, reduction_share)
         ops += _end_ops(c, first=0 in stages, last=n_stages - 1 in stages, fused_norm=fused_norm)
-        if c.dims.pp_enabled and c.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-            ops += [op for op in ops if op.phase == RECOMPUTE] * (SPLIT_BACKWARD_RECOMPUTES - 1)
         cost = price(ops, dev)
         gathered = sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank,
                                                                              c.v_shape))

@@ -33,7 +33,7 @@ from harness.model.hardware import GIB, Device, comm_time_fn, get_device, placem
 from harness.model.memory import peak_bytes, state_bytes_by_rank
 from harness.model.op_cost import Device as PricedDevice
 from harness.model.op_cost import PassCost
-from harness.model.op_step import SPLIT_BACKWARD_RECOMPUTES, optimizer_s_per_param, rank_passes
+from harness.model.op_step import optimizer_s_per_param, rank_passes
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import OVERLAP_SLOWDOWN, StepPrediction, predict_step
 from harness.parallel import presets
@@ -279,9 +279,9 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         row["notes"].append(f"compile: not priced ({s.compile.source})")
     if dims.pp_enabled and s.pp_schedule in ZERO_BUBBLE_SCHEDULES and s.recompute != "none":
         row["notes"].append(f"{s.pp_schedule} with recompute {s.recompute}: torch's split backward runs a checkpointed "
-                            f"region's forward again in each autograd pass (2.5-9x the policy's recompute measured at "
-                            f"2 ranks, docs/claims.md); priced {SPLIT_BACKWARD_RECOMPUTES}x, a lower bound, so "
-                            f"optimistic")
+                            f"block's forward again in each autograd pass that unpacks it, the input pass and one per "
+                            f"weight group in the block (the first stage once); priced so "
+                            f"(harness/model/split_backward.py)")
     same = _same_size_dims(dims, where)
     if same:
         row["notes"].append(f"{' and '.join(same)} have the same size: their collectives are priced at the "

@@ -58,13 +58,13 @@ def test_the_whatif_ranks_each_schedule_with_its_simulated_bubble():
     assert by["pp (zb)"]["tokens_per_s_per_device"] > by["pp (interleaved1f1b)"]["tokens_per_s_per_device"]
 
 
-def test_a_zero_bubble_row_with_recompute_says_its_recompute_is_priced_at_a_lower_bound():
-    """torch's split backward re-runs a checkpointed region in each autograd pass: the what-if prices it twice (a lower
-    bound) and the zero-bubble rows say so; 1F1B's rows and rows without recompute carry no such note; op is refused outright."""
+def test_a_zero_bubble_row_with_recompute_says_how_its_recompute_is_priced():
+    """torch's split backward re-runs a checkpointed block in each autograd pass that unpacks it: the what-if prices
+    that count and the zero-bubble rows say so; 1F1B's rows and rows without recompute carry no such note; op is refused outright."""
     kw = dict(pp_schedules=("1f1b", "zb"), microbatches=16, global_batch=16)
     rows = {r["strategy"]: r for r in plan_at_scale("llama3-8b", "h100", 8, ["pp"], recompute="full", **kw)}
-    said = "zb with recompute full: torch's split backward runs a checkpointed region's forward again"
-    assert any(said in n and "priced 2x, a lower bound" in n for n in rows["pp (zb)"]["notes"])
+    said = "zb with recompute full: torch's split backward runs a checkpointed block's forward again"
+    assert any(said in n and "priced so (harness/model/split_backward.py)" in n for n in rows["pp (zb)"]["notes"])
     assert not any("split backward" in n for n in rows["pp"]["notes"])
     plain = {r["strategy"]: r for r in plan_at_scale("llama3-8b", "h100", 8, ["pp"], **kw)}
     assert not any("split backward" in n for n in plain["pp (zb)"]["notes"])
