@@ -16,8 +16,8 @@ on the device (:mod:`harness.model.op_cost`).
   either way, the amax ends a kernel (no element is cast before it has seen them all) and the cast fuses with what
   follows: two passes over the operand.
 * **A split backward** (the zero-bubble schedules) runs a checkpointed block's recomputation once per autograd pass
-  that unpacks it: ``1 + G`` times, G its weight groups inside the region, and once on the first stage
-  (:mod:`harness.model.split_backward`).
+  that unpacks it: ``1 + s G`` times, G its weight groups inside the region and s the share of the stage's backwards
+  the schedule splits, and once on the first stage (:mod:`harness.model.split_backward`).
 * **The optimizer**: AdamW's bytes per parameter traced (:func:`harness.model.op_trace.optimizer_bytes_per_param`)
   over the parameters the rank holds, at the device's bandwidth.
 """
@@ -34,7 +34,7 @@ from harness.model.op_cost import Device, PassCost, fuse, price, split_for_tp
 from harness.model.op_record import GEMM, MEMORY, RECOMPUTE, Op
 from harness.model.op_trace import TraceSpec, optimizer_bytes_per_param, trace_block, trace_ends
 from harness.model.shape import LOW_BYTES, CellShape
-from harness.model.split_backward import block_recomputes
+from harness.model.split_backward import block_recomputes, split_share
 from harness.parallel.activation_checkpoint import checkpointed_layer
 from harness.parallel.schedules import ZERO_BUBBLE_SCHEDULES
 
@@ -81,7 +81,8 @@ def _with_fp8(ops: list[Op], converted: frozenset[str]) -> list[Op]:
 
 
 def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_recipe: str,
-               reduction_share: float) -> list[Op]:
+               reduction_share: float) -> tuple[list[Op], float]:
+    """Block ``layer``'s kernels for one microbatch, and how many times its recomputation runs (:func:`recomputes`)."""
     size = c.size
     # one trace per kind of block: the first layer of the same kind stands for it
     kind = (size.is_moe_layer(layer), checkpointed_layer(c.recompute, layer))
@@ -95,19 +96,19 @@ def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_re
         ops = [replace(o, dtype="tf32") if o.kind == GEMM else o for o in ops]
     if compile:
         ops = fuse(ops, reduction_share)
-    runs = recomputes(c, layer, traced)
-    return ops + [op for op in ops if op.phase == RECOMPUTE] * (runs - 1)
+    return ops, recomputes(c, layer, traced)
 
 
-def recomputes(c: CellShape, layer: int, traced: Iterable[Op]) -> int:
-    """How many times block ``layer`` runs its recomputation in a step: once, or under a zero-bubble schedule's split
-    backward once per autograd pass that unpacks it (:mod:`harness.model.split_backward`)."""
+def recomputes(c: CellShape, layer: int, traced: Iterable[Op]) -> float:
+    """How many times per microbatch block ``layer`` runs its recomputation: once, or under a zero-bubble schedule's
+    split backward once per autograd pass that unpacks it (:mod:`harness.model.split_backward`)."""
     if not (c.dims.pp_enabled and c.pp_schedule in ZERO_BUBBLE_SCHEDULES):
-        return 1
+        return 1.0
     params = [p for p in param_specs(c.size) if p.layer == layer]
-    first = stage_of(params[0], c.dims.pp * c.virtual, c.size.n_layers) == 0
+    stage = stage_of(params[0], c.dims.pp * c.virtual, c.size.n_layers)
     prefix = f"blocks.{layer}."
-    return block_recomputes(traced, [p.name.removeprefix(prefix) for p in params], first_stage=first)
+    return block_recomputes(traced, [p.name.removeprefix(prefix) for p in params], first_stage=stage == 0,
+                            share=split_share(c.pp_schedule, c.dims.pp, c.microbatches, stage))
 
 
 def _end_ops(c: CellShape, first: bool, last: bool, fused_norm: bool) -> list[Op]:
@@ -140,10 +141,16 @@ def rank_passes(c: CellShape, dev: Device, compile: bool = False, fused_norm: bo
     for pp_rank in range(c.dims.pp):
         stages = stages_of_rank(pp_rank, c.dims.pp, c.virtual, c.v_shape)
         ops: list[Op] = []
+        again: list[tuple[list[Op], float]] = []  # a split backward's further recomputations (recomputes() - 1)
         for layer in rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape):
-            ops += _block_ops(c, layer, compile, fused_norm, fp8_recipe, reduction_share)
+            block, runs = _block_ops(c, layer, compile, fused_norm, fp8_recipe, reduction_share)
+            ops += block
+            if runs > 1:
+                again.append(([op for op in block if op.phase == RECOMPUTE], runs - 1))
         ops += _end_ops(c, first=0 in stages, last=n_stages - 1 in stages, fused_norm=fused_norm)
         cost = price(ops, dev)
+        for recomputation, times in again:
+            cost.add(price(recomputation, dev), times)
         gathered = sum(math.prod(held_shape(p, c.dims)) for p in rank_params(c.size, c.dims, c.virtual, pp_rank,
                                                                              c.v_shape))
         copies = _fsdp_copy_bytes(c, gathered) / bw

@@ -77,18 +77,25 @@ def test_a_backward_that_recomputed_less_than_the_policy_contradicts_it():
                              "recomputes 12 of what its blocks ran")
 
 
-def test_a_split_backward_may_recompute_more_never_less():
-    # zb at 2 ranks measured 5x and 9x the policy's under full and 2.5x under attn: no whole multiple holds, but
-    # every checkpointed region runs again at least once
-    blocks = {"0": {"calls": 4, "matmuls": 24, "every_other": 12, "attn_core": 12}}
+def test_a_split_backward_recomputes_as_many_times_as_its_passes_unpack_each_block():
+    # gpt2 tiny, zb at 2 ranks: rank 0 holds blocks 0 (stage 0: one full backward, once) and 2 (stage 2: the input
+    # pass and 8 weight groups, 9 times); rank 1 blocks 1 and 3, 9 times each. 24 matmuls a block: 240 and 432
+    # recomputed, the 5x and 9x measured (results/reference/pp-split-recompute-cpu-tiny-w2)
+    block = {"calls": 4, "matmuls": 24, "every_other": 12, "attn_core": 12}
     zb = _cfg(strategy="pp", world_size=2, microbatches=4, pp_schedule="zb", ac="full")
-    worker = {"observed": {"by_rank": [_worker(forward=24, backward=48 + 5 * 24, blocks=blocks)["observed"]["by_rank"][0]]}}
-    assert claims._ac(zb, worker["observed"]["by_rank"])["status"] == "checked"
-    odd = _worker(forward=24, backward=48 + 60, blocks=blocks)["observed"]["by_rank"]  # 2.5x, as attn measured
-    assert claims._ac(zb, odd)["status"] == "checked"
-    short = _worker(forward=24, backward=48 + 12, blocks=blocks)["observed"]["by_rank"]  # half a recompute: a lie
-    assert claims._ac(zb, short)["status"] == "contradicted"
-    one = _worker(forward=24, backward=48 + 2 * 24, blocks=blocks)["observed"]["by_rank"]
+
+    def rank(blocks: dict, recomputed: int) -> list[dict]:
+        forward = 24 * len(blocks)
+        return _worker(forward=forward, backward=2 * forward + recomputed, blocks=blocks)["observed"]["by_rank"]
+
+    r0, r1 = {"0": block, "2": block}, {"1": block, "3": block}
+    c = claims._ac(zb, rank(r0, 240) + rank(r1, 432))
+    assert c["status"] == "checked" and "recomputed [5.0, 9.0] times the policy's by rank, as many as" in c["compared"]
+    for wrong in (48, 96, 480):  # once per block, twice, and 10x on the first stage too: each a lie now
+        c = claims._ac(zb, rank(r0, wrong) + rank(r1, 432))
+        assert c["status"] == "contradicted" and "recomputes 240 of what its blocks ran (its split backward's " \
+            "passes counted)" in c["compared"], c
+    one = _worker(forward=24, backward=48 + 2 * 24, blocks={"0": block})["observed"]["by_rank"]
     assert claims._ac(_cfg(ac="full"), one)["status"] == "contradicted"  # twice is a lie without a split backward
 
 
@@ -350,21 +357,21 @@ def test_a_contradicted_cell_names_each_claim_in_one_line():
 
 def test_whole_entries_as_the_record_holds_them():
     """Each entry whole (claim, value, status, and what was compared or why not), as ``metrics.claims`` holds it."""
-    blocks = {"0": {"calls": 4, "matmuls": 24, "every_other": 12, "attn_core": 12}}
+    blocks = {"2": {"calls": 4, "matmuls": 24, "every_other": 12, "attn_core": 12}}  # stage 2 of gpt2 tiny's zb
     zb = _cfg(strategy="pp", world_size=2, microbatches=4, pp_schedule="zb", ac="full")
-    assert claims._ac(zb, _worker(forward=24, backward=48 + 5 * 24, blocks=blocks)["observed"]["by_rank"]) == {
+    assert claims._ac(zb, _worker(forward=24, backward=48 + 9 * 24, blocks=blocks)["observed"]["by_rank"]) == {
         "claim": "ac", "value": "full", "status": "checked",
-        "compared": "matmuls recomputed on the counted step equal the policy's on every rank (rank 0: 120 of 24 "
-                    "forward); recomputed [5.0] times the policy's by rank (a split backward recomputes per pass)"}
-    assert claims._ac(zb, _worker(forward=24, backward=48 + 24, blocks=blocks)["observed"]["by_rank"])["compared"] == \
+        "compared": "matmuls recomputed on the counted step equal the policy's on every rank (rank 0: 216 of 24 "
+                    "forward); recomputed [9.0] times the policy's by rank, as many as its split backward's passes"}
+    first = {"0": blocks["2"]}  # stage 0: one full backward, once
+    assert claims._ac(zb, _worker(forward=24, backward=48 + 24, blocks=first)["observed"]["by_rank"])["compared"] == \
         "matmuls recomputed on the counted step equal the policy's on every rank (rank 0: 24 of 24 forward)"
     split_off = claims._ac(zb, _worker(forward=24, backward=48 + 7, blocks=blocks)["observed"]["by_rank"])
     assert split_off == {"claim": "ac", "value": "full", "status": "contradicted",
                          "compared": "rank 0's backward ran 55 matmuls for 24 in its forward: 7 recomputed, where ac "
-                                     "full recomputes 24 of what its blocks ran (or more, under a split backward: it "
-                                     "recomputes per autograd pass)"}
-    one = {"0": {"calls": 1, "matmuls": 1, "every_other": 0, "attn_core": 0}}  # twice the policy's 1
-    assert claims._ac(zb, _worker(forward=1, backward=2 + 2, blocks=one)["observed"]["by_rank"])["status"] == "checked"
+                                     "full recomputes 216 of what its blocks ran (its split backward's passes counted)"}
+    one = {"1": {"calls": 1, "matmuls": 1, "every_other": 0, "attn_core": 0}}  # stage 1: 9 times the policy's 1
+    assert claims._ac(zb, _worker(forward=1, backward=2 + 9, blocks=one)["observed"]["by_rank"])["status"] == "checked"
     none_zb = replace_ac(zb, "none")
     assert claims._ac(none_zb, _worker(forward=1, backward=2 + 2, blocks=one)["observed"]["by_rank"])["status"] == \
         "contradicted"  # nothing to recompute: none may run again

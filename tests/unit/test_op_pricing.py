@@ -253,31 +253,60 @@ def test_fp8_without_torchao_casts_each_operand_in_two_passes_compiled():
     assert ops[-1].dtype == "fp8" and {sid for sid, _ in ops[-1].reads}.isdisjoint({1, 2})  # it reads the casts
 
 
-@pytest.mark.parametrize("arch,policy,runs", [
-    # gpt2: 8 weight groups (q, k, v, out, fc, proj: weight and bias in one addmm; ln1, ln2); its attention core's 3
-    ("gpt2", "full", [1, 9, 9, 9]), ("gpt2", "attn", [1, 4, 4, 4]),
-    # llama3: 9 (q, k, v, out, gate, up, proj, two RMSNorms); moe: 10 (q, k, v, out, the router's score, the experts'
-    # gate, up and proj tensors apart, two RMSNorms)
-    ("llama3", "full", [1, 10, 10, 10]), ("moe", "full", [1, 11, 11, 11]), ("moe", "attn", [1, 4, 4, 4]),
+@pytest.mark.parametrize("arch,policy,schedule,runs", [
+    # by hand: G weight groups in the region (gpt2 full 8: q, k, v, out, fc, proj with their biases, two LayerNorms;
+    # llama3 9: q, k, v, out, gate, up, proj, two RMSNorms; moe 10: the router's score and the experts' gate, up and
+    # proj tensors for the MLP's three; attn 3: q, k, v); the first stage once, any other 1 + s G, s the stage's
+    # split share: zb 1; DualPipeV at pp 2 and 4 microbatches 1/4 (one I/W pair and three full backwards a stage)
+    ("gpt2", "full", "zb", [1, 9, 9, 9]), ("gpt2", "attn", "zb", [1, 4, 4, 4]),
+    ("llama3", "full", "zb", [1, 10, 10, 10]), ("moe", "full", "zb", [1, 11, 11, 11]),
+    ("moe", "attn", "zb", [1, 4, 4, 4]), ("gpt2", "full", "dualpipev", [1, 3, 3, 3]),
+    ("llama3", "attn", "dualpipev", [1, 1.75, 1.75, 1.75]),
 ])
-def test_a_split_backward_recomputes_a_block_once_per_pass_that_unpacks_it(arch, policy, runs):
-    """zb at pp 2 (four stages of one tiny block): stage 0 once (its full backward), every other stage 1 + G. At the
-    rank level (rank 0: stages 0 and 2; rank 1: 1 and 3) gpt2's counts are docs/claims.md's measured ones: full 5x
-    and 9x, attn 2.5x and 4x."""
+def test_a_split_backward_recomputes_a_block_once_per_pass_that_unpacks_it(arch, policy, schedule, runs):
+    """pp 2, 4 microbatches, four stages of one tiny block each (block i on stage i, zb's and dualpipev's alike)."""
     from harness.model.op_step import recomputes, trace_spec  # noqa: PLC0415
     from harness.model.shape import CellShape  # noqa: PLC0415
     from harness.parallel.presets import degrees_for  # noqa: PLC0415
 
     size = get_size("tiny", arch)
-    c = CellShape(size=size, dims=degrees_for("pp", 2), strategy="pp", precision="bf16", global_batch=4,
-                  microbatches=4, pp_schedule="zb", device_kind="cuda", recompute=policy)
-    got = [recomputes(c, layer, list(trace_block(size, layer, trace_spec(c)))) for layer in range(size.n_layers)]
-    assert got == runs
-    if arch == "gpt2":
-        assert [(got[0] + got[2]) / 2, (got[1] + got[3]) / 2] == ([5.0, 9.0] if policy == "full" else [2.5, 4.0])
-    one_f_one_b = CellShape(size=size, dims=degrees_for("pp", 2), strategy="pp", precision="bf16", global_batch=4,
-                            microbatches=4, pp_schedule="interleaved1f1b", device_kind="cuda", recompute=policy)
-    assert [recomputes(one_f_one_b, layer, []) for layer in range(size.n_layers)] == [1] * size.n_layers
+    c = CellShape(size=size, dims=degrees_for("pp", 2), strategy="pp", precision="bf16", global_batch=8,
+                  microbatches=4, pp_schedule=schedule, device_kind="cpu", recompute=policy)
+    assert [recomputes(c, layer, list(trace_block(size, layer, trace_spec(c)))) for layer in range(4)] == runs
+    plain = CellShape(size=size, dims=degrees_for("pp", 2), strategy="pp", precision="bf16", global_batch=8,
+                      microbatches=4, pp_schedule="interleaved1f1b", device_kind="cpu", recompute=policy)
+    assert [recomputes(plain, layer, []) for layer in range(4)] == [1.0] * 4
+
+
+SPLIT_REFERENCE = "results/reference/pp-split-recompute-cpu-tiny-w2/records.jsonl.gz"
+
+
+def test_the_recomputation_counted_on_every_rank_of_the_split_backward_runs_is_the_models():
+    """Each pipelined cell of the reference (gpt2, llama3 and moe tiny; zb, zbv and dualpipev; attn and full: 18
+    cells, 36 ranks): the matmuls a rank's backward ran beyond twice its forward's, counted, equal the policy's
+    recomputation of each of its blocks (what the blocks' forwards ran) times the model's runs of that block."""
+    import gzip  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from harness.run.claims import expected_recompute, split_runs  # noqa: PLC0415
+    from harness.spec import CellConfig  # noqa: PLC0415
+
+    path = Path(__file__).resolve().parents[2] / SPLIT_REFERENCE
+    ranks = 0
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            record = json.loads(line)
+            if record["kind"] != "cell" or record["config"]["strategy"] != "pp":
+                continue
+            cfg = CellConfig.from_record(record["config"])
+            runs = split_runs(cfg)
+            assert runs is not None and max(runs.values()) > 1, record["cell_id"]
+            for t in (r["ops"] for r in record["metrics"]["observed"]["by_rank"]):
+                measured = t["backward_matmuls"] - 2 * t["forward_matmuls"]
+                assert measured == expected_recompute(cfg.ac, t["blocks"], runs), record["cell_id"]
+                ranks += 1
+    assert ranks == 36
 
 
 def test_a_split_backward_prices_each_blocks_recomputation_that_many_times(llama_tiny):
