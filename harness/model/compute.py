@@ -23,6 +23,7 @@ Without a workload calibration the model falls back to the roofline bound: ``alp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from harness.model.block_ops import block_matmuls, kept_by_op
@@ -180,7 +181,14 @@ def rates_from_entry(entry: dict, wrapper: str | None = None) -> ComputeRates:
 
 
 def recompute_factor(c: CellShape) -> float:
-    """Executed FLOPs over model FLOPs: recomputation repeats forward work (Korthikanti et al. 2022).
+    """Executed FLOPs over model FLOPs: recomputation repeats forward work (Korthikanti et al. 2022): the model's FLOPs
+    per token and each block's :func:`recompute_extra`."""
+    model = c.size.flops_per_token()
+    return (model + sum(recompute_extra(c))) / model
+
+
+def recompute_extra(c: CellShape) -> list[float]:
+    """Per block, the forward FLOPs per token its recomputation runs again, once.
 
     A block checkpointed whole (``full``, ``layerN``'s) runs its forward again: 2 FLOPs per weight a token
     computes with (an MoE's k routed experts and the router, not all E) and the attention; ``attn`` the q, k,
@@ -188,22 +196,21 @@ def recompute_factor(c: CellShape) -> float:
     the attention kept.
     """
     size = c.size
-    model = size.flops_per_token()
     attention = 2 * size.attention_width * size.seq_len  # scores and values of one layer, forward
-
-    def whole(i: int) -> float:
-        return 2 * size.layer_matmul_params(i) + attention - early_stopped_flops(size, i)
-
-    extra: float = sum(whole(i) for i in range(size.n_layers) if checkpointed_layer(c.recompute, i))
-    if c.recompute == "attn":
-        extra = size.n_layers * (2 * size.qkv_params + attention)
-    elif c.recompute == "op":
-        extra = 0.0
-        for i in range(size.n_layers):
+    out = []
+    for i in range(size.n_layers):
+        if checkpointed_layer(c.recompute, i):
+            out.append(2 * size.layer_matmul_params(i) + attention - early_stopped_flops(size, i))
+        elif c.recompute == "attn":
+            out.append(2 * size.qkv_params + attention)
+        elif c.recompute == "op":
             matmuls = block_matmuls(size.at_layer(i), c.dims.ep)
-            extra += sum(m.flops(1) for m, keep in zip(matmuls, kept_by_op(matmuls)) if not keep)
-            extra -= early_stopped_flops(size, i) if not kept_by_op(matmuls)[-1] else 0.0
-    return (model + extra) / model
+            kept = kept_by_op(matmuls)
+            out.append(sum(m.flops(1) for m, keep in zip(matmuls, kept) if not keep)
+                       - (early_stopped_flops(size, i) if not kept[-1] else 0.0))
+        else:
+            out.append(0.0)
+    return out
 
 
 def early_stopped_flops(size: ModelSize, layer: int) -> float:
@@ -217,6 +224,19 @@ def early_stopped_flops(size: ModelSize, layer: int) -> float:
     return 0.0 if block.moe is not None else block_matmuls(block)[-1].flops(1)
 
 
-def with_recompute(rates: ComputeRates, c: CellShape) -> ComputeRates:
-    """``rates`` with the per-row time scaled by :func:`recompute_factor` (the fixed cost stays)."""
-    return replace(rates, beta_s_per_row=rates.beta_s_per_row * recompute_factor(c))
+def with_recompute(rates: ComputeRates, c: CellShape, runs: Mapping[int, float] | None = None) -> ComputeRates:
+    """``rates`` with the per-row time scaled by :func:`recompute_factor` (the fixed cost stays). With ``runs`` (how
+    many times a split backward runs each block's recomputation: :func:`harness.model.op_step.block_runs`) where any
+    is above 1, each pipeline rank's pass apart (``stage_pass_s``): its share of the model's FLOPs and its own blocks'
+    recomputation that many times."""
+    scaled = replace(rates, beta_s_per_row=rates.beta_s_per_row * recompute_factor(c))
+    if runs is None or all(r == 1 for r in runs.values()):
+        return scaled
+    extra, model = recompute_extra(c), c.size.flops_per_token()
+    executed = model + sum(extra)  # what the scaled per-row time stands for
+    passes = []
+    for p, (flop_share, layer_share) in enumerate(stage_shares(c)):
+        mine = rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, p, c.v_shape)
+        flops = flop_share * model + sum(extra[i] * runs[i] for i in mine)
+        passes.append(pass_time_s(scaled, c.microbatch_rows, flops / executed, layer_share, c.dims.tp * c.dims.cp))
+    return replace(scaled, stage_pass_s=tuple(passes))

@@ -84,11 +84,7 @@ def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_re
                reduction_share: float) -> tuple[list[Op], float]:
     """Block ``layer``'s kernels for one microbatch, and how many times its recomputation runs (:func:`recomputes`)."""
     size = c.size
-    # one trace per kind of block: the first layer of the same kind stands for it
-    kind = (size.is_moe_layer(layer), checkpointed_layer(c.recompute, layer))
-    same = next(i for i in range(size.n_layers)
-                if (size.is_moe_layer(i), checkpointed_layer(c.recompute, i)) == kind)
-    traced = trace_block(size, same, trace_spec(c, fused_norm, fp8_recipe))
+    traced = trace_block(size, _same_kind(c, layer), trace_spec(c, fused_norm, fp8_recipe))
     ops = [split_for_tp(o, c.dims.tp, c.dims.sequence_parallel, size.is_moe_layer(layer)) for o in traced]
     if c.precision == "fp8" and not any(o.dtype == "fp8" for o in ops):  # torchao absent: the stated rule
         ops = _with_fp8(ops, fp8_linear_names(c, layer))
@@ -97,6 +93,22 @@ def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_re
     if compile:
         ops = fuse(ops, reduction_share)
     return ops, recomputes(c, layer, traced)
+
+
+def block_runs(c: CellShape) -> dict[int, float]:
+    """:func:`recomputes` of every block, one trace per kind of block (its recomputation and weight groups are its
+    kind's)."""
+    size, spec = c.size, trace_spec(c)
+    if not (c.dims.pp_enabled and c.pp_schedule in ZERO_BUBBLE_SCHEDULES):
+        return dict.fromkeys(range(size.n_layers), 1.0)
+    return {layer: recomputes(c, layer, trace_block(size, _same_kind(c, layer), spec)) for layer in range(size.n_layers)}
+
+
+def _same_kind(c: CellShape, layer: int) -> int:
+    """The first block of ``layer``'s kind (dense or MoE, checkpointed whole or not): one trace stands for them."""
+    size = c.size
+    kind = (size.is_moe_layer(layer), checkpointed_layer(c.recompute, layer))
+    return next(i for i in range(size.n_layers) if (size.is_moe_layer(i), checkpointed_layer(c.recompute, i)) == kind)
 
 
 def recomputes(c: CellShape, layer: int, traced: Iterable[Op]) -> float:

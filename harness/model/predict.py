@@ -26,6 +26,7 @@ from harness.model.compute import (
     wrapper_of,
 )
 from harness.model.memory import peak_bytes, state_bytes_by_rank
+from harness.model.op_step import block_runs
 from harness.model.pipeline_sim import simulate
 from harness.model.shape import CellShape
 from harness.model.step_time import CommTime, predict_step
@@ -122,7 +123,7 @@ def predict_cell(cfg: CellConfig, cal: CalibrationInputs) -> dict:
         rates = roofline_rates(c, cal.matmul_tflops)
         notes.append("no workload calibration: compute at the matmul peak (a lower bound on time)")
     if rates is not None and c.recompute != "none":
-        rates = with_recompute(rates, c)
+        rates = with_recompute(rates, c, block_runs(c))
     if cfg.compile and not cal.workload_compiled:
         notes.append("compile on: priced at the eager rates (no compiled workload calibration: "
                      "harness calibrate --workloads SIZE --compile)")

@@ -33,7 +33,7 @@ from harness.model.hardware import GIB, Device, comm_time_fn, get_device, placem
 from harness.model.memory import peak_bytes, state_bytes_by_rank
 from harness.model.op_cost import Device as PricedDevice
 from harness.model.op_cost import PassCost
-from harness.model.op_step import optimizer_s_per_param, rank_passes
+from harness.model.op_step import block_runs, optimizer_s_per_param, rank_passes
 from harness.model.shape import LOW_BYTES, CellShape
 from harness.model.step_time import OVERLAP_SLOWDOWN, StepPrediction, predict_step
 from harness.parallel import presets
@@ -229,7 +229,7 @@ def rates_for(s: Scenario, c: CellShape) -> ComputeRates:
         return ComputeRates(alpha_s=0.0, beta_s_per_row=0.0, optimizer_s_per_param=optimizer_s_per_param(c, dev),
                             basis="ops", stage_pass_s=tuple(p.total_s for p in passes))
     r = with_recompute(roofline_rates(c, s.compute_peak_tflops * s.device.compute_scale * s.efficiency,
-                                      mem_gbps=s.device.hbm_gbps), c)
+                                      mem_gbps=s.device.hbm_gbps), c, block_runs(c))
     if s.compile is not None and s.compile.speedup:  # the measured gain, on the compute only
         r = replace(r, beta_s_per_row=r.beta_s_per_row / s.compile.speedup)
     return r

@@ -31,8 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from harness.model.comm import comm_by_rank, comm_for_routing
-from harness.model.op_step import recomputes, trace_spec
-from harness.model.op_trace import trace_block
+from harness.model.op_step import block_runs
 from harness.model.shape import CellShape
 from harness.parallel.activation_checkpoint import checkpointed_layer
 from harness.parallel.schedules import ZERO_BUBBLE_SCHEDULES
@@ -71,11 +70,7 @@ def split_runs(cfg: CellConfig) -> dict[int, float] | None:
     """Per block, how many times the cell's pipelined backward runs its recomputation per microbatch
     (:func:`harness.model.op_step.recomputes`: once, or per autograd pass of a split backward that unpacks it); None
     for a module of your own, whose blocks are not traced."""
-    if isinstance(cfg.model_size, OwnModel):
-        return None
-    shape = CellShape.of(cfg)
-    size, spec = shape.size, trace_spec(shape)
-    return {layer: recomputes(shape, layer, trace_block(size, layer, spec)) for layer in range(size.n_layers)}
+    return None if isinstance(cfg.model_size, OwnModel) else block_runs(CellShape.of(cfg))
 
 
 def _ac(cfg: CellConfig, observed: list[dict]) -> dict[str, Any]:

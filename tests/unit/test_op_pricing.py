@@ -328,3 +328,33 @@ def test_a_split_backward_prices_each_blocks_recomputation_that_many_times(llama
     extra = [zb - ilv for zb, ilv in zip(gemm_s("zb", "full"), gemm_s("interleaved1f1b", "full"), strict=True)]
     assert all(o > 0 for o in once)
     assert extra == pytest.approx([once[0] / 2 * 9, once[1] * 9])  # rank 0: stage 2's block 9 more; rank 1: both
+
+
+def test_the_workload_calibrated_pass_of_a_split_backward_rank_runs_its_blocks_recomputation_that_many_times():
+    """The CPU's (and ``--efficiency``'s) per-row model: llama3 tiny, zb at pp 2, full recompute. Each rank's pass is
+    its share of the model's FLOPs plus its own blocks' recomputation times their runs, at the per-row rate the whole
+    model's single recomputation was scaled to. By hand (d 128, 4 heads of 32, seq 128, d_ff 352, 2 kv heads of 32):
+    a block's weights 128 x (128 + 64 + 64 + 128) + 3 x 128 x 352 = 184,320; its recomputation 2 x 184,320 + 2 x 256
+    x 128 (the attention: scores and values, 4 heads of 32 each way, over 128 keys) - 2 x 352 x 128 (the
+    early-stopped output projection) = 344,064 FLOPs per token."""
+    from harness.model.compute import ComputeRates, recompute_extra, stage_shares, with_recompute  # noqa: PLC0415
+    from harness.model.op_step import block_runs  # noqa: PLC0415
+    from harness.model.shape import CellShape  # noqa: PLC0415
+    from harness.parallel.presets import degrees_for  # noqa: PLC0415
+
+    c = CellShape(size=get_size("tiny", "llama3"), dims=degrees_for("pp", 2), strategy="pp", precision="fp32",
+                  global_batch=8, microbatches=4, pp_schedule="zb", device_kind="cpu", recompute="full")
+    assert recompute_extra(c) == [344_064.0] * 4
+    runs = block_runs(c)
+    assert runs == {0: 1.0, 1: 10.0, 2: 10.0, 3: 10.0}  # zb: rank 0 stages 0 and 2, rank 1 stages 1 and 3
+    rates = ComputeRates(alpha_s=0.0, beta_s_per_row=1.0, optimizer_s_per_param=0.0, basis="workload")
+    model = c.size.flops_per_token()
+    executed = model + 4 * 344_064  # the single recomputation the per-row rate is scaled by
+    split = with_recompute(rates, c, runs)
+    once = with_recompute(rates, c, dict.fromkeys(range(4), 1.0))
+    assert once.stage_pass_s is None and split.beta_s_per_row == once.beta_s_per_row == executed / model
+    rows = c.microbatch_rows
+    for p, ((share, _), blocks) in enumerate(zip(stage_shares(c), ([0, 2], [1, 3]), strict=True)):
+        flops = share * model + sum(344_064 * runs[i] for i in blocks)
+        assert split.stage_pass_s[p] == pytest.approx(rows * flops / model)
+    assert split.stage_pass_s[1] > split.stage_pass_s[0]  # rank 1's stages both split; rank 0 holds the first
