@@ -81,8 +81,8 @@ def _with_fp8(ops: list[Op], converted: frozenset[str]) -> list[Op]:
 
 
 def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_recipe: str,
-               reduction_share: float) -> tuple[list[Op], float]:
-    """Block ``layer``'s kernels for one microbatch, and how many times its recomputation runs (:func:`recomputes`)."""
+               reduction_share: float) -> list[Op]:
+    """Block ``layer``'s kernels for one microbatch (its recomputation once)."""
     size = c.size
     traced = trace_block(size, _same_kind(c, layer), trace_spec(c, fused_norm, fp8_recipe))
     ops = [split_for_tp(o, c.dims.tp, c.dims.sequence_parallel, size.is_moe_layer(layer)) for o in traced]
@@ -92,7 +92,7 @@ def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_re
         ops = [replace(o, dtype="tf32") if o.kind == GEMM else o for o in ops]
     if compile:
         ops = fuse(ops, reduction_share)
-    return ops, recomputes(c, layer, traced)
+    return ops
 
 
 def block_runs(c: CellShape) -> dict[int, float]:
@@ -150,15 +150,16 @@ def rank_passes(c: CellShape, dev: Device, compile: bool = False, fused_norm: bo
     n_stages = c.dims.pp * c.virtual
     bw = dev.hbm_gbps * 1e9 * dev.rates.bandwidth_efficiency
     out = []
+    runs = block_runs(c)
     for pp_rank in range(c.dims.pp):
         stages = stages_of_rank(pp_rank, c.dims.pp, c.virtual, c.v_shape)
         ops: list[Op] = []
-        again: list[tuple[list[Op], float]] = []  # a split backward's further recomputations (recomputes() - 1)
+        again: list[tuple[list[Op], float]] = []  # a split backward's further recomputations
         for layer in rank_layer_ids(c.size.n_layers, c.dims.pp, c.virtual, pp_rank, c.v_shape):
-            block, runs = _block_ops(c, layer, compile, fused_norm, fp8_recipe, reduction_share)
+            block = _block_ops(c, layer, compile, fused_norm, fp8_recipe, reduction_share)
             ops += block
-            if runs > 1:
-                again.append(([op for op in block if op.phase == RECOMPUTE], runs - 1))
+            if runs[layer] > 1:
+                again.append(([op for op in block if op.phase == RECOMPUTE], runs[layer] - 1))
         ops += _end_ops(c, first=0 in stages, last=n_stages - 1 in stages, fused_norm=fused_norm)
         cost = price(ops, dev)
         for recomputation, times in again:
