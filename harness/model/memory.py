@@ -33,7 +33,6 @@ from harness.model.activations import (
     mlp_grad_bytes,
     op_token_bytes,
 )
-from harness.model.block_ops import block_matmuls
 from harness.model.inventory import (
     coords,
     fsdp_padded_numel,
@@ -44,11 +43,13 @@ from harness.model.inventory import (
     rank_params,
     stages_of_rank,
 )
-from harness.model.pipeline_sim import live_peak, schedule_order
+from harness.model.op_step import same_kind, trace_spec
+from harness.model.pipeline_sim import live_peak, schedule_order, weight_pass_peak
 from harness.model.shape import CellShape
+from harness.model.split_memory import stage_split_bytes
 from harness.model.weight_copies import autocast_copy_bytes, weight_copies
 from harness.parallel.activation_checkpoint import checkpointed_layer
-from harness.parallel.schedules import layer_ranges
+from harness.parallel.schedules import ZERO_BUBBLE_SCHEDULES, layer_ranges
 
 ADAM_STATE_BYTES = 8
 """exp_avg and exp_avg_sq in fp32."""
@@ -127,19 +128,44 @@ def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
     layers = layer_ranges(c.size.n_layers, n_stages)
     keeps = {s: _stage_keep_bytes(c, list(layers[s]), last_stage=s == n_stages - 1)
              for s in stages_of_rank(pp_rank, c.dims.pp, c.virtual, c.v_shape)}
-    held = {s: _weight_grad_inputs(c, list(layers[s]), last_stage=s == n_stages - 1) for s in keeps}
+    held = {s: split[0] for s, split in _split_passes(c, pp_rank).items()}
     order = schedule_order(c.pp_schedule, c.dims.pp, c.microbatches)[pp_rank]
     return int(live_peak(order, keeps, held))
 
 
-def _weight_grad_inputs(c: CellShape, layers: list[int], last_stage: bool) -> int:
-    """What a split backward's input-gradient step (I) holds for the weight-gradient step (W), one microbatch:
-    the gradient at each linear's output (the intermediates torch's ``stage_backward_input`` keeps), and on the
-    last stage the head's (the logits' gradient, fp32)."""
-    widths = sum(m.n * m.rows for i in layers for m in block_matmuls(c.size.at_layer(i), c.dims.ep)) / c.dims.tp
+def split_weight_peak(c: CellShape, pp_rank: int) -> int:
+    """The most activation bytes a rank holds while a split backward's weight step runs: the in-flight microbatches
+    just before it (:func:`harness.model.pipeline_sim.weight_pass_peak`) and what that step holds on top, its
+    checkpointed blocks' recomputed copies (:mod:`harness.model.split_memory`). 0 where no backward is split."""
+    if not (c.dims.pp_enabled and c.pp_schedule in ZERO_BUBBLE_SCHEDULES):
+        return 0
+    layers = layer_ranges(c.size.n_layers, c.dims.pp * c.virtual)
+    split = _split_passes(c, pp_rank)
+    keeps = {s: _stage_keep_bytes(c, list(layers[s]), last_stage=s == c.dims.pp * c.virtual - 1) for s in split}
+    order = schedule_order(c.pp_schedule, c.dims.pp, c.microbatches)[pp_rank]
+    return int(weight_pass_peak(order, keeps, {s: h for s, (h, _) in split.items()},
+                                {s: w for s, (_, w) in split.items()}))
+
+
+def _split_passes(c: CellShape, pp_rank: int) -> dict[int, tuple[int, int]]:
+    """Per stage of the rank, (held, weight): what a split backward's input step (I) holds for its weight step (W),
+    one microbatch, and what W holds above it (:func:`harness.model.split_memory.stage_split_bytes`: torch's own
+    split run at the rank's shapes), with on the last stage the head's (the logits' gradient, fp32). The first stage
+    splits nothing (its input needs no gradient: one plain backward in its W); nor does a schedule without I."""
+    n_stages = c.dims.pp * c.virtual
+    stages = stages_of_rank(pp_rank, c.dims.pp, c.virtual, c.v_shape)
+    if c.pp_schedule not in ZERO_BUBBLE_SCHEDULES:
+        return dict.fromkeys(stages, (0, 0))
+    layers = layer_ranges(c.size.n_layers, n_stages)
     tokens = c.microbatch_rows * c.local_seq
-    head = tokens * c.size.vocab_size * 4 / c.dims.tp if last_stage else 0
-    return int(tokens * widths * c.compute_bytes + head)
+    out = {}
+    for s in stages:
+        ids = list(layers[s])
+        held, weight = (0, 0) if s == 0 else stage_split_bytes(c.size, ids, {i: same_kind(c, i) for i in ids},
+                                                                 trace_spec(c), c.dims.tp)
+        head = int(tokens * c.size.vocab_size * 4 / c.dims.tp) if s == n_stages - 1 and s > 0 else 0
+        out[s] = (held + head, weight)
+    return out
 
 
 def grads_live_in_forward(c: CellShape) -> bool:
@@ -296,7 +322,9 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
     * the top block's backward: every saved activation and what that block's backward adds;
     * the bottom block's backward, the step's last: every gradient and one block's activations.
       It is the peak under ``ac full`` when the gradients outweigh the block inputs;
-    * the optimizer step: every gradient and the step's temporaries (:func:`optimizer_temp_bytes`).
+    * the optimizer step: every gradient and the step's temporaries (:func:`optimizer_temp_bytes`);
+    * a split backward's weight step (zero-bubble schedules): the microbatches in flight then and what the step holds
+      on top (:func:`split_weight_peak`), beside the gradients.
 
     Under autocast without FSDP each of the first four also holds the weights' low-precision copies alive then
     (:func:`harness.model.weight_copies.autocast_copy_bytes`).
@@ -316,6 +344,7 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
     optimizer_step = states.grads + optimizer_temp_bytes(c, pp_rank)
     transient = transient_param_bytes(c, pp_rank)
     saved = activation_bytes(c, pp_rank)
+    split_w = split_weight_peak(c, pp_rank)
     last = pp_rank == c.dims.pp - 1
     logits = logits_bytes(c) if last else 0
     recv = pipeline_recv_bytes(c, pp_rank)
@@ -326,14 +355,15 @@ def stage_peak_bytes(c: CellShape, pp_rank: int, base_bytes: float = 0.0) -> flo
         at_turn = unsharded if c.microbatches > inflight else 0
         moments: tuple[float, ...] = (saved + logits + at_turn + transient, saved + top_adds + at_turn + transient,
                                       saved * (inflight - 1) // inflight + block + unsharded + root + sum(blocks),
-                                      states.grads + unsharded + root + sum(blocks), optimizer_step)
+                                      states.grads + unsharded + root + sum(blocks), optimizer_step,
+                                      split_w + at_turn + transient)
         return states.params + states.optimizer + recv + max(moments) + base_bytes
     live_grads = states.grads if grads_live_in_forward(c) else 0
     top_grads = _top_block_grad_bytes(c, pp_rank, live=bool(live_grads) and not c.fsdp)
     forward_end, loss_backward, top_backward, bottom_backward = autocast_copy_bytes(c, pp_rank)
     moments = (saved + (forward_logits_bytes(c) if last else 0) + live_grads + forward_end,
                saved + logits + live_grads + loss_backward, saved + top_adds + top_grads + live_grads + top_backward,
-               states.grads + block + bottom_backward, optimizer_step)
+               states.grads + block + bottom_backward, optimizer_step, split_w + top_grads + live_grads)
     return states.params + states.optimizer + recv + transient + max(moments) + base_bytes
 
 

@@ -84,7 +84,7 @@ def _block_ops(c: CellShape, layer: int, compile: bool, fused_norm: bool, fp8_re
                reduction_share: float) -> list[Op]:
     """Block ``layer``'s kernels for one microbatch (its recomputation once)."""
     size = c.size
-    traced = trace_block(size, _same_kind(c, layer), trace_spec(c, fused_norm, fp8_recipe))
+    traced = trace_block(size, same_kind(c, layer), trace_spec(c, fused_norm, fp8_recipe))
     ops = [split_for_tp(o, c.dims.tp, c.dims.sequence_parallel, size.is_moe_layer(layer)) for o in traced]
     if c.precision == "fp8" and not any(o.dtype == "fp8" for o in ops):  # torchao absent: the stated rule
         ops = _with_fp8(ops, fp8_linear_names(c, layer))
@@ -101,10 +101,10 @@ def block_runs(c: CellShape) -> dict[int, float]:
     size, spec = c.size, trace_spec(c)
     if not (c.dims.pp_enabled and c.pp_schedule in ZERO_BUBBLE_SCHEDULES):
         return dict.fromkeys(range(size.n_layers), 1.0)
-    return {layer: recomputes(c, layer, trace_block(size, _same_kind(c, layer), spec)) for layer in range(size.n_layers)}
+    return {layer: recomputes(c, layer, trace_block(size, same_kind(c, layer), spec)) for layer in range(size.n_layers)}
 
 
-def _same_kind(c: CellShape, layer: int) -> int:
+def same_kind(c: CellShape, layer: int) -> int:
     """The first block of ``layer``'s kind (dense or MoE, checkpointed whole or not): one trace stands for them."""
     size = c.size
     kind = (size.is_moe_layer(layer), checkpointed_layer(c.recompute, layer))

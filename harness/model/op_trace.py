@@ -291,25 +291,42 @@ def _run(rec: Recorder, root: nn.Module, spec: TraceSpec, forward: Callable[[], 
         out.backward(torch.empty_like(out) if out.dim() else None)
 
 
+def fake_block(size: ModelSize, layer: int, spec: TraceSpec, rec: Recorder) -> Block:
+    """Block ``layer`` as a rank runs it, made under the caller's ``FakeTensorMode``: parameters in FSDP's
+    ``param_dtype`` where it gathers low, fp8's linears torchao's, an MoE's dispatch at a balanced load (its host
+    sync recorded in ``rec``). No checkpointing policy yet: the caller applies it."""
+    with _param_dtype(spec):
+        block = Block(size, layer)
+    _convert_fp8(block, spec)
+    if size.moe is not None and hasattr(block.mlp, "dispatcher"):
+        setattr(block.mlp, "dispatcher", _RoutedEvenly(rec, size.moe.n_experts // spec.ep))  # noqa: B010
+    return block
+
+
+def residual_dtype(spec: TraceSpec) -> torch.dtype:
+    """The residual stream's dtype between blocks: fp32, or FSDP's low ``param_dtype``."""
+    return _AUTOCAST.get(spec.precision, torch.float32) if spec.low_params else torch.float32
+
+
+def trace_autocast(spec: TraceSpec) -> contextlib.AbstractContextManager:
+    """The autocast a traced forward runs under (CPU autocast's op lists match CUDA's for a block's ops)."""
+    return _autocast(spec.precision)
+
+
 @functools.lru_cache(maxsize=512)
 def trace_block(size: ModelSize, layer: int, spec: TraceSpec) -> tuple[Op, ...]:
     """The kernels of block ``layer``'s forward and backward (and recomputation) over one microbatch on one rank, at
     tensor parallel 1: :mod:`harness.model.op_cost` splits them as tensor parallel would."""
     rec = Recorder()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with _param_dtype(spec):
-            block = Block(size, layer)
-        _convert_fp8(block, spec)
-        if size.moe is not None and hasattr(block.mlp, "dispatcher"):
-            setattr(block.mlp, "dispatcher", _RoutedEvenly(rec, size.moe.n_experts // spec.ep))  # noqa: B010
+        block = fake_block(size, layer, spec, rec)
         handles = _attach(rec, block)
         setattr(block, "forward", _flag_recompute(rec, block.forward))  # noqa: B010  (before apply_ac wraps it)
         core = getattr(block.attn, "core", None)
         if core is not None:
             setattr(block.attn, "core", _flag_recompute(rec, core))  # noqa: B010
         apply_ac(_OneBlock(block, layer), spec.recompute)  # type: ignore[arg-type]
-        residual = torch.float32 if not spec.low_params else _AUTOCAST.get(spec.precision, torch.float32)
-        x = torch.empty(spec.rows, spec.seq, size.d_model, dtype=residual, requires_grad=True)
+        x = torch.empty(spec.rows, spec.seq, size.d_model, dtype=residual_dtype(spec), requires_grad=True)
         _run(rec, block, spec, lambda: block(x), keep_attention=spec.recompute == "op")
         for h in handles:
             h.remove()

@@ -17,7 +17,7 @@ equal stages and free transfers (Narayanan et al. 2021), less for zero-bubble sc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -155,15 +155,32 @@ def live_peak(order: tuple[Action, ...], keeps: Mapping[int, float], held_for_w:
     then. Memory follows the order alone, not the times: 1F1B's rank r holds ``pp - r`` microbatches, GPipe's all;
     a zero-bubble schedule holds each microbatch until its W, later than its I.
     """
-    live = peak = 0.0
-    for kind, s, _ in order:
+    return max((live for _, live in _played(order, keeps, held_for_w)), default=0.0)
+
+
+def weight_pass_peak(order: tuple[Action, ...], keeps: Mapping[int, float], held_for_w: Mapping[int, float],
+                     weight_pass: Mapping[int, float]) -> float:
+    """The most bytes a rank holds during one of its weight-gradient steps: what :func:`live_peak` plays out as held
+    just before that W, and what the W itself holds above it (``weight_pass[s]``,
+    :mod:`harness.model.split_memory`)."""
+    return max((live + weight_pass.get(s, 0.0) for (kind, s, _), live in _played(order, keeps, held_for_w)
+                if kind == "W"), default=0.0)
+
+
+def _played(order: tuple[Action, ...], keeps: Mapping[int, float],
+            held_for_w: Mapping[int, float]) -> Iterator[tuple[Action, float]]:
+    """Each action with the bytes held just after it (a W's: just before, the moment its own pass runs)."""
+    live = 0.0
+    for action in order:
+        kind, s, _ = action
         if kind == "F":
             live += keeps[s]
         elif kind == "I":
             live += held_for_w[s]
         elif kind == "W":
+            yield action, live
             live -= keeps[s] + held_for_w[s]
+            continue
         else:
             live -= keeps[s]
-        peak = max(peak, live)
-    return peak
+        yield action, live

@@ -130,16 +130,21 @@ def test_a_blocks_matmuls_with_experts_over_ep_and_shared_experts_by_hand():
         Matmul("gate", 128, 352, 1, "column"), Matmul("up", 128, 352, 1, "column"), Matmul("proj", 352, 128, 1, "row")]
 
 
-def test_a_split_backward_holds_each_linears_output_gradient_and_the_heads_on_the_last_stage():
-    """gpt2 tiny under pp 2 x tp 2, 4 microbatches of 2 sequences of 128 tokens, fp32: each linear's output gradient
-    per token (q, k, v, out 128 each, fc 512, proj 128: 1,152 wide, over tp 2) for each of the stage's 2 layers, and on
-    the last stage the logits' gradient (256 tokens x vocab 256 x fp32, over tp 2)."""
-    from harness.model.memory import _weight_grad_inputs
+def test_a_split_backward_holds_each_linears_and_norms_output_gradient_and_the_heads_on_the_last_stage():
+    """gpt2 tiny under pp 2 x tp 2 (zb: 4 stages of one block), 4 microbatches of 2 sequences of 128 tokens, fp32,
+    torch's own split run at these shapes: the input pass holds, per token, the gradient at each linear's output (q,
+    k, v, out 128 each, fc 512: 1,024 wide; proj's is the stage output's gradient, received and counted with the
+    receive buffers) and at each LayerNorm's (2 x 128), and one vector the size of each of the block's 1-D parameters
+    (the six linears' biases, the two norms' weights and biases: 9 x 128 + 512), over tp 2; on the last stage also
+    the logits' (vocab 256, fp32, over tp 2). The first stage splits nothing: its input needs no gradient."""
+    from harness.model.memory import _split_passes
 
     layout, _ = resolve_cell("pp+fsdp+tp", 4, {"pp": 2, "tp": 2, "dp_shard": 1}, get_size("tiny"), "fp32",
                              pp_schedule="zb", microbatches=4, grad_accum=1, global_batch=8)
     c = CellShape(size=get_size("tiny"), dims=layout.dims, strategy="pp+fsdp+tp", precision="fp32", global_batch=8,
                   microbatches=4, pp_schedule="zb")
     tokens = 2 * 128
-    assert _weight_grad_inputs(c, [0, 1], last_stage=False) == tokens * 1152 // 2 * 4 * 2
-    assert _weight_grad_inputs(c, [2, 3], last_stage=True) == tokens * 1152 // 2 * 4 * 2 + tokens * 256 * 4 // 2
+    block = (tokens * (1024 + 2 * 128) + 9 * 128 + 512) * 4 // 2
+    rank0, rank1 = _split_passes(c, 0), _split_passes(c, 1)
+    assert (rank0[0], rank0[2][0], rank1[1][0]) == ((0, 0), block, block)
+    assert rank1[3][0] == block + tokens * 256 * 4 // 2
