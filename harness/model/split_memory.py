@@ -8,8 +8,8 @@ region saved runs the region's forward again (:mod:`harness.model.split_backward
 copy of every tensor the region saves whose holder is still alive, keyed by that pass. A group's pass unpacks only
 its own: the copies the others would need stay, held by nodes the input pass already ran (``retain_graph``), until
 the stage's graph is freed after its last group. So a checkpointed block's weight pass holds up to its groups' count
-of copies of what it saves, where the plain backward holds one: a Llama 3 8B block at 8,192 tokens, fp32, holds
-1.6 GiB for the weight pass after the input pass and then reaches 20 GiB in it.
+of copies of what it saves, where the plain backward holds one: a Llama 3 8B block at 8,192 tokens in fp32 leaves
+1.4 GiB for its weight pass, which then holds 19.5 GiB above that (0.1 GiB uncheckpointed).
 
 No formula here: the stage's blocks run under ``FakeTensorMode`` (no memory, no arithmetic, every tensor at its real
 shape) through torch's ``stage_backward_input`` and ``stage_backward_weight`` with

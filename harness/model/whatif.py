@@ -281,7 +281,8 @@ def predict_row(s: Scenario, strategy: str) -> dict:
         row["notes"].append(f"{s.pp_schedule} with recompute {s.recompute}: torch's split backward runs a checkpointed "
                             f"block's forward again in each autograd pass that unpacks it, the input pass and one per "
                             f"weight group in the block (the first stage once); priced so "
-                            f"(harness/model/split_backward.py)")
+                            f"(harness/model/split_backward.py), and the copies of its saved tensors each weight "
+                            f"pass keeps counted in the peak (harness/model/split_memory.py)")
     same = _same_size_dims(dims, where)
     if same:
         row["notes"].append(f"{' and '.join(same)} have the same size: their collectives are priced at the "
