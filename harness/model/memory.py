@@ -124,12 +124,7 @@ def activation_bytes(c: CellShape, pp_rank: int = 0) -> int:
     1F1B ``pp - pp_rank``, a zero-bubble schedule each microbatch until its weight-gradient step)."""
     if not c.dims.pp_enabled:
         return _stage_keep_bytes(c, list(range(c.size.n_layers)), last_stage=True)
-    n_stages = c.dims.pp * c.virtual
-    layers = layer_ranges(c.size.n_layers, n_stages)
-    keeps = {s: _stage_keep_bytes(c, list(layers[s]), last_stage=s == n_stages - 1)
-             for s in stages_of_rank(pp_rank, c.dims.pp, c.virtual, c.v_shape)}
-    held = {s: split[0] for s, split in _split_passes(c, pp_rank).items()}
-    order = schedule_order(c.pp_schedule, c.dims.pp, c.microbatches)[pp_rank]
+    order, keeps, held, _ = _rank_actions(c, pp_rank)
     return int(live_peak(order, keeps, held))
 
 
@@ -139,12 +134,18 @@ def split_weight_peak(c: CellShape, pp_rank: int) -> int:
     checkpointed blocks' recomputed copies (:mod:`harness.model.split_memory`). 0 where no backward is split."""
     if not (c.dims.pp_enabled and c.pp_schedule in ZERO_BUBBLE_SCHEDULES):
         return 0
-    layers = layer_ranges(c.size.n_layers, c.dims.pp * c.virtual)
+    return int(weight_pass_peak(*_rank_actions(c, pp_rank)))
+
+
+def _rank_actions(c: CellShape, pp_rank: int) -> tuple[tuple, dict[int, int], dict[int, int], dict[int, int]]:
+    """A pipeline rank's action order and, per stage it holds, what a forward keeps for one microbatch
+    (:func:`_stage_keep_bytes`), what its I holds for its W and what its W holds above that (:func:`_split_passes`)."""
+    n_stages = c.dims.pp * c.virtual
+    layers = layer_ranges(c.size.n_layers, n_stages)
     split = _split_passes(c, pp_rank)
-    keeps = {s: _stage_keep_bytes(c, list(layers[s]), last_stage=s == c.dims.pp * c.virtual - 1) for s in split}
+    keeps = {s: _stage_keep_bytes(c, list(layers[s]), last_stage=s == n_stages - 1) for s in split}
     order = schedule_order(c.pp_schedule, c.dims.pp, c.microbatches)[pp_rank]
-    return int(weight_pass_peak(order, keeps, {s: h for s, (h, _) in split.items()},
-                                {s: w for s, (_, w) in split.items()}))
+    return order, keeps, {s: h for s, (h, _) in split.items()}, {s: w for s, (_, w) in split.items()}
 
 
 def _split_passes(c: CellShape, pp_rank: int) -> dict[int, tuple[int, int]]:

@@ -24,6 +24,7 @@ the norms' and residual's are whole); the first stage runs one plain backward in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -37,17 +38,17 @@ from harness.parallel.activation_checkpoint import apply_ac
 from workloads.architecture import ModelSize
 
 
-class _Stage(nn.Module):
+class Stage(nn.Module):
     """Blocks as :func:`harness.parallel.activation_checkpoint.apply_ac` takes a model: each by its index in the
     whole (a layer may repeat: two blocks of one kind)."""
 
     def __init__(self, blocks: list[tuple[int, nn.Module]]) -> None:
         super().__init__()
-        self.items = blocks
+        self.layers = [layer for layer, _ in blocks]
         self.blocks = nn.ModuleList(b for _, b in blocks)
 
     def block_items(self) -> list[tuple[str, nn.Module]]:
-        return [(str(layer), b) for layer, b in self.items]
+        return [(str(layer), b) for layer, b in zip(self.layers, self.blocks, strict=True)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
@@ -55,30 +56,36 @@ class _Stage(nn.Module):
         return x
 
 
-@functools.lru_cache(maxsize=256)
-def split_pass_bytes(size: ModelSize, layers: tuple[int, ...], spec: TraceSpec) -> tuple[int, int]:
-    """(held, weight) for a stage of blocks ``layers``, one microbatch at ``spec``: the bytes the input pass leaves
-    beyond the forward's (its input's gradient, sent on, not counted), and the most the weight pass holds beyond
-    that."""
+def count_split(stage: Stage, x: torch.Tensor, autocast: contextlib.AbstractContextManager) -> tuple[int, int]:
+    """(held, weight) of one microbatch ``x`` through ``stage`` (its policy applied) and torch's split backward:
+    the bytes ``stage_backward_input`` leaves beyond the forward's (the input's gradient, sent on, not counted), and
+    the most ``stage_backward_weight`` holds beyond that. Fake tensors or real, counted alike."""
     # torch's pipelining pulls in the distributed runtime; the CLI's planning paths import this module without it
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: PLC0415
 
+    params = list(stage.parameters())
+    with TensorBytes() as tb:
+        tb.hold([x])  # as the stage holds its received input: counted from the start, like the output it makes
+        with autocast:
+            out = stage(x)
+        grad = torch.empty_like(out)
+        forward_end = tb.live_bytes
+        groups = stage_backward_input([out], [grad], [x], iter(params))[1]
+        x.grad = None  # sent on: the previous stage's receive buffer counts it
+        held = tb.live_bytes - forward_end
+        tb.reset_peak()
+        stage_backward_weight(iter(params), groups)
+        return held, tb.peak_bytes - forward_end - held
+
+
+@functools.lru_cache(maxsize=256)
+def split_pass_bytes(size: ModelSize, layers: tuple[int, ...], spec: TraceSpec) -> tuple[int, int]:
+    """:func:`count_split` for a stage of blocks ``layers``, one microbatch at ``spec``, under ``FakeTensorMode``."""
     with FakeTensorMode(allow_non_fake_inputs=True):
-        stage = _Stage([(layer, fake_block(size, layer, spec, Recorder())) for layer in layers])
+        stage = Stage([(layer, fake_block(size, layer, spec, Recorder())) for layer in layers])
         apply_ac(stage, spec.recompute)  # type: ignore[arg-type]
-        params = list(stage.parameters())
-        with TensorBytes() as tb:
-            x = torch.empty(spec.rows, spec.seq, size.d_model, dtype=residual_dtype(spec), requires_grad=True)
-            with trace_autocast(spec):
-                out = stage(x)
-            grad = torch.empty_like(out)
-            forward_end = tb.live_bytes
-            groups = stage_backward_input([out], [grad], [x], iter(params))[1]
-            x.grad = None  # the input's gradient is sent on (the previous stage's receive buffer counts it)
-            held = tb.live_bytes - forward_end
-            tb.reset_peak()
-            stage_backward_weight(iter(params), groups)
-            return held, tb.peak_bytes - forward_end - held
+        x = torch.empty(spec.rows, spec.seq, size.d_model, dtype=residual_dtype(spec), requires_grad=True)
+        return count_split(stage, x, trace_autocast(spec))
 
 
 def stage_split_bytes(size: ModelSize, layers: list[int], kind_of: dict[int, int], spec: TraceSpec,

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from harness.measure.tensor_bytes import TensorBytes
 from harness.model.memory import stage_peak_bytes
 from harness.model.op_trace import TraceSpec
 from harness.model.pipeline_sim import weight_pass_peak
 from harness.model.shape import CellShape
-from harness.model.split_memory import _Stage, split_pass_bytes, stage_split_bytes
+from harness.model.split_memory import Stage, count_split, split_pass_bytes, stage_split_bytes
 from harness.parallel.activation_checkpoint import apply_ac
 from harness.spec import CellConfig
 from workloads.model import Block
@@ -28,24 +26,13 @@ REFERENCE = Path(__file__).resolve().parents[2] / "results/reference/pp-split-re
 
 def _real_split(arch: str, policy: str, precision: str, layers: tuple[int, ...], rows: int,
                 seq: int) -> tuple[int, int]:
-    """The same split on real tensors (under CPU autocast in bf16), counted the same way."""
+    """The same split on real tensors (under CPU autocast in bf16)."""
     size = get_size("tiny", arch)
     torch.manual_seed(0)
-    stage = _Stage([(layer, Block(size, layer)) for layer in layers])
+    stage = Stage([(layer, Block(size, layer)) for layer in layers])
     apply_ac(stage, policy)  # type: ignore[arg-type]
-    params = list(stage.parameters())
-    with TensorBytes() as tb:
-        x = torch.randn(rows, seq, size.d_model, requires_grad=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            out = stage(x)
-        grad = torch.randn_like(out)
-        forward_end = tb.live_bytes
-        groups = stage_backward_input([out], [grad], [x], iter(params))[1]
-        x.grad = None
-        held = tb.live_bytes - forward_end
-        tb.reset_peak()
-        stage_backward_weight(iter(params), groups)
-        return held, tb.peak_bytes - forward_end - held
+    x = torch.randn(rows, seq, size.d_model, requires_grad=True)
+    return count_split(stage, x, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama3"])
