@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 from torch.profiler import record_function
 
 from harness.comm_scope import comm_label
@@ -110,6 +109,9 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool
       materialise a boolean ``(c, end)`` mask."""
     c, end = q.shape[2], k.shape[2]
     if lower_right:
+        # torch.nn.attention.bias imports torch._dynamo: 0.3 s of every worker's import on CI's CPU, for CUDA only
+        from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415
+
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, end), enable_gqa=gqa)
     y = F.scaled_dot_product_attention(q.flip(2), k, v, attn_mask=causal_bias(c, end, q.dtype, q.device),
                                        enable_gqa=gqa)

@@ -9,7 +9,8 @@
   the worker, the monitor, the timer) against a bare loop of the same model, batch, data and
   thread count in a fresh process and in this one, interleaved round by round (target:
   bare/harness median >= 0.99; asserted: the CI's upper end >= 0.95);
-* NVTX ranges on vs off on the ``small`` workload (target: <= 1% cost).
+* NVTX ranges on vs off, the harness's step either side (target: <= 1% cost; asserted: the CI's upper end
+  <= 3%, as for the step).
 
 Run with ``make bench-ci`` (saves the JSON) or ``pytest tests/bench -s`` to see the ratios.
 """
@@ -176,46 +177,76 @@ def _fresh_process_median(threads: int) -> float:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _launcher_rounds(tmp: Path, threads: int) -> dict[str, list[float]]:
+    """``E2E_ROUNDS`` rounds of the three sides, the order rotating round by round."""
+    samples: dict[str, list[float]] = {"harness": [], "fresh": [], "here": []}
+    for r in range(E2E_ROUNDS):
+        sides = {"harness": lambda r=r: _launcher_median(tmp / f"round{r}"),
+                 "fresh": lambda: _fresh_process_median(threads),
+                 "here": lambda: bare_loop.median_step_s(E2E_STEPS, E2E_WARMUP)}
+        names = list(sides)
+        for side in names[r % 3:] + names[:r % 3]:
+            samples[side].append(sides[side]())
+    return samples
+
+
+def _launcher_verdict(samples: dict[str, list[float]], label: str) -> tuple[float, list[float]]:
+    """The CI's upper end of bare (fresh) / harness and its per-round ratios; prints both sides' ratios."""
+    out = {}
+    for side in ("fresh", "here"):
+        ratio, low, high = paired_ratio_ci(samples["harness"], samples[side])
+        per_round = [b / h for b, h in zip(samples[side], samples["harness"])]
+        out[side] = (high, per_round)
+        print(f"\n{label}: bare ({side}) / harness median step time = {ratio:.4f} (95% CI [{low:.4f}, {high:.4f}]; "
+              f"rounds {', '.join(f'{x:.3f}' for x in per_round)})")
+    return out["fresh"]
+
+
 def test_launcher_single_cell_vs_bare_loop(benchmark, tmp_path):
     """bare/harness median step time per round, three sides, the order rotating round by round.
 
     ``fresh``: the bare loop in a process of its own, started like the cell's rank (the judged
     ratio). ``here``: the same loop in this long-lived test process, reported beside it: on this
     machine it runs ~5% faster than any fresh process, the launcher's or not.
+
+    A failed verdict is measured once more, as the A/B gate confirms a regression, and fails the test only if the
+    second measurement fails too: one fresh-clone CI run measured the cell 15-34% slower in all three rounds
+    (0.658, 0.809, 0.850) and the same tier passed on its next run; a real cost fails both.
     """
     threads = threads_per_rank(1)  # what the worker of a one-rank cell sets
     torch.set_num_threads(threads)
     bare_loop.median_step_s(2, 1)  # this process's warmup (imports, allocator)
-    samples: dict[str, list[float]] = {"harness": [], "fresh": [], "here": []}
-    for r in range(E2E_ROUNDS):
-        sides = {"harness": lambda r=r: _launcher_median(tmp_path / f"round{r}"),
-                 "fresh": lambda: _fresh_process_median(threads),
-                 "here": lambda: bare_loop.median_step_s(E2E_STEPS, E2E_WARMUP)}
-        names = list(sides)
-        for side in names[r % 3:] + names[:r % 3]:
-            samples[side].append(sides[side]())
-    info = {}
-    for side in ("fresh", "here"):
-        ratio, low, high = paired_ratio_ci(samples["harness"], samples[side])
-        info[side] = (ratio, low, high, [b / h for b, h in zip(samples[side], samples["harness"])])
-        print(f"\nbare ({side}) / harness median step time = {ratio:.4f} (95% CI [{low:.4f}, {high:.4f}]; "
-              f"rounds {', '.join(f'{x:.3f}' for x in info[side][3])})")
+    samples = _launcher_rounds(tmp_path / "first", threads)
+    high, per_round = _launcher_verdict(samples, "first")
+    measured = [per_round]
+    if high < LAUNCHER_FLOOR:
+        samples = _launcher_rounds(tmp_path / "confirm", threads)
+        high, per_round = _launcher_verdict(samples, "confirmation")
+        measured.append(per_round)
     benchmark.extra_info.update({f"{k}_median_step_s": v for k, v in samples.items()})
-    benchmark.extra_info.update({f"ratio_bare_{k}_over_harness": v[0] for k, v in info.items()})
-    benchmark.extra_info.update({f"ratio_bare_{k}_over_harness_ci95": [v[1], v[2]] for k, v in info.items()})
-    ratio, _, high, per_round = info["fresh"]
-    assert high >= LAUNCHER_FLOOR, f"the launcher's cell is slower than a bare process by > 5%: {per_round}"
+    benchmark.extra_info["ratio_bare_fresh_over_harness_per_round"] = measured
+    assert high >= LAUNCHER_FLOOR, f"the launcher's cell is slower than a bare process by > 5%, twice: {measured}"
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
-def test_nvtx_overhead_small(benchmark):
-    on = make_context("small", seq_len=64, batch=1, nvtx=True)
-    off = make_context("small", seq_len=64, batch=1, nvtx=False)
+def _nvtx_on_and_off() -> dict:
+    on = make_context("tiny", seq_len=128, batch=8, nvtx=True)
+    off = make_context("tiny", seq_len=128, batch=8, nvtx=False)
     fns = {"nvtx_off": lambda: train.train_step(off[0], off[3], off[4], 1e-4),
            "nvtx_on": lambda: train.train_step(on[0], on[3], on[4], 1e-4)}
-    for fn in fns.values():
+    for fn in fns.values():  # warmup
         fn()
-    samples = _rounds(fns, rounds=4, steps=1)
-    ratio = _report(benchmark, samples, "nvtx_off", "nvtx_on")
-    assert 0.5 < ratio < 2.0
-    benchmark.pedantic(fns["nvtx_on"], rounds=1, iterations=1)
+    return fns
+
+
+def test_nvtx_overhead(benchmark):
+    """NVTX ranges on against off, the same harness step either side, judged like the step's cost: the CI's upper
+    end of on/off at most ``STEP_COST_BOUND``. It was 4 rounds of one `small` step with a (0.5, 2.0) sanity band,
+    whose CI spanned [0.26, 4.05] on a busy machine and failed at 2.22; the `tiny` step, alternated step by step
+    over 31+ rounds, makes the ranges' share larger and the verdict a bound."""
+    fns = _nvtx_on_and_off()
+    samples = _judged_rounds(fns, "nvtx_off", "nvtx_on", STEP_COST_BOUND)
+    _report(benchmark, samples, "nvtx_off", "nvtx_on")
+    failure = overhead_failure(samples["nvtx_off"], samples["nvtx_on"], STEP_COST_BOUND)
+    assert failure is None, f"NVTX ranges cost the step more than {STEP_COST_BOUND - 1:.0%}: {failure}"
+    benchmark.pedantic(fns["nvtx_on"], rounds=3, iterations=1)
