@@ -35,7 +35,7 @@ from harness.parallel.dims import FSDP_SHARD_DIM, ParallelDims
 from harness.parallel.ep import apply_ep, shard_experts
 from harness.parallel.levers import apply_compile
 from harness.parallel.parallelized import Parallelized
-from harness.parallel.pipeline import StageShapes, build_pipeline, build_stage_module
+from harness.parallel.pipeline import StageShapes, build_stage_module
 from harness.parallel.presets import Layout
 from harness.parallel.schedules import stage_ids, stages_per_rank
 from harness.parallel.tp import apply_tp, head_shared_params, reduce_head_shared_grads, reduce_partial_grads
@@ -94,6 +94,9 @@ def parallelize(model: Decoder | OwnModule, layout: Layout, device: torch.device
     elif dp == "ddp":
         wrapped = apply_ddp(parts[0], dims.mesh("dp_replicate"), device_kind, ddp_comm_hook, ddp_comm_state)
     if dims.pp_enabled:
+        # only here: torch's pipelining imports torch._dynamo (0.9 s of every worker's start, harness/parallel/pipeline.py)
+        from harness.parallel.pipeline_run import build_pipeline  # noqa: PLC0415
+
         pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn,
                               stage_shapes)
         return Parallelized(parts=list(parts.values()), model=None, pipeline=pipe, data_parallel=dp,

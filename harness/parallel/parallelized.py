@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from harness.parallel.pipeline import Pipeline
+    from harness.parallel.pipeline_run import Pipeline
 
 
 @dataclass

@@ -141,9 +141,9 @@ def fp8_tensorwise_for_rowwise(rank: int) -> None:
 
 def zb_as_interleaved(rank: int) -> None:
     """The zero-bubble schedule built as interleaved 1F1B (same stages per rank, same sends: a whole backward)."""
-    import harness.parallel.pipeline as pipeline  # noqa: PLC0415
+    import harness.parallel.pipeline_run as pipeline_run  # noqa: PLC0415
 
-    pipeline.ScheduleInterleavedZeroBubble = pipeline.ScheduleInterleaved1F1B
+    pipeline_run.ScheduleInterleavedZeroBubble = pipeline_run.ScheduleInterleaved1F1B
 
 
 def balanced_routing_not_applied(rank: int) -> None:
