@@ -190,13 +190,15 @@ def _launcher_rounds(tmp: Path, threads: int) -> dict[str, list[float]]:
     return samples
 
 
-def _launcher_verdict(samples: dict[str, list[float]], label: str) -> tuple[float, list[float]]:
-    """The CI's upper end of bare (fresh) / harness and its per-round ratios; prints both sides' ratios."""
+def _launcher_verdict(samples: dict[str, list[float]], label: str, info: dict) -> tuple[float, list[float]]:
+    """The CI's upper end of bare (fresh) / harness and its per-round ratios; prints both sides' ratios and keeps
+    them in ``info`` (the benchmark's extra info)."""
     out = {}
     for side in ("fresh", "here"):
         ratio, low, high = paired_ratio_ci(samples["harness"], samples[side])
         per_round = [b / h for b, h in zip(samples[side], samples["harness"])]
         out[side] = (high, per_round)
+        info[f"ratio_bare_{side}_over_harness"], info[f"ratio_bare_{side}_over_harness_ci95"] = ratio, [low, high]
         print(f"\n{label}: bare ({side}) / harness median step time = {ratio:.4f} (95% CI [{low:.4f}, {high:.4f}]; "
               f"rounds {', '.join(f'{x:.3f}' for x in per_round)})")
     return out["fresh"]
@@ -217,11 +219,11 @@ def test_launcher_single_cell_vs_bare_loop(benchmark, tmp_path):
     torch.set_num_threads(threads)
     bare_loop.median_step_s(2, 1)  # this process's warmup (imports, allocator)
     samples = _launcher_rounds(tmp_path / "first", threads)
-    high, per_round = _launcher_verdict(samples, "first")
+    high, per_round = _launcher_verdict(samples, "first", benchmark.extra_info)
     measured = [per_round]
     if high < LAUNCHER_FLOOR:
         samples = _launcher_rounds(tmp_path / "confirm", threads)
-        high, per_round = _launcher_verdict(samples, "confirmation")
+        high, per_round = _launcher_verdict(samples, "confirmation", benchmark.extra_info)
         measured.append(per_round)
     benchmark.extra_info.update({f"{k}_median_step_s": v for k, v in samples.items()})
     benchmark.extra_info["ratio_bare_fresh_over_harness_per_round"] = measured
