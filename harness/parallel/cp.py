@@ -109,7 +109,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool
       materialise a boolean ``(c, end)`` mask."""
     c, end = q.shape[2], k.shape[2]
     if lower_right:
-        # torch.nn.attention.bias imports torch._dynamo: 0.3 s of every worker's import on CI's CPU, for CUDA only
+        # here, not at the top: torch.nn.attention.bias imports torch._dynamo, which a CPU rank never needs
         from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415
 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, end), enable_gqa=gqa)

@@ -94,7 +94,7 @@ def parallelize(model: Decoder | OwnModule, layout: Layout, device: torch.device
     elif dp == "ddp":
         wrapped = apply_ddp(parts[0], dims.mesh("dp_replicate"), device_kind, ddp_comm_hook, ddp_comm_state)
     if dims.pp_enabled:
-        # only here: torch's pipelining imports torch._dynamo (0.9 s of every worker's start, harness/parallel/pipeline.py)
+        # only here: a rank without a pipeline never imports torch's pipelining (harness/parallel/pipeline_run.py)
         from harness.parallel.pipeline_run import build_pipeline  # noqa: PLC0415
 
         pipe = build_pipeline(parts, n_stages, dims.mesh("pp").get_group(), device, pp_schedule, microbatches, loss_fn,

@@ -1,6 +1,6 @@
 """Pipeline parallel: stage splitting and the shapes that cross a stage boundary; the stages and schedules of
 ``torch.distributed.pipelining`` are :mod:`harness.parallel.pipeline_run`'s (imported only where a cell has a
-pipeline: torch's pipelining imports ``torch._dynamo``, 0.9 s of every worker's start on CI's CPU).
+pipeline: that module says why).
 
 Stages are contiguous layer ranges: stage 0 also holds the embeddings, the last stage the
 final norm and LM head. Interleaved 1F1B (Narayanan et al. 2021) gives each rank ``v = 2``
